@@ -1,0 +1,155 @@
+"""Mixture-of-experts SwiGLU block: softmax router, top-k, and several dispatch backends.
+
+Expert weights are stacked with a leading `expert` axis: `wi [E, 2, I, H]` (gate and up, stored
+out-by-in like the HF tensors) and `wo [E, I, H]`. Both reshape for free into single matrices
+`[E*2*I, H]` and `[E*I, H]`, which the CPU paths use as plain large matmuls.
+
+Dispatch backends (all compute the same function; `capacity` alone drops tokens):
+  dense    every expert on every token through two large fused matmuls, weighted by the router
+           (zero for unselected experts). The reference, and the fastest CPU path for decode-sized
+           token counts, where reading the weights dominates.
+  sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
+           per block, scanned block by block; CPU path for large token counts.
+  ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls (TPU/GPU).
+  capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
+           dropped. Chosen whenever `capacity_factor` is set.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mars_jax.layers.params import normal_param
+
+
+class MoE(nnx.Module):
+    """Qwen3-MoE sparse block. Returns (output, router_logits, expert_ids)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                 norm_topk_prob: bool, impl: str, block_size: int, dense_max_tokens: int,
+                 capacity_factor: float | None, rngs: nnx.Rngs, param_dtype: jnp.dtype,
+                 stddev: float):
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.impl, self.block_size, self.dense_max_tokens = impl, block_size, dense_max_tokens
+        self.capacity_factor = capacity_factor
+        self.router = normal_param(rngs, (hidden, num_experts), ("embed", None), param_dtype, stddev)
+        self.wi = normal_param(rngs, (num_experts, 2, intermediate, hidden),
+                               ("expert", None, "mlp", "embed"), param_dtype, stddev)
+        self.wo = normal_param(rngs, (num_experts, intermediate, hidden),
+                               ("expert", "mlp", "embed"), param_dtype, stddev)
+
+    def route(self, x: jax.Array, expert_ids: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Router logits `[N, E]`, chosen expert ids `[N, k]` (or the replayed ones) and weights."""
+        logits = x @ self.router[...].astype(x.dtype)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        if expert_ids is None:
+            weights, expert_ids = jax.lax.top_k(probs, self.top_k)
+        else:
+            weights = jnp.take_along_axis(probs, expert_ids, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return logits, expert_ids.astype(jnp.int32), weights.astype(x.dtype)
+
+    def backend(self, num_tokens: int) -> str:
+        """The dispatch backend used for `num_tokens` tokens (static, chosen at trace time)."""
+        if self.capacity_factor is not None:
+            return "capacity"
+        if self.impl != "auto":
+            return self.impl
+        if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm"):
+            return "ragged"
+        return "dense" if num_tokens <= self.dense_max_tokens else "sorted"
+
+    def __call__(self, x: jax.Array, expert_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x `[..., H]`; `expert_ids [..., k]` replays a recorded routing instead of top-k."""
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        xf = x.reshape(-1, hidden)
+        ids_in = None if expert_ids is None else expert_ids.reshape(-1, self.top_k)
+        logits, ids, weights = self.route(xf, ids_in)
+        fn = {"dense": self._dense, "sorted": self._sorted, "ragged": self._ragged,
+              "capacity": self._capacity}[self.backend(xf.shape[0])]
+        out = fn(xf, ids, weights)
+        return (out.reshape(*lead, hidden), logits.reshape(*lead, self.num_experts),
+                ids.reshape(*lead, self.top_k))
+
+    def _weights(self, dtype):
+        return self.wi[...].astype(dtype), self.wo[...].astype(dtype)
+
+    def _dense(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        n, e = x.shape[0], self.num_experts
+        wi, wo = self._weights(x.dtype)
+        _, _, inter, hidden = wi.shape
+        combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=x.dtype) * weights[..., None], axis=1)
+        h = (x @ wi.reshape(e * 2 * inter, hidden).T).reshape(n, e, 2, inter)
+        act = jax.nn.silu(h[:, :, 0]) * h[:, :, 1] * combine[:, :, None]
+        return act.reshape(n, e * inter) @ wo.reshape(e * inter, hidden)
+
+    def _sort(self, ids: jax.Array, weights: jax.Array):
+        """Assignments sorted by expert: (token index, expert, weight, rank within expert, counts)."""
+        flat_e = ids.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        sorted_e = flat_e[order]
+        tokens = order // self.top_k
+        counts = jnp.bincount(flat_e, length=self.num_experts)
+        starts = jnp.cumsum(counts) - counts
+        rank = jnp.arange(flat_e.shape[0]) - starts[sorted_e]
+        return tokens, sorted_e, weights.reshape(-1)[order], rank, counts
+
+    def _sorted(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        n, hidden = x.shape
+        assignments, bs, e = n * self.top_k, self.block_size, self.num_experts
+        tokens, sorted_e, sorted_w, rank, counts = self._sort(ids, weights)
+        padded = (counts + bs - 1) // bs * bs
+        padded_end = jnp.cumsum(padded)
+        dest = (padded_end - padded)[sorted_e] + rank
+        num_blocks = math.ceil(assignments / bs) + min(e, assignments)  # >= sum ceil(count/bs)
+        buf = jnp.zeros((num_blocks * bs, hidden), x.dtype).at[dest].set(x[tokens])
+        block_expert = jnp.minimum(
+            jnp.searchsorted(padded_end, jnp.arange(num_blocks) * bs, side="right"), e - 1)
+        used = jnp.arange(num_blocks) < padded_end[-1] // bs
+        wi, wo = self._weights(x.dtype)
+        inter = wi.shape[2]
+
+        def block(_, inputs):
+            xb, expert, is_used = inputs
+
+            def compute():
+                h = (xb @ wi[expert].reshape(2 * inter, hidden).T).reshape(bs, 2, inter)
+                return (jax.nn.silu(h[:, 0]) * h[:, 1]) @ wo[expert]
+
+            return None, jax.lax.cond(is_used, compute, lambda: jnp.zeros_like(xb))
+
+        _, ys = jax.lax.scan(block, None, (buf.reshape(num_blocks, bs, hidden), block_expert, used))
+        ys = ys.reshape(num_blocks * bs, hidden)[dest] * sorted_w[:, None]
+        return jnp.zeros_like(x).at[tokens].add(ys)
+
+    def _ragged(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        tokens, _, sorted_w, _, counts = self._sort(ids, weights)
+        wi, wo = self._weights(x.dtype)
+        e, _, inter, hidden = wi.shape
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (2,)), ((), ())),
+            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        h = jax.lax.ragged_dot_general(x[tokens], wi.reshape(e, 2 * inter, hidden), counts, dims)
+        h = h.reshape(-1, 2, inter)
+        ys = jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], wo, counts) * sorted_w[:, None]
+        return jnp.zeros_like(x).at[tokens].add(ys)
+
+    def _capacity(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        n, hidden = x.shape
+        e = self.num_experts
+        capacity = max(1, math.ceil(n * self.top_k / e * self.capacity_factor))
+        tokens, sorted_e, sorted_w, rank, _ = self._sort(ids, weights)
+        keep = rank < capacity
+        dest = jnp.where(keep, sorted_e * capacity + rank, e * capacity)  # dropped -> spare row
+        buf = jnp.zeros((e * capacity + 1, hidden), x.dtype).at[dest].set(x[tokens])
+        wi, wo = self._weights(x.dtype)
+        h = jnp.einsum("ech,ejih->ecji", buf[:-1].reshape(e, capacity, hidden), wi)
+        ys = jnp.einsum("eci,eih->ech", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], wo)
+        ys = jnp.concatenate([ys.reshape(e * capacity, hidden), jnp.zeros((1, hidden), x.dtype)])
+        return jnp.zeros_like(x).at[tokens].add(ys[dest] * (sorted_w * keep)[:, None])

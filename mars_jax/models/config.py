@@ -1,0 +1,162 @@
+"""Qwen3 / Qwen3-MoE configuration, read from and written to Hugging Face `config.json`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+MOE_IMPLS = ("auto", "dense", "sorted", "ragged")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture (HF field names) plus how to run it (dtypes, MoE dispatch)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    # How to run it (not part of the architecture).
+    dtype: str = "float32"          # compute dtype of activations
+    param_dtype: str = "float32"    # storage dtype of parameters
+    moe_impl: str = "auto"          # 'auto' | 'dense' | 'sorted' | 'ragged'
+    moe_block_size: int = 64        # rows per expert block in the 'sorted' CPU dispatch
+    moe_dense_max_tokens: int = 64  # 'auto' on CPU: all-experts fused matmuls up to this many tokens
+    capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped
+
+    def __post_init__(self):
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl: {self.moe_impl!r} is not one of {MOE_IMPLS}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads, got "
+                             f"{self.num_attention_heads} and {self.num_key_value_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{field}: unsupported dtype {getattr(self, field)!r}")
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_moe" if self.num_experts else "qwen3"
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF's rule: MoE unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def replace(self, **changes: Any) -> "Qwen3Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "Qwen3Config":
+        """Reads the fields of a Qwen3 / Qwen3-MoE `config.json` dictionary."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json: unsupported model_type {model_type!r}; "
+                             f"supported: {SUPPORTED_MODEL_TYPES}")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"config.json: missing required fields {missing}")
+        moe = model_type == "qwen3_moe"
+        fields = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"],
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0) if moe else 0,
+            num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if moe else 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike, **overrides: Any) -> "Qwen3Config":
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read config.json ({e})") from e
+        return cls.from_hf_dict(hf, **overrides)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` dictionary transformers reads back into the same architecture."""
+        hf: dict[str, Any] = dict(
+            architectures=["Qwen3MoeForCausalLM" if self.num_experts else "Qwen3ForCausalLM"],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            hidden_act="silu",
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            attention_dropout=0.0,
+            initializer_range=self.initializer_range,
+            torch_dtype=self.param_dtype,
+            dtype=self.param_dtype,
+        )
+        if self.num_experts:
+            hf.update(moe_intermediate_size=self.moe_intermediate_size, num_experts=self.num_experts,
+                      num_experts_per_tok=self.num_experts_per_tok,
+                      norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step,
+                      mlp_only_layers=list(self.mlp_only_layers))
+        return hf

@@ -1,0 +1,275 @@
+"""Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model.
+
+Loading reads each parameter straight into its sharding with `jax.make_array_from_callback`: a
+device's callback reads only the slice it holds (for stacked experts, only its experts' tensors),
+so a 30B model is never materialised whole on one device. Files are opened lazily and mmapped by
+safetensors; tensors are read on the host CPU (bf16 included) before being placed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from mars_jax import sharding
+from mars_jax.models.config import Qwen3Config
+from mars_jax.models.qwen3 import Qwen3
+
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the file, tensor or field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """How one of our parameters is stored in HF tensors.
+
+    `names(e)` lists the HF tensors (for expert `e` when `num_experts` is set); `to_ours` turns them
+    into our layout (one expert's slice for stacked experts); `to_hf` is the inverse.
+    """
+
+    names: Callable[[int | None], tuple[str, ...]]
+    to_ours: Callable[[list[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]]
+    num_experts: int | None = None
+
+    def all_names(self) -> list[str]:
+        if self.num_experts is None:
+            return list(self.names(None))
+        return [n for e in range(self.num_experts) for n in self.names(e)]
+
+
+def _single(name: str, to_ours=lambda a: a, to_hf=lambda a: a) -> TensorMap:
+    return TensorMap(lambda _: (name,), lambda arrays: to_ours(arrays[0]), lambda a: [to_hf(a)])
+
+
+def _linear(name: str, ours_shape: Sequence[int], split_input: bool) -> TensorMap:
+    """An HF `[out, in]` Linear weight that we store transposed, with the output dimension
+    (`split_input=False`: ours `[in, *out]`) or the input dimension (ours `[*in, out]`) unflattened."""
+    shape = tuple(ours_shape)
+    flat = (lambda x: x.reshape(-1, shape[-1])) if split_input else (lambda x: x.reshape(shape[0], -1))
+    return _single(name, lambda a: a.T.reshape(shape), lambda x: flat(x).T)
+
+
+def tensor_maps(config: Qwen3Config) -> dict[tuple, TensorMap]:
+    """Our parameter path -> how it is stored in an HF Qwen3 / Qwen3-MoE checkpoint."""
+    c = config
+    h, n, k, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    maps: dict[tuple, TensorMap] = {
+        ("embed_tokens", "embedding"): _single("model.embed_tokens.weight"),
+        ("norm", "scale"): _single("model.norm.weight"),
+    }
+    if not c.tie_word_embeddings:
+        maps[("lm_head",)] = _single("lm_head.weight", lambda a: a.T, lambda a: a.T)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        maps[("layers", i, "input_layernorm", "scale")] = _single(f"{p}.input_layernorm.weight")
+        maps[("layers", i, "post_attention_layernorm", "scale")] = _single(
+            f"{p}.post_attention_layernorm.weight")
+        a = ("layers", i, "self_attn")
+        maps[a + ("q_proj",)] = _linear(f"{p}.self_attn.q_proj.weight", (h, n, d), False)
+        maps[a + ("k_proj",)] = _linear(f"{p}.self_attn.k_proj.weight", (h, k, d), False)
+        maps[a + ("v_proj",)] = _linear(f"{p}.self_attn.v_proj.weight", (h, k, d), False)
+        maps[a + ("o_proj",)] = _linear(f"{p}.self_attn.o_proj.weight", (n, d, h), True)
+        maps[a + ("q_norm", "scale")] = _single(f"{p}.self_attn.q_norm.weight")
+        maps[a + ("k_norm", "scale")] = _single(f"{p}.self_attn.k_norm.weight")
+        if c.attention_bias:
+            for proj, heads in (("q", n), ("k", k), ("v", k)):
+                maps[a + (f"{proj}_bias",)] = _single(
+                    f"{p}.self_attn.{proj}_proj.bias", lambda x, hh=heads: x.reshape(hh, d),
+                    lambda x: x.reshape(-1))
+            maps[a + ("o_bias",)] = _single(f"{p}.self_attn.o_proj.bias")
+        m = ("layers", i, "mlp")
+        if c.is_moe_layer(i):
+            maps[m + ("router",)] = _single(f"{p}.mlp.gate.weight", lambda x: x.T, lambda x: x.T)
+            ex = f"{p}.mlp.experts"
+            maps[m + ("wi",)] = TensorMap(
+                lambda e, ex=ex: (f"{ex}.{e}.gate_proj.weight", f"{ex}.{e}.up_proj.weight"),
+                lambda arrays: np.stack(arrays), lambda x: [x[0], x[1]], c.num_experts)
+            maps[m + ("wo",)] = TensorMap(
+                lambda e, ex=ex: (f"{ex}.{e}.down_proj.weight",),
+                lambda arrays: arrays[0].T, lambda x: [x.T], c.num_experts)
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                maps[m + (proj,)] = _single(f"{p}.mlp.{proj}.weight", lambda x: x.T, lambda x: x.T)
+    return maps
+
+
+class _SafetensorsDir:
+    """Lazy, read-only access to the tensors of a checkpoint directory by name."""
+
+    def __init__(self, path: Path):
+        index = path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({e})") from e
+            self.location = {name: path / file for name, file in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
+            self.location = {}
+            for file in files:
+                for name in self._open(file).keys():
+                    self.location[name] = file
+        self._handles: dict[Path, Any] = {}
+
+    def _open(self, file: Path):
+        handles = getattr(self, "_handles", {})
+        if file not in handles:
+            try:
+                handles[file] = safe_open(str(file), framework="flax")
+            except Exception as e:  # safetensors raises several types for corrupt files
+                raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+            self._handles = handles
+        return handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.location[name]).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        with jax.default_device(jax.devices("cpu")[0]):
+            return np.asarray(self._open(self.location[name]).get_tensor(name))
+
+
+def _check_names(maps: dict[tuple, TensorMap], store: _SafetensorsDir, config: Qwen3Config, path):
+    wanted = {name for tmap in maps.values() for name in tmap.all_names()}
+    for tmap in maps.values():
+        for name in tmap.all_names():
+            if name not in store.location:
+                raise CheckpointError(f"{path}: missing tensor {name!r}")
+    allowed_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for name in store.location:
+        if name not in wanted and name not in allowed_extra and not name.endswith(IGNORED_SUFFIXES):
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.model_type} "
+                                  f"model with {config.num_hidden_layers} layers")
+
+
+def _loader(tmap: TensorMap, store: _SafetensorsDir, shape: tuple[int, ...], dtype, path_str: str):
+    """A `make_array_from_callback` callback reading only the requested slice."""
+
+    def expert(e: int) -> np.ndarray:
+        return tmap.to_ours([store.read(name) for name in tmap.names(e)])
+
+    def check(array: np.ndarray, expected: tuple[int, ...], what: str) -> np.ndarray:
+        if array.shape != expected:
+            raise CheckpointError(f"{what}: shape mismatch for {path_str}: checkpoint gives "
+                                  f"{array.shape} after conversion, the config implies {expected}")
+        return array
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        if tmap.num_experts is None:
+            full = check(tmap.to_ours([store.read(n) for n in tmap.names(None)]), shape,
+                         "/".join(tmap.names(None)))
+            return full[index].astype(dtype)
+        experts = range(*index[0].indices(shape[0]))
+        parts = [check(expert(e), shape[1:], tmap.names(e)[0]) for e in experts]
+        return np.stack(parts)[(slice(None),) + tuple(index[1:])].astype(dtype)
+
+    return callback
+
+
+def _validate_shapes(maps, store, abstract: dict[tuple, Any]):
+    """Raises before any read when an HF tensor's element count cannot fill our parameter."""
+    for key, tmap in maps.items():
+        ours = abstract[key].shape
+        per = ours[1:] if tmap.num_experts is not None else ours
+        names = tmap.names(0 if tmap.num_experts is not None else None)
+        total = sum(int(np.prod(store.shape(n))) for n in names)
+        if total != int(np.prod(per)):
+            shapes = {n: store.shape(n) for n in names}
+            raise CheckpointError(f"shape mismatch: tensors {shapes} cannot form parameter "
+                                  f"{'.'.join(map(str, key))} of shape {tuple(per)}")
+
+
+def from_pretrained(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
+                    dtype: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
+                    **config_overrides: Any) -> Qwen3:
+    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory; the config is `model.config`.
+
+    `dtype` sets the parameter storage dtype (default: float32); `config_overrides` set run-time
+    fields such as `moe_impl` or `dtype` (compute). With `mesh`, parameters load into their shardings.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if dtype is not None:
+        config_overrides["param_dtype"] = dtype
+    config = Qwen3Config.from_json_file(path / "config.json", **config_overrides)
+    store = _SafetensorsDir(path)
+    maps = tensor_maps(config)
+    _check_names(maps, store, config, path)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
+    flat = dict(nnx.to_flat_state(abstract_state))
+    abstract = {key: var.get_value() for key, var in flat.items()}
+    if set(abstract) != set(maps):
+        raise CheckpointError(f"internal: unmapped parameters {sorted(set(abstract) ^ set(maps))}")
+    _validate_shapes(maps, store, abstract)
+    if mesh is None:
+        device = jax.devices()[0]
+        shardings = {key: jax.sharding.SingleDeviceSharding(device) for key in flat}
+    else:
+        tree = sharding.state_shardings(abstract_state, mesh, rules)
+        shardings = {key: var.get_value() for key, var in nnx.to_flat_state(tree)}
+    for key, var in flat.items():
+        value = abstract[key]
+        path_str = ".".join(map(str, key))
+        callback = _loader(maps[key], store, value.shape, np.dtype(value.dtype), path_str)
+        var.set_value(jax.make_array_from_callback(value.shape, shardings[key], callback))
+    state = nnx.from_flat_state(flat)
+    return nnx.merge(graphdef, state)
+
+
+def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
+                    max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+    """Writes `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    maps = tensor_maps(config)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    shards: list[dict[str, jax.Array]] = [{}]
+    sizes = [0]
+    cpu = jax.devices("cpu")[0]
+    for key, tmap in maps.items():
+        ours = np.asarray(jax.device_get(flat[key].get_value()))
+        if tmap.num_experts is None:
+            tensors = dict(zip(tmap.names(None), tmap.to_hf(ours)))
+        else:
+            tensors = {name: t for e in range(tmap.num_experts)
+                       for name, t in zip(tmap.names(e), tmap.to_hf(ours[e]))}
+        for name, tensor in tensors.items():
+            nbytes = tensor.nbytes
+            if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                shards.append({})
+                sizes.append(0)
+            shards[-1][name] = jax.device_put(np.ascontiguousarray(tensor), cpu)
+            sizes[-1] += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata=metadata)
+            weight_map.update({name: file for name in shard})
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))

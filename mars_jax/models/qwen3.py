@@ -1,0 +1,165 @@
+"""Qwen3 and Qwen3-MoE decoder in Flax NNX: one class serves both, as in HF transformers."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from mars_jax import sharding
+from mars_jax.layers.attention import Attention, KVCache
+from mars_jax.layers.embeddings import Embed, rope_cos_sin
+from mars_jax.layers.mlp import MLP
+from mars_jax.layers.moe import MoE
+from mars_jax.layers.normalization import RMSNorm
+from mars_jax.layers.params import normal_param
+from mars_jax.models.config import Qwen3Config
+
+
+@struct.dataclass
+class ModelOutput:
+    """Final hidden states `[B,T,H]`, per-MoE-layer router logits `[L_moe,B,T,E]` and chosen expert
+    ids `[L_moe,B,T,k]` (None for dense models), and the updated KV cache (None without one)."""
+
+    hidden: jax.Array
+    router_logits: jax.Array | None
+    expert_ids: jax.Array | None
+    cache: tuple[KVCache, ...] | None
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Position ids that count only real tokens, so left and right padding give the same result."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_visibility(mask: jax.Array) -> jax.Array:
+    """`[B,T,T]` booleans: query t sees key s iff s <= t and key s is a real token."""
+    t = mask.shape[-1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return causal[None] & mask.astype(bool)[:, None, :]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) with a dense or MoE MLP."""
+
+    def __init__(self, config: Qwen3Config, layer: int, *, rngs: nnx.Rngs):
+        pd, std, eps = config.weight_dtype, config.initializer_range, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
+        self.self_attn = Attention(
+            hidden=config.hidden_size, heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            bias=config.attention_bias, eps=eps, rngs=rngs, param_dtype=pd, stddev=std)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
+        self.is_moe = config.is_moe_layer(layer)
+        if self.is_moe:
+            self.mlp = MoE(
+                config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                impl=config.moe_impl, block_size=config.moe_block_size,
+                dense_max_tokens=config.moe_dense_max_tokens,
+                capacity_factor=config.capacity_factor, rngs=rngs, param_dtype=pd, stddev=std)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, param_dtype=pd,
+                           stddev=std)
+
+    def __call__(self, x, cos, sin, visible, cache, cache_index, expert_ids):
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, cache_index)
+        x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            h, logits, expert_ids = self.mlp(h, expert_ids)
+        else:
+            h, logits, expert_ids = self.mlp(h), None, None
+        x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
+        return x, cache, logits, expert_ids
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 / Qwen3-MoE causal LM. `model(input_ids, attention_mask=mask)` returns logits."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+        self.config = config
+        pd, std = config.weight_dtype, config.initializer_range
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=pd,
+                                  stddev=std)
+        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs)
+                                for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=pd)
+        if not config.tie_word_embeddings:
+            self.lm_head = normal_param(rngs, (config.hidden_size, config.vocab_size),
+                                        ("embed", "vocab"), pd, std)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(self.layers) if layer.is_moe)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        """Logits `[B, T, vocab]` for int `[B, T]` ids and a 0/1 mask (left or right padding)."""
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        out = self.forward(input_ids, positions=positions_from_mask(attention_mask),
+                           visible=causal_visibility(attention_mask))
+        return self.logits(out.hidden)
+
+    def forward(self, input_ids: jax.Array, *, positions: jax.Array, visible: jax.Array,
+                cache: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
+                expert_ids: jax.Array | None = None) -> ModelOutput:
+        """The decoder stack. `visible [B,T,S]` says which keys each query attends to (S = T, or the
+        cache length when `cache` is given); `expert_ids [L_moe,B,T,k]` replays recorded routing."""
+        cfg = self.config
+        x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
+                               ("batch", "length", "act_embed"))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        new_cache, all_logits, all_ids = [], [], []
+        moe_index = 0
+        for i, layer in enumerate(self.layers):
+            replay = None
+            if layer.is_moe and expert_ids is not None:
+                replay = expert_ids[moe_index]
+            x, layer_cache, logits, ids = layer(x, cos, sin, visible,
+                                                None if cache is None else cache[i], cache_index,
+                                                replay)
+            new_cache.append(layer_cache)
+            if layer.is_moe:
+                all_logits.append(logits)
+                all_ids.append(ids)
+                moe_index += 1
+        return ModelOutput(
+            hidden=self.norm(x),
+            router_logits=jnp.stack(all_logits) if all_logits else None,
+            expert_ids=jnp.stack(all_ids) if all_ids else None,
+            cache=None if cache is None else tuple(new_cache))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Output projection of final hidden states (tied or untied), in float32."""
+        if self.config.tie_word_embeddings:
+            out = self.embed_tokens.attend(hidden)
+        else:
+            out = hidden @ self.lm_head[...].astype(hidden.dtype)
+        return sharding.constrain(out.astype(jnp.float32), ("batch", "length", "act_vocab"))
+
+    def init_cache(self, batch: int, length: int, dtype: jnp.dtype | None = None
+                   ) -> tuple[KVCache, ...]:
+        """Zeroed KV cache: per layer keys and values of `[batch, length, kv_heads, head_dim]`."""
+        cfg = self.config
+        shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = dtype or cfg.compute_dtype
+        zeros = lambda: sharding.constrain(jnp.zeros(shape, dtype),
+                                           ("batch", "cache_length", "act_kv_heads", None))
+        return tuple(KVCache(zeros(), zeros()) for _ in self.layers)
+
+
+def create_model(config: Qwen3Config, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
+                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> Qwen3:
+    """A randomly initialised model; with `mesh`, every parameter is created in its sharding."""
+    if mesh is None:
+        return Qwen3(config, rngs=nnx.Rngs(seed))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(seed))))
+    shardings = sharding.state_shardings(abstract_state, mesh, rules)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(Qwen3(config, rngs=nnx.Rngs(seed)))
+
+    return nnx.merge(graphdef, init())

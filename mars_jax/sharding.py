@@ -1,0 +1,171 @@
+"""One named mesh and the logical-axis rules that place parameters and activations on it.
+
+Parameters carry logical axis names (``nnx.Param(..., logical_axes=('embed', 'mlp'))``); the rules
+below map each logical name to mesh axes, MaxText style. Activations are pinned with
+:func:`constrain`, a no-op outside an active mesh, so the same model code runs on one CPU device,
+a fake 8-device CPU mesh and a TPU pod.
+
+The mesh always uses ``AxisType.Auto`` axes (jax >= 0.10 defaults ``jax.make_mesh`` to Explicit),
+because logical rules feed ``with_sharding_constraint`` and ``jit`` shardings, not sharding-in-types.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical name -> mesh axes (None = replicated). Parameters: 'embed' is FSDP-sharded, heads / mlp /
+# vocab are tensor-parallel, experts are expert-parallel. Activations: the batch spreads over every
+# axis that holds distinct data ('data', 'fsdp' and 'expert'), heads and mlp over 'tensor'.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("norm", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("cache_length", None),
+)
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the mesh axes; one size may be -1, meaning all remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, int]) -> "MeshConfig":
+        unknown = set(mapping) - set(MESH_AXES)
+        if unknown:
+            raise ValueError(f"mesh: unknown axes {sorted(unknown)}; valid axes are {MESH_AXES}")
+        return cls(**{k: int(v) for k, v in mapping.items()})
+
+    def resolve(self, num_devices: int) -> tuple[int, ...]:
+        """Axis sizes with -1 replaced; raises ValueError naming the field when they do not fit."""
+        sizes = [getattr(self, name) for name in MESH_AXES]
+        wildcard = [name for name, size in zip(MESH_AXES, sizes) if size == -1]
+        if len(wildcard) > 1:
+            raise ValueError(f"mesh: only one axis may be -1, got {wildcard}")
+        for name, size in zip(MESH_AXES, sizes):
+            if size == 0 or size < -1:
+                raise ValueError(f"mesh.{name}: size must be positive or -1, got {size}")
+        known = math.prod(size for size in sizes if size != -1)
+        if wildcard:
+            if num_devices % known:
+                raise ValueError(
+                    f"mesh: {num_devices} devices cannot be split with fixed axes of product {known}; "
+                    f"set mesh sizes whose product divides {num_devices}")
+            sizes[MESH_AXES.index(wildcard[0])] = num_devices // known
+        elif known != num_devices:
+            raise ValueError(
+                f"mesh: product of axis sizes {dict(zip(MESH_AXES, sizes))} is {known}, "
+                f"but {num_devices} devices are available; set one axis to -1 or fix the sizes")
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig | Mapping[str, int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`."""
+    if config is None:
+        config = MeshConfig()
+    elif not isinstance(config, MeshConfig):
+        config = MeshConfig.from_mapping(config)
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.resolve(len(devices))
+    device_array = np.asarray(devices).reshape(shape)
+    return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+class _Active(threading.local):
+    rules: Rules = DEFAULT_RULES
+
+
+_ACTIVE = _Active()
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
+    """Makes `mesh` and `rules` current for :func:`constrain` and jitted code traced inside."""
+    previous = _ACTIVE.rules
+    _ACTIVE.rules = tuple(rules)
+    try:
+        with jax.set_mesh(mesh):
+            yield mesh
+    finally:
+        _ACTIVE.rules = previous
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once."""
+    table = dict(_ACTIVE.rules if rules is None else rules)
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        target = table.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins activation `x` to the sharding its logical `names` imply; no-op without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, _fit(logical_to_spec(names), x.shape, mesh))
+
+
+def _fit(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
+    """Drops mesh axes that do not divide the dimension they would shard."""
+    fitted = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept, size = [], 1
+        for axis in axes:
+            if dim % (size * mesh.shape[axis]) == 0:
+                kept.append(axis)
+                size *= mesh.shape[axis]
+        fitted.append(kept[0] if len(kept) == 1 else (tuple(kept) or None))
+    return PartitionSpec(*fitted)
+
+
+def named_sharding(mesh: Mesh, names: Sequence[str | None], shape: Sequence[int],
+                   rules: Rules | None = None) -> NamedSharding:
+    """The NamedSharding for an array of `shape` with logical axis `names`."""
+    return NamedSharding(mesh, _fit(logical_to_spec(names, rules), shape, mesh))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
+    """A NamedSharding per variable in `state`, from each variable's `logical_axes` metadata."""
+
+    def one(variable):
+        names = variable.get_metadata().get("logical_axes") or (None,) * variable.get_value().ndim
+        return variable.replace(named_sharding(mesh, names, variable.get_value().shape, rules))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
