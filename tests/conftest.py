@@ -1,0 +1,26 @@
+"""Shared test setup: an 8-device fake CPU platform and small HF-made checkpoints.
+
+XLA_FLAGS must be set before jax is imported anywhere, hence at the top of this file.
+"""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from tests import hf_fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_dense_dir(tmp_path_factory):
+    """A tiny random HF Qwen3 (dense) checkpoint written by transformers."""
+    return hf_fixtures.save_tiny_hf(tmp_path_factory.mktemp("hf_dense"), moe=False)
+
+
+@pytest.fixture(scope="session")
+def hf_moe_dir(tmp_path_factory):
+    """A tiny random HF Qwen3-MoE checkpoint (one dense layer via mlp_only_layers)."""
+    return hf_fixtures.save_tiny_hf(tmp_path_factory.mktemp("hf_moe"), moe=True)

@@ -1,0 +1,56 @@
+"""The model on an 8-device fake CPU mesh equals the 1-device model, with intended shardings."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mars_jax import sharding
+from mars_jax.models import create_model, from_pretrained, get_preset
+from tests import hf_fixtures
+
+MESH = {"data": 2, "fsdp": 2, "tensor": 1, "expert": 2}
+
+
+
+def test_forward_on_8_devices_matches_1_device(hf_moe_dir):
+    assert jax.device_count() == 8
+    ids, mask = hf_fixtures.padded_batch(vocab=96)
+    ids, mask = np.tile(ids, (4, 1))[:8], np.tile(mask, (4, 1))[:8]
+    single = from_pretrained(hf_moe_dir)
+    expected = single(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask, jnp.int32))
+    mesh = sharding.make_mesh(MESH)
+    model = from_pretrained(hf_moe_dir, mesh=mesh)
+    state = dict(nnx.to_flat_state(nnx.state(model)))
+    assert state[("layers", 0, "mlp", "wi")].get_value().sharding.spec == P("expert", None, "tensor", "fsdp")
+    assert state[("layers", 0, "self_attn", "q_proj")].get_value().sharding.spec == P("fsdp", "tensor", None)
+    assert state[("embed_tokens", "embedding")].get_value().sharding.spec == P("tensor", "fsdp")
+    with sharding.use_mesh(mesh):
+        batch_sharding = sharding.named_sharding(mesh, ("batch", None), ids.shape)
+        x = jax.device_put(jnp.asarray(ids, jnp.int32), batch_sharding)
+        m = jax.device_put(jnp.asarray(mask, jnp.int32), batch_sharding)
+        logits = nnx.jit(lambda model, x, m: model(x, attention_mask=m))(model, x, m)
+    assert len(logits.sharding.device_set) == 8
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+
+
+def test_create_model_initialises_into_shardings():
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "expert": 2})
+    model = create_model(get_preset("tiny"), mesh=mesh)
+    state = dict(nnx.to_flat_state(nnx.state(model)))
+    wo = state[("layers", 1, "mlp", "wo")].get_value()
+    assert wo.sharding.spec == P("expert", "tensor", "fsdp")
+    assert wo.addressable_shards[0].data.shape == (4, 16, 32)
+    assert state[("lm_head",)].get_value().sharding.spec == P("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"data": 3, "fsdp": 1, "tensor": 1, "expert": 1}, "product of axis sizes"),
+    ({"data": -1, "fsdp": -1}, "only one axis may be -1"),
+    ({"data": -1, "fsdp": 3}, "cannot be split"),
+    ({"dat": 2}, "unknown axes"),
+])
+def test_mesh_config_errors_name_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        sharding.make_mesh(bad)
