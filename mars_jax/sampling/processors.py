@@ -1,0 +1,46 @@
+"""Next-token choice from logits: temperature, top-k, top-p (nucleus), greedy.
+
+Log-probability convention: the returned log-probability of a token is
+`log_softmax(logits / temperature)[token]` (plain `log_softmax(logits)` when greedy), i.e. the
+temperature-scaled distribution *before* top-k / top-p truncation. That is the quantity the trainer
+recomputes from the same logits, so sampler and trainer agree on the PPO ratio's denominator.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def truncate_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Sets logits outside the top-k set and outside the smallest nucleus of mass >= top_p to
+    -inf, row-wise over `[B, V]`. `top_k=0` and `top_p=1.0` disable each filter."""
+    if top_k > 0:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(mass_before < top_p, sorted_desc, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < threshold, NEG_INF, scaled)
+    return scaled
+
+
+def choose_tokens(logits: jax.Array, keys: jax.Array, *, greedy: bool, temperature: jax.Array,
+                  top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
+    """Chosen tokens `[B]` and their log-probabilities `[B]` (convention above); one PRNG key per
+    row so a row's draw does not depend on the other rows."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        logprobs = jax.nn.log_softmax(scaled, axis=-1)
+        truncated = truncate_logits(scaled, top_k, top_p)
+        tokens = jax.vmap(jax.random.categorical)(keys, truncated)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), chosen

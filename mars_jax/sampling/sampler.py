@@ -1,0 +1,280 @@
+"""Batched KV-cache sampling on the trainer's own parameter arrays.
+
+`generate` left-pads prompts to a bucketed length P, prefills them into a KV cache of length
+S = P + N (N = bucketed new-token budget) and decodes with a `lax.while_loop`, all in one jitted
+program; `resume` continues a segmented decode with a decode-only program. Each row draws from its
+own PRNG key, `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's tokens do not
+depend on the rest of the batch. Rows stop on their own stop tokens or length budget; the loop ends
+when every row has stopped or the segment budget is spent (finished rows then cost no more steps).
+
+KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
+bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 196,608 bytes
+per token of context per sequence. No `[length, vocab]` buffer is kept: only the next-token logits
+`[batch, vocab]` live across steps. Log-probabilities follow `mars_jax.sampling.processors`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from mars_jax import sharding
+from mars_jax.layers.attention import KVCache
+from mars_jax.models.qwen3 import Qwen3, causal_visibility, positions_from_mask
+from mars_jax.sampling.processors import choose_tokens
+
+MIN_PROMPT_BUCKET = 16
+MIN_NEW_BUCKET = 16
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries; a segmented decode resumes from it exactly."""
+
+    cache: tuple[KVCache, ...]
+    next_logits: jax.Array      # [B, V] logits for the next token
+    tokens: jax.Array           # [B, N] generated ids (0 after a row stops)
+    logprobs: jax.Array         # [B, N]
+    experts: jax.Array | None   # [L_moe, B, P + N, k] recorded routing, or None
+    step: jax.Array             # () tokens decoded so far (shared by all rows)
+    lengths: jax.Array          # [B] tokens generated per row
+    done: jax.Array             # [B] row has stopped
+    hit_stop: jax.Array         # [B] row stopped on a stop token
+    keys: jax.Array             # [B] per-row PRNG keys
+    prompt_mask: jax.Array      # [B, P] real prompt tokens (left padding)
+    prompt_lengths: jax.Array   # [B]
+    max_new: jax.Array          # [B] per-row budget of new tokens
+    stop_ids: jax.Array         # [B, E] per-row stop token ids, -1 padded
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static settings of one decode (part of the compiled program's key)."""
+
+    greedy: bool
+    top_k: int
+    top_p: float
+    record_routing: bool
+
+
+@dataclasses.dataclass
+class SampleResult:
+    """Per prompt: new token ids (with the stop token), their log-probabilities, why decoding ended
+    ('stop' | 'length' | 'segment'), and with `record_routing` the expert ids `[L_moe, prompt +
+    new tokens, k]`. `state` is set when some row ended with 'segment' (pass it to `resume`)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    expert_ids: list[np.ndarray] | None
+    state: "SegmentState | None"
+
+
+@dataclasses.dataclass
+class SegmentState:
+    """A paused decode: device state plus what `resume` needs to continue it."""
+
+    decode: DecodeState
+    num_prompts: int
+    params: SamplingParams
+    temperature: float
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+def _visible_for_step(state: DecodeState, num_new: int) -> jax.Array:
+    """`[B, 1, P + N]`: prompt slots that hold real tokens, plus generated slots up to this step."""
+    prompt_len = state.prompt_mask.shape[1]
+    slots = jnp.arange(prompt_len + num_new)
+    generated = (slots >= prompt_len) & (slots <= prompt_len + state.step)
+    prompt = jnp.pad(state.prompt_mask, ((0, 0), (0, num_new)))
+    return (prompt | generated[None, :])[:, None, :]
+
+
+def _decode_loop(model: Qwen3, state: DecodeState, end_step: jax.Array, temperature: jax.Array,
+                 params: SamplingParams) -> DecodeState:
+    num_new = state.tokens.shape[1]
+    prompt_len = state.prompt_mask.shape[1]
+    end_step = jnp.minimum(end_step, num_new)
+
+    def cond(s: DecodeState):
+        return (s.step < end_step) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        keys = jax.vmap(jax.random.fold_in)(s.keys, jnp.broadcast_to(s.step, s.keys.shape))
+        token, logprob = choose_tokens(s.next_logits, keys, greedy=params.greedy,
+                                       temperature=temperature, top_k=params.top_k,
+                                       top_p=params.top_p)
+        active = ~s.done
+        token = jnp.where(active, token, 0)
+        logprob = jnp.where(active, logprob, 0.0)
+        is_stop = active & jnp.any(token[:, None] == s.stop_ids, axis=-1)
+        lengths = s.lengths + active
+        done = s.done | is_stop | (lengths >= s.max_new)
+        out = model.forward(token[:, None], positions=(s.prompt_lengths + s.step)[:, None],
+                            visible=_visible_for_step(s, num_new), cache=s.cache,
+                            cache_index=prompt_len + s.step)
+        experts = s.experts
+        if params.record_routing:
+            experts = jax.lax.dynamic_update_slice_in_dim(experts, out.expert_ids,
+                                                          prompt_len + s.step, axis=2)
+        return s.replace(
+            cache=out.cache, next_logits=model.logits(out.hidden[:, 0]),
+            tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, token[:, None], s.step, axis=1),
+            logprobs=jax.lax.dynamic_update_slice_in_dim(s.logprobs, logprob[:, None], s.step, axis=1),
+            experts=experts, step=s.step + 1, lengths=lengths, done=done,
+            hit_stop=s.hit_stop | is_stop)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_new", "params"))
+def _prefill_and_decode(graphdef, weights, prompt_tokens, prompt_mask, max_new, stop_ids, keys,
+                        temperature, end_step, *, num_new: int, params: SamplingParams):
+    model = nnx.merge(graphdef, weights)
+    batch, prompt_len = prompt_tokens.shape
+    visible = jnp.pad(causal_visibility(prompt_mask), ((0, 0), (0, 0), (0, num_new)))
+    out = model.forward(prompt_tokens, positions=positions_from_mask(prompt_mask), visible=visible,
+                        cache=model.init_cache(batch, prompt_len + num_new), cache_index=0)
+    experts = None
+    if params.record_routing:
+        experts = jnp.pad(out.expert_ids, ((0, 0), (0, 0), (0, num_new), (0, 0)))
+    state = DecodeState(
+        cache=out.cache, next_logits=model.logits(out.hidden[:, -1]),
+        tokens=jnp.zeros((batch, num_new), jnp.int32),
+        logprobs=jnp.zeros((batch, num_new), jnp.float32), experts=experts,
+        step=jnp.zeros((), jnp.int32), lengths=jnp.zeros((batch,), jnp.int32),
+        done=max_new <= 0, hit_stop=jnp.zeros((batch,), bool), keys=keys,
+        prompt_mask=prompt_mask.astype(bool), prompt_lengths=jnp.sum(prompt_mask, axis=1),
+        max_new=max_new, stop_ids=stop_ids)
+    return _decode_loop(model, state, end_step, temperature, params)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params"), donate_argnames=("state",))
+def _continue_decode(graphdef, weights, state, temperature, end_step, *, params: SamplingParams):
+    return _decode_loop(nnx.merge(graphdef, weights), state, end_step, temperature, params)
+
+
+def _batch_multiple(mesh: jax.sharding.Mesh | None) -> int:
+    if mesh is None:
+        return 1
+    spec = sharding.logical_to_spec(("batch",))[0]
+    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _per_row(value, n: int, name: str) -> list:
+    if isinstance(value, (int, np.integer)) or (name == "eos_token_ids" and (
+            not value or isinstance(value[0], (int, np.integer)))):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name}: expected one entry per prompt ({n}), got {len(value)}")
+    return list(value)
+
+
+def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = (), seed: int = 0,
+             sequence_seeds: Sequence[int] | None = None, segment_tokens: int | None = None,
+             record_routing: bool = False, mesh: jax.sharding.Mesh | None = None) -> SampleResult:
+    """Samples continuations of `prompts` (token-id lists of any lengths) with `model`'s arrays.
+
+    `temperature=0` is greedy. `max_new_tokens` and `eos_token_ids` may be given per prompt.
+    Row i draws from `fold_in(key(seed), sequence_seeds[i])` (default: i). With `segment_tokens`,
+    at most that many tokens are decoded now; unfinished rows end with 'segment' and
+    `result.state` continues them via `resume`, giving exactly the uninterrupted tokens.
+    """
+    n = len(prompts)
+    if n == 0:
+        raise ValueError("prompts: expected at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts: every prompt needs at least one token")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                         f"{temperature}, {top_p}, {top_k}")
+    vocab = model.config.vocab_size
+    if any(t < 0 or t >= vocab for p in prompts for t in p):
+        raise ValueError(f"prompts: token ids must be in [0, {vocab})")
+    max_new = [int(m) for m in _per_row(max_new_tokens, n, "max_new_tokens")]
+    stops = [tuple(s) for s in _per_row(tuple(eos_token_ids), n, "eos_token_ids")]
+    seeds = list(range(n)) if sequence_seeds is None else list(sequence_seeds)
+    if len(seeds) != n:
+        raise ValueError(f"sequence_seeds: expected {n} entries, got {len(seeds)}")
+
+    multiple = _batch_multiple(mesh)
+    batch = -(-_bucket(n, 1) // multiple) * multiple
+    prompt_len = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    num_new = _bucket(max(max_new), MIN_NEW_BUCKET)
+    tokens = np.zeros((batch, prompt_len), np.int32)
+    mask = np.zeros((batch, prompt_len), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, prompt_len - len(p):] = p
+        mask[i, prompt_len - len(p):] = 1
+    tokens[n:, -1], mask[n:, -1] = 0, 1           # filler rows: one token, no budget
+    budget = np.zeros((batch,), np.int32)
+    budget[:n] = max_new
+    width = max(1, max(len(s) for s in stops))
+    stop_ids = np.full((batch, width), -1, np.int32)
+    for i, s in enumerate(stops):
+        stop_ids[i, :len(s)] = s
+    base = jax.random.key(seed)
+    keys = jax.vmap(lambda s: jax.random.fold_in(base, s))(
+        jnp.asarray(seeds + [0] * (batch - n), jnp.uint32))
+    params = SamplingParams(greedy=temperature == 0, top_k=int(top_k), top_p=float(top_p),
+                            record_routing=bool(record_routing) and bool(model.config.num_experts))
+    end = num_new if segment_tokens is None else int(segment_tokens)
+    graphdef, weights = nnx.split(model)
+    args = (tokens, mask, budget, stop_ids, keys)
+    with _maybe_mesh(mesh):
+        if mesh is not None:
+            args = tuple(jax.device_put(a, sharding.named_sharding(mesh, ("batch",), a.shape))
+                         for a in args)
+        state = _prefill_and_decode(graphdef, weights, *args, jnp.float32(max(temperature, 1e-6)),
+                                    jnp.int32(end), num_new=num_new, params=params)
+    return _result(state, SegmentState(state, n, params, temperature))
+
+
+def resume(model: Qwen3, segment: SegmentState, *, segment_tokens: int | None = None,
+           mesh: jax.sharding.Mesh | None = None) -> SampleResult:
+    """Continues a segmented decode for at most `segment_tokens` more steps (default: to the end).
+    Tokens returned are cumulative since the first segment."""
+    state = segment.decode
+    step = int(state.step)
+    end = state.tokens.shape[1] if segment_tokens is None else step + int(segment_tokens)
+    graphdef, weights = nnx.split(model)
+    with _maybe_mesh(mesh):
+        state = _continue_decode(graphdef, weights, state,
+                                 jnp.float32(max(segment.temperature, 1e-6)), jnp.int32(end),
+                                 params=segment.params)
+    return _result(state, dataclasses.replace(segment, decode=state))
+
+
+def _maybe_mesh(mesh: jax.sharding.Mesh | None):
+    return sharding.use_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def _result(state: DecodeState, segment: SegmentState) -> SampleResult:
+    n = segment.num_prompts
+    tokens, logprobs, lengths, done, hit_stop, prompt_lengths = jax.device_get(
+        (state.tokens, state.logprobs, state.lengths, state.done, state.hit_stop,
+         state.prompt_lengths))
+    reasons = ["stop" if hit_stop[i] else "length" if done[i] else "segment" for i in range(n)]
+    expert_ids = None
+    if state.experts is not None:
+        experts = np.asarray(jax.device_get(state.experts))
+        prompt_len = state.prompt_mask.shape[1]
+        expert_ids = [experts[:, i, prompt_len - prompt_lengths[i]:prompt_len + lengths[i]]
+                      for i in range(n)]
+    return SampleResult(
+        tokens=[tokens[i, :lengths[i]].tolist() for i in range(n)],
+        logprobs=[logprobs[i, :lengths[i]].tolist() for i in range(n)],
+        finish_reasons=reasons, expert_ids=expert_ids,
+        state=segment if "segment" in reasons else None)
