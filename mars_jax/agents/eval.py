@@ -1,0 +1,180 @@
+"""avg@k evaluation of the Solver alone and of the V-C system, from one run.
+
+Each (problem, sample) pair runs the V-C loop once (`run_system`); all pairs
+advance together. The Solver-alone score of a pair grades the first Solver
+output as it came (no retries), which is exactly what the Solver would answer
+without the system; the system score grades the loop's chosen candidate (no
+answer when the loop failed). avg@k is the mean over problems of the mean over
+the k samples.
+
+Records (one JSON object per pair) are appended to `records_path` as pairs
+finish; rerunning with the same path skips the pairs already recorded (the loop
+config is not checked, so resume with the same settings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+from mars_jax.agents import prompts, stages
+from mars_jax.agents.policy import ROLES, Policy
+from mars_jax.agents.system import ACCEPTED, FAILED, FALLBACK, LoopConfig, RoundInfo, SystemResult, run_system
+from mars_jax.rewards.grader import grade_many
+
+log = logging.getLogger(__name__)
+
+Record = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalProblem:
+    """A problem to evaluate: a unique id, the statement and the gold answer."""
+
+    id: str
+    problem: str
+    answer: str
+
+
+def evaluate(
+    problems: Sequence[EvalProblem],
+    policy: Policy,
+    *,
+    num_samples: int,
+    config: LoopConfig | None = None,
+    records_path: str | None = None,
+    max_in_flight: int | None = None,
+    on_round: Callable[[RoundInfo], None] | None = None,
+) -> tuple[list[Record], dict[str, Any]]:
+    """Runs `num_samples` V-C loops per problem and scores them.
+
+    Args:
+      problems: problems with unique ids.
+      policy: serves every role; a `RoutedPolicy` gives the Solver its own model.
+      num_samples: k of avg@k.
+      config: loop parameters (defaults to `LoopConfig()`); `max_iterations=0`
+        evaluates the Solver alone.
+      records_path: JSONL file written as pairs finish and read back to resume.
+      max_in_flight, on_round: passed to `run_system`.
+
+    Returns:
+      (records of all requested pairs in (problem, sample) order, summary).
+    """
+    ids = [p.id for p in problems]
+    if len(set(ids)) != len(ids):
+        raise ValueError("problem ids must be unique")
+    done = _load_records(records_path) if records_path else {}
+    wanted = [(p, s) for p in problems for s in range(num_samples)]
+    todo = [(p, s) for p, s in wanted if (p.id, s) not in done]
+    if len(todo) < len(wanted):
+        log.info("resuming: %d of %d pairs already recorded", len(wanted) - len(todo), len(wanted))
+    with open(records_path, "a", encoding="utf-8") if records_path else contextlib.nullcontext() as out:
+
+        def on_result(index: int, result: SystemResult) -> None:
+            problem, sample = todo[index]
+            record = make_record(problem, sample, result)
+            done[(problem.id, sample)] = record
+            if out is not None:
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+
+        run_system([p.problem for p, _ in todo], policy, config, max_in_flight=max_in_flight,
+                   on_round=on_round, on_result=on_result)
+    records = [done[(p.id, s)] for p, s in wanted]
+    return records, summarize(records)
+
+
+def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Record:
+    """The JSON-serialisable record of one loop run, graded against the gold answer."""
+    first = stages.parse_solution(result.steps[0].completion)
+    texts = [first.solution, *(c.solution for c in result.candidates)]
+    solver_correct, *candidates_correct = grade_many(texts, [problem.answer] * len(texts))
+    return {
+        "problem_id": problem.id,
+        "sample": sample,
+        "gold": problem.answer,
+        "solver_answer": first.answer,
+        "solver_correct": solver_correct,
+        "status": result.status,
+        "failure": result.failure,
+        "final_candidate": result.final,
+        "answer": result.answer,
+        "correct": result.final is not None and candidates_correct[result.final],
+        "iterations": result.iterations,
+        "candidates": [
+            {"source": c.source, "solution": c.solution, "answer": c.answer,
+             "correct": correct, "verdicts": list(c.verdicts), "passes": c.passes}
+            for c, correct in zip(result.candidates, candidates_correct)
+        ],
+        "steps": [
+            {"role": s.role, "finish_reason": s.completion.finish_reason, "num_tokens": s.completion.num_tokens,
+             **({"verdict": s.verdict, "report": prompts.bug_report(s.completion.text)}
+                if s.role == "verifier" else {})}
+            for s in result.steps
+        ],
+        "tokens": result.tokens_by_role(),
+    }
+
+
+def summarize(records: Sequence[Record]) -> dict[str, Any]:
+    """avg@k of Solver and system, outcome rates, mean iterations and tokens per agent."""
+    by_problem: dict[str, list[Record]] = {}
+    for record in records:
+        by_problem.setdefault(record["problem_id"], []).append(record)
+
+    def avg_at_k(key: str) -> float:
+        return _mean([_mean([float(r[key]) for r in rs]) for rs in by_problem.values()])
+
+    def rate(status: str) -> float:
+        return _mean([float(r["status"] == status) for r in records])
+
+    return {
+        "num_problems": len(by_problem),
+        "num_records": len(records),
+        "solver_avg_at_k": avg_at_k("solver_correct"),
+        "system_avg_at_k": avg_at_k("correct"),
+        "accepted_rate": rate(ACCEPTED),
+        "fallback_rate": rate(FALLBACK),
+        "failed_rate": rate(FAILED),
+        "mean_iterations": _mean([float(r["iterations"]) for r in records]),
+        "mean_tokens": {role: _mean([float(r["tokens"][role]) for r in records]) for role in ROLES},
+    }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _load_records(path: str) -> dict[tuple[str, int], Record]:
+    """Records already in `path`, by (problem id, sample).
+
+    Lines that do not decode (a write cut short by a crash) are dropped and the
+    file is rewritten without them (and with a final newline), so that appending
+    continues cleanly.
+    """
+    if not os.path.exists(path):
+        return {}
+    records: dict[tuple[str, int], Record] = {}
+    good, bad, rewrite = [], 0, False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                key = (record["problem_id"], record["sample"])
+            except (ValueError, KeyError, TypeError):
+                bad += 1
+                continue
+            records[key] = record
+            if not line.endswith("\n"):
+                line, rewrite = line + "\n", True
+            good.append(line)
+    if bad:
+        log.warning("dropping %d unreadable line(s) from %s", bad, path)
+    if bad or rewrite:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(good)
+    return records

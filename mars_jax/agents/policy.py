@@ -1,0 +1,91 @@
+"""The policy interface every agent talks to: chat requests in, completions out.
+
+A policy serves a whole batch of chat requests in one `complete` call. The
+system loop (`system.py`) makes exactly one such call per round, mixing
+Solver, Verifier and Corrector requests; `RoutedPolicy` lets the Solver and the
+V-C agents run on different models (the paper's Table 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Protocol, Sequence
+
+ROLES = ("solver", "verifier", "corrector")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """One chat to complete.
+
+    Attributes:
+        messages: chat turns, each {'role': 'system'|'user'|'assistant', 'content': str}.
+        role: the agent asking ('solver' | 'verifier' | 'corrector'), for routing and metrics.
+        max_new_tokens: generation budget for this request.
+    """
+
+    messages: tuple[dict[str, str], ...]
+    role: str
+    max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A policy's answer to one `ChatRequest`.
+
+    Attributes:
+        text: the generated text (thinking included, special tokens removed).
+        finish_reason: 'stop' (ended by itself), 'length' (hit max_new_tokens) or
+            'error' (the policy could not serve it; text is empty).
+        num_tokens: number of generated tokens.
+        prompt_ids, token_ids, logprobs: filled by in-process policies, for RL.
+    """
+
+    text: str
+    finish_reason: str
+    num_tokens: int
+    prompt_ids: tuple[int, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    logprobs: tuple[float, ...] | None = None
+
+
+class Policy(Protocol):
+    """Anything that completes a batch of chat requests, in order."""
+
+    def complete(self, requests: Sequence[ChatRequest]) -> list[Completion]:
+        ...
+
+
+class RoutedPolicy:
+    """Sends each request to the policy registered for its role.
+
+    A batch is split by target policy (one `complete` call per distinct policy
+    object) and the completions are merged back in request order.
+    """
+
+    def __init__(self, default: Policy, by_role: Mapping[str, Policy]):
+        unknown = set(by_role) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}; expected a subset of {ROLES}")
+        self._default = default
+        self._by_role = dict(by_role)
+
+    def complete(self, requests: Sequence[ChatRequest]) -> list[Completion]:
+        groups: dict[int, tuple[Policy, list[int]]] = {}
+        for i, request in enumerate(requests):
+            policy = self._by_role.get(request.role, self._default)
+            groups.setdefault(id(policy), (policy, []))[1].append(i)
+        merged: list[Completion | None] = [None] * len(requests)
+        for policy, indices in groups.values():
+            completions = policy.complete([requests[i] for i in indices])
+            check_batch(indices, completions)
+            for i, completion in zip(indices, completions):
+                merged[i] = completion
+        return merged  # type: ignore[return-value]  # every slot is filled above
+
+
+def check_batch(requests: Sequence[object], completions: Sequence[Completion]) -> None:
+    """Raises if a policy returned a different number of completions than requests."""
+    if len(completions) != len(requests):
+        raise RuntimeError(
+            f"policy returned {len(completions)} completions for {len(requests)} requests")

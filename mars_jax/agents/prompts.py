@@ -1,0 +1,106 @@
+"""Chat prompts of the three agents, and the bug report passed from Verifier to Corrector.
+
+Structure (after the MarsRL paper; wording our own):
+  * Solver: one user turn, the problem plus an instruction to box the final answer.
+  * Verifier: a system turn asking for exactly three parts (Final Verdict, List of
+    Findings, Correctness) and a user turn with Problem, Solution and a reminder.
+  * Corrector: three turns: the Solver's user turn, the previous solution as the
+    assistant turn, and a user turn asking for a fix guided by the bug report.
+
+Thinking text never travels between agents: solutions are passed through
+`strip_thinking`, and `bug_report` keeps only the verdict and the findings.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mars_jax.rewards.text import strip_thinking
+
+Messages = tuple[dict[str, str], ...]
+
+SOLVER_INSTRUCTION = (
+    "Solve the problem above. Reason carefully and justify every step, "
+    "and write the final answer inside \\boxed{}."
+)
+
+VERIFIER_SYSTEM = """\
+You are an exacting reviewer of mathematical solutions. You receive a problem and a \
+proposed solution. Check the solution step by step. Do not write your own solution \
+and do not repair this one: your task is to find and report what is wrong with it.
+
+Sort every issue you find into one of two kinds:
+* Critical Error: a step that is false or breaks the chain of reasoning, such as a \
+wrong calculation, an invalid deduction or a wrong final answer. Do not check later \
+steps that rely on it, but do check the independent parts of the solution.
+* Justification Gap: a step whose claim may well be true but whose argument is missing, \
+incomplete or hand-waving. Assume the claim holds and keep checking the rest.
+
+Your response must have exactly three parts, in this order:
+
+**Final Verdict:** one sentence: is the solution correct, or does it contain Critical \
+Errors or Justification Gaps?
+
+**List of Findings:** one entry per issue, in the form
+* **Location:** quote or point to the part of the solution concerned
+  **Issue:** Critical Error or Justification Gap, then what exactly is wrong
+Write "None" if you found no issue.
+
+**Correctness:** a single word, Correct or Wrong. Answer Correct only when the final \
+answer is right and the solution has no Critical Error and no Justification Gap that \
+leaves a step in doubt; otherwise answer Wrong."""
+
+VERIFIER_REMINDER = (
+    "Review the solution above step by step. Reply with exactly the three parts "
+    "**Final Verdict**, **List of Findings** and **Correctness** (one word: Correct or Wrong)."
+)
+
+CORRECTOR_INSTRUCTION = """\
+A reviewer checked your solution and wrote the bug report below. Write an improved \
+solution that fixes every issue in the report. If you believe an item of the report is \
+mistaken, keep that part of your solution and explain why the item does not apply. \
+Give the complete revised solution, not only the changes, with the final answer \
+inside \\boxed{}.
+
+## Bug Report
+"""
+
+# The Correctness heading as a line of its own, e.g. "**Correctness:** Wrong" or "### Correctness".
+_CORRECTNESS_HEADING = re.compile(r"^[ \t>#*_-]*correctness[ \t*_]*(?::|$)", re.IGNORECASE | re.MULTILINE)
+
+
+def solver_messages(problem: str) -> Messages:
+    """The Solver's chat: the problem and the boxed-answer instruction."""
+    return ({"role": "user", "content": f"{problem.strip()}\n\n{SOLVER_INSTRUCTION}"},)
+
+
+def verifier_messages(problem: str, solution: str) -> Messages:
+    """The Verifier's chat: instructions, then Problem, Solution (thinking stripped), reminder."""
+    user = (
+        f"## Problem\n{problem.strip()}\n\n"
+        f"## Solution\n{strip_thinking(solution).strip()}\n\n"
+        f"## Reminder\n{VERIFIER_REMINDER}"
+    )
+    return ({"role": "system", "content": VERIFIER_SYSTEM}, {"role": "user", "content": user})
+
+
+def corrector_messages(problem: str, solution: str, report: str) -> Messages:
+    """The Corrector's chat: Solver turn, previous solution as assistant turn, fix request."""
+    return (
+        *solver_messages(problem),
+        {"role": "assistant", "content": strip_thinking(solution).strip()},
+        {"role": "user", "content": CORRECTOR_INSTRUCTION + report.strip()},
+    )
+
+
+def bug_report(verifier_text: str) -> str:
+    """Final Verdict + List of Findings of a Verifier output.
+
+    Thinking is stripped and everything from the last Correctness heading on is
+    dropped (the prompt asks for Correctness as the last part).
+    """
+    text = strip_thinking(verifier_text)
+    headings = list(_CORRECTNESS_HEADING.finditer(text))
+    if headings:
+        text = text[: headings[-1].start()]
+    return text.strip()

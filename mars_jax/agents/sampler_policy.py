@@ -1,0 +1,71 @@
+"""A policy that samples from the in-process JAX model (`mars_jax.sampling.generate`).
+
+One `complete` call is one `generate` call on the whole batch, so a system round
+is one batched generation. Requests may carry different `max_new_tokens`: each
+row of the batch stops at its own budget (`generate` takes per-row budgets).
+
+Seeds: call i uses `seed + i`, so repeated calls differ while a whole run is
+reproducible from `seed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mars_jax.agents.policy import ChatRequest, Completion
+
+
+class SamplerPolicy:
+    """In-process policy over a model and its tokenizer.
+
+    Args:
+      model: the model passed to `mars_jax.sampling.generate`.
+      tokenizer: a Hugging Face tokenizer with the model's chat template.
+      temperature, top_p, top_k: sampling parameters (top_k=0: no top-k filter).
+      seed: base seed of the run.
+      enable_thinking: render the chat template in thinking mode.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, temperature: float, top_p: float, top_k: int = 0,
+                 seed: int, enable_thinking: bool = False):
+        self._model = model
+        self._tokenizer = tokenizer
+        self._temperature = temperature
+        self._top_p = top_p
+        self._top_k = top_k
+        self._seed = seed
+        self._enable_thinking = enable_thinking
+        self._calls = 0
+
+    def complete(self, requests: Sequence[ChatRequest]) -> list[Completion]:
+        # Imported here so that the agents package does not pull in JAX and the model code.
+        from mars_jax.data.tokenizer import encode_chat, eos_token_ids
+        from mars_jax.sampling import generate
+
+        if not requests:
+            return []
+        prompts = [
+            encode_chat(self._tokenizer, list(r.messages), enable_thinking=self._enable_thinking,
+                        add_generation_prompt=True)
+            for r in requests
+        ]
+        output = generate(
+            self._model, prompts,
+            max_new_tokens=[r.max_new_tokens for r in requests],
+            temperature=self._temperature, top_p=self._top_p, top_k=self._top_k,
+            eos_token_ids=tuple(eos_token_ids(self._tokenizer)),
+            seed=self._seed + self._calls,
+        )
+        self._calls += 1
+        completions = []
+        for request, prompt, ids, logprobs, reason in zip(
+                requests, prompts, output.tokens, output.logprobs, output.finish_reasons, strict=True):
+            completions.append(Completion(
+                text=self._tokenizer.decode(ids, skip_special_tokens=True),
+                finish_reason=reason,
+                num_tokens=len(ids),
+                prompt_ids=tuple(prompt),
+                token_ids=tuple(ids),
+                logprobs=tuple(float(x) for x in logprobs),
+            ))
+        return completions

@@ -1,0 +1,285 @@
+"""The V-C reasoning system: a per-problem state machine and a round-batched driver.
+
+Rules (per problem):
+  * The Solver writes the first candidate. Each candidate is a solution.
+  * An **iteration** is one verification of the current candidate. A passing
+    verification extends the candidate's streak; when the streak reaches
+    `k_accept` consecutive passes the candidate is accepted. A failing
+    verification resets the streak and sends the candidate, with the bug report,
+    to the Corrector, whose output is the next candidate (streak 0).
+  * After `max_iterations` iterations without acceptance the loop stops (a failing
+    last verification is not corrected) and returns the **most-verified** candidate:
+    the one with the most passing verifications, ties going to the latest.
+  * **Retries** (`max_retries`, per request): a Solver or Corrector output that does
+    not end by itself (finish_reason 'length' or 'error') is requested again, up to
+    `max_retries` more times; if still unusable, the problem is marked failed (no
+    answer, `failure` says why). A Verifier output that is truncated, errored or
+    whose Correctness is unparseable is likewise retried; retries are not
+    iterations. If all retries are unusable, the iteration counts as a verification
+    that did not pass (verdict None: the streak resets, there is no report to
+    correct from) and the same candidate is verified again next iteration.
+  * With `max_iterations=0` the system is the Solver alone (with retries).
+
+Rounds: `run_system` advances every problem in flight together. Each round makes
+exactly one policy call that carries the next request of every unfinished
+problem, whatever its stage, so the number of policy calls equals the number of
+rounds, not problems x rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+from mars_jax.agents import stages
+from mars_jax.agents.policy import ROLES, ChatRequest, Completion, Policy, check_batch
+
+ACCEPTED, FALLBACK, FAILED = "accepted", "fallback", "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Parameters of the V-C loop (see the module docstring for the rules)."""
+
+    k_accept: int = 4
+    max_iterations: int = 10
+    max_retries: int = 2
+    max_new_tokens: Mapping[str, int] = dataclasses.field(
+        default_factory=lambda: {"solver": 8192, "verifier": 8192, "corrector": 8192})
+
+    def __post_init__(self) -> None:
+        if self.k_accept < 1 or self.max_iterations < 0 or self.max_retries < 0:
+            raise ValueError(f"invalid loop config: {self}")
+        missing = set(ROLES) - set(self.max_new_tokens)
+        if missing:
+            raise ValueError(f"max_new_tokens lacks roles {sorted(missing)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One policy call made for a problem (retries included), in order."""
+
+    role: str
+    completion: Completion
+    verdict: bool | None = None  # Verifier steps only: the parsed Correctness.
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A solution under verification, and the verdict of each iteration spent on it."""
+
+    source: str  # 'solver' | 'corrector'
+    solution: str
+    answer: str | None
+    verdicts: tuple[bool | None, ...] = ()
+
+    @property
+    def passes(self) -> int:
+        return sum(v is True for v in self.verdicts)
+
+    @property
+    def streak(self) -> int:
+        """Consecutive passing verdicts at the end of `verdicts`."""
+        n = 0
+        for v in reversed(self.verdicts):
+            if v is not True:
+                break
+            n += 1
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemResult:
+    """Outcome of the loop on one problem.
+
+    Attributes:
+      status: 'accepted', 'fallback' (most-verified candidate) or 'failed'.
+      final: index of the chosen candidate; None when failed.
+      candidates: every candidate, in order (index 0 is the Solver's).
+      iterations: number of iterations (verifications) spent.
+      steps: every policy call, in order.
+      failure: why the problem failed, else None.
+    """
+
+    status: str
+    final: int | None
+    candidates: tuple[Candidate, ...]
+    iterations: int
+    steps: tuple[Step, ...]
+    failure: str | None = None
+
+    @property
+    def solution(self) -> str | None:
+        return None if self.final is None else self.candidates[self.final].solution
+
+    @property
+    def answer(self) -> str | None:
+        return None if self.final is None else self.candidates[self.final].answer
+
+    def tokens_by_role(self) -> dict[str, int]:
+        """Generated tokens per agent, retries included."""
+        tokens = dict.fromkeys(ROLES, 0)
+        for step in self.steps:
+            tokens[step.role] += step.completion.num_tokens
+        return tokens
+
+
+class ProblemLoop:
+    """The V-C loop on one problem: `next_request()`, then `advance(completion)`, until `done`."""
+
+    def __init__(self, problem: str, config: LoopConfig):
+        self.problem = problem
+        self.config = config
+        self._stage = "solver"
+        self._attempt = 0  # unusable outputs so far for the pending request
+        self._report = ""  # bug report of the last failing verification
+        self._iterations = 0
+        self._candidates: list[Candidate] = []
+        self._steps: list[Step] = []
+        self._result: SystemResult | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> SystemResult:
+        if self._result is None:
+            raise RuntimeError("the loop has not finished")
+        return self._result
+
+    def next_request(self) -> ChatRequest:
+        """The request this problem needs next."""
+        if self.done:
+            raise RuntimeError("the loop has finished")
+        budget = self.config.max_new_tokens[self._stage]
+        if self._stage == "solver":
+            return stages.solver_request(self.problem, budget)
+        solution = self._candidates[-1].solution
+        if self._stage == "verifier":
+            return stages.verifier_request(self.problem, solution, budget)
+        return stages.corrector_request(self.problem, solution, self._report, budget)
+
+    def advance(self, completion: Completion) -> None:
+        """Consumes the completion of `next_request()`."""
+        if self.done:
+            raise RuntimeError("the loop has finished")
+        if self._stage == "verifier":
+            self._on_verification(stages.parse_verification(completion))
+        else:
+            self._on_solution(stages.parse_solution(completion))
+
+    def _on_solution(self, output: stages.SolutionOutput) -> None:
+        self._steps.append(Step(self._stage, output.completion))
+        if not output.usable:
+            if self._retry():
+                return
+            reason = output.completion.finish_reason
+            self._finish(FAILED, f"{self._stage} output unusable ({reason}) "
+                                 f"after {self.config.max_retries + 1} attempts")
+            return
+        self._attempt = 0
+        self._candidates.append(Candidate(self._stage, output.solution, output.answer))
+        self._stage = "verifier"
+        self._check_budget()
+
+    def _on_verification(self, output: stages.VerificationOutput) -> None:
+        self._steps.append(Step("verifier", output.completion, output.passed))
+        if not output.usable and self._retry():
+            return
+        self._attempt = 0
+        self._iterations += 1
+        verdict = output.passed if output.usable else None
+        last = self._candidates[-1]
+        candidate = self._candidates[-1] = dataclasses.replace(last, verdicts=(*last.verdicts, verdict))
+        if candidate.streak >= self.config.k_accept:
+            self._finish(ACCEPTED)
+        elif output.usable and not output.passed and self._iterations < self.config.max_iterations:
+            self._report = output.report
+            self._stage = "corrector"
+        else:
+            self._check_budget()
+
+    def _retry(self) -> bool:
+        """Counts an unusable output; True if the request may be made again."""
+        self._attempt += 1
+        return self._attempt <= self.config.max_retries
+
+    def _check_budget(self) -> None:
+        if self._iterations >= self.config.max_iterations:
+            self._finish(FALLBACK)
+
+    def _finish(self, status: str, failure: str | None = None) -> None:
+        final = None
+        if status == ACCEPTED:
+            final = len(self._candidates) - 1
+        elif status == FALLBACK:
+            most = max(c.passes for c in self._candidates)
+            final = max(i for i, c in enumerate(self._candidates) if c.passes == most)
+        self._result = SystemResult(status, final, tuple(self._candidates), self._iterations,
+                                    tuple(self._steps), failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundInfo:
+    """Passed to the per-round hook after each round."""
+
+    round: int  # 1-based
+    requests_by_role: dict[str, int]
+    finished: int  # problems finished so far
+    total: int
+
+
+def run_system(
+    problems: Sequence[str],
+    policy: Policy,
+    config: LoopConfig | None = None,
+    *,
+    max_in_flight: int | None = None,
+    on_round: Callable[[RoundInfo], None] | None = None,
+    on_result: Callable[[int, SystemResult], None] | None = None,
+) -> list[SystemResult]:
+    """Runs the V-C loop on every problem, advancing all problems in flight together.
+
+    Args:
+      problems: problem statements.
+      policy: serves all roles (use `RoutedPolicy` for per-role models).
+      config: loop parameters; defaults to `LoopConfig()`.
+      max_in_flight: at most this many problems per round; a finished problem's
+        slot is refilled from the queue on the next round. None: all at once.
+      on_round: called after every round (e.g. to drive a progress bar).
+      on_result: called with (problem index, result) as each problem finishes.
+
+    Returns:
+      One `SystemResult` per problem, in order.
+    """
+    config = config or LoopConfig()
+    limit = len(problems) if max_in_flight is None else max_in_flight
+    if limit < 1 and problems:
+        raise ValueError("max_in_flight must be positive")
+    results: list[SystemResult | None] = [None] * len(problems)
+    active: dict[int, ProblemLoop] = {}
+    started = finished = round_index = 0
+    while True:
+        while started < len(problems) and len(active) < limit:
+            active[started] = ProblemLoop(problems[started], config)
+            started += 1
+        if not active:
+            break
+        round_index += 1
+        requests = [loop.next_request() for loop in active.values()]
+        completions = policy.complete(requests)
+        check_batch(requests, completions)
+        for (index, loop), completion in zip(list(active.items()), completions):
+            loop.advance(completion)
+            if loop.done:
+                del active[index]
+                results[index] = loop.result()
+                finished += 1
+                if on_result is not None:
+                    on_result(index, results[index])
+        if on_round is not None:
+            by_role = dict.fromkeys(ROLES, 0)
+            for request in requests:
+                by_role[request.role] += 1
+            on_round(RoundInfo(round_index, by_role, finished, len(problems)))
+    return results  # type: ignore[return-value]  # every problem finishes

@@ -1,0 +1,92 @@
+"""Prompt structure, bug-report extraction and the stage parsers."""
+
+from mars_jax.agents import prompts, stages
+from mars_jax.agents.policy import Completion
+
+REPORT = """<think>Let me check step 3 carefully.
+Correctness: Correct?</think>
+**Final Verdict:** The solution has a critical error.
+
+**List of Findings:**
+* **Location:** "hence x = 3"
+  **Issue:** Critical Error - the correctness of this step depends on x > 0, never shown.
+
+**Correctness:** Wrong"""
+
+
+def test_solver_prompt_is_the_problem_and_the_boxed_instruction():
+    [turn] = prompts.solver_messages("  What is 1+1?\n")
+    assert turn["role"] == "user"
+    assert turn["content"].startswith("What is 1+1?\n\n")
+    assert "\\boxed{}" in turn["content"]
+
+
+def test_verifier_prompt_has_three_part_instructions_and_strips_thinking():
+    system, user = prompts.verifier_messages("What is 1+1?", "<think>scratch work</think>It is \\boxed{2}.")
+    assert (system["role"], user["role"]) == ("system", "user")
+    for part in ("Final Verdict", "List of Findings", "Location", "Issue", "Critical Error",
+                 "Justification Gap", "Correctness", "Correct or Wrong"):
+        assert part in system["content"]
+    content = user["content"]
+    assert content.index("## Problem\nWhat is 1+1?") < content.index("## Solution\nIt is \\boxed{2}.") \
+        < content.index("## Reminder")
+    assert "scratch work" not in content
+
+
+def test_corrector_prompt_is_three_turns():
+    turns = prompts.corrector_messages("What is 1+1?", "<think>hmm</think>It is \\boxed{3}.", "**Final Verdict:** x")
+    assert [t["role"] for t in turns] == ["user", "assistant", "user"]
+    assert turns[0] == prompts.solver_messages("What is 1+1?")[0]
+    assert turns[1]["content"] == "It is \\boxed{3}."
+    assert turns[2]["content"].endswith("## Bug Report\n**Final Verdict:** x")
+    assert "explain" in turns[2]["content"]
+
+
+def test_bug_report_keeps_verdict_and_findings_only():
+    report = prompts.bug_report(REPORT)
+    assert report.startswith("**Final Verdict:** The solution has a critical error.")
+    assert "the correctness of this step depends on x > 0" in report  # not a Correctness heading
+    assert report.endswith("never shown.")
+    assert "Wrong" not in report and "Let me check" not in report
+
+
+def test_bug_report_heading_variants():
+    assert prompts.bug_report("Verdict: bad.\n\n### Correctness\nWrong") == "Verdict: bad."
+    assert prompts.bug_report("Verdict: bad.\nCorrectness: Wrong\n") == "Verdict: bad."
+    assert prompts.bug_report("Verdict: fine.") == "Verdict: fine."
+
+
+def test_parse_verification_and_solution():
+    v = stages.parse_verification(Completion(REPORT, "stop", 5))
+    assert v.passed is False and v.usable and v.report == prompts.bug_report(REPORT)
+    assert not stages.parse_verification(Completion(REPORT, "length", 5)).usable
+    assert not stages.parse_verification(Completion("no verdict here", "stop", 5)).usable
+    s = stages.parse_solution(Completion("<think>try 3</think>\nSo the answer is \\boxed{2}.", "stop", 9))
+    assert (s.solution, s.answer, s.usable) == ("So the answer is \\boxed{2}.", "2", True)
+    assert not stages.parse_solution(Completion("\\boxed{2}", "length", 9)).usable
+
+
+class EchoPolicy:
+    def __init__(self, text):
+        self.text, self.requests = text, []
+
+    def complete(self, requests):
+        self.requests.append(list(requests))
+        return [Completion(self.text, "stop", 1) for _ in requests]
+
+
+def test_stage_functions_make_one_batched_call():
+    policy = EchoPolicy("\\boxed{4}")
+    outputs = stages.solve(policy, ["p1", "p2"], max_new_tokens=7)
+    assert [o.answer for o in outputs] == ["4", "4"]
+    [batch] = policy.requests
+    assert [(r.role, r.max_new_tokens) for r in batch] == [("solver", 7)] * 2
+
+    policy = EchoPolicy("**Final Verdict:** ok\n\n**Correctness:** Correct")
+    [v] = stages.verify(policy, ["p1"], ["s1"], max_new_tokens=5)
+    assert v.passed is True and policy.requests[0][0].role == "verifier"
+
+    policy = EchoPolicy("fixed \\boxed{5}")
+    [c] = stages.correct(policy, ["p1"], ["s1"], ["r1"], max_new_tokens=6)
+    assert c.answer == "5" and policy.requests[0][0].messages[1]["content"] == "s1"
+    assert stages.solve(policy, [], max_new_tokens=1) == [] and len(policy.requests) == 1
