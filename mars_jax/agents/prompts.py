@@ -7,12 +7,16 @@ Structure (after the MarsRL paper; wording our own):
   * Corrector: three turns: the Solver's user turn, the previous solution as the
     assistant turn, and a user turn asking for a fix guided by the bug report.
 
+Two styles share that structure: `full` (the default, for real models) and `compact` (a few
+words per instruction, for tiny CPU models with a byte-level tokenizer, whose context is short).
+
 Thinking text never travels between agents: solutions are passed through
 `strip_thinking`, and `bug_report` keeps only the verdict and the findings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from mars_jax.rewards.text import strip_thinking
@@ -65,31 +69,60 @@ inside \\boxed{}.
 ## Bug Report
 """
 
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+    solver_instruction: str
+    verifier_system: str
+    verifier_reminder: str
+    corrector_instruction: str
+
+
+STYLES = {
+    "full": PromptStyle(SOLVER_INSTRUCTION, VERIFIER_SYSTEM, VERIFIER_REMINDER, CORRECTOR_INSTRUCTION),
+    "compact": PromptStyle(
+        solver_instruction="Box the answer.",
+        verifier_system=("Check the solution. Reply with **Final Verdict:**, **List of Findings:** "
+                         "(Location, Issue: Critical Error or Justification Gap) and "
+                         "**Correctness:** Correct or Wrong."),
+        verifier_reminder="Verdict, Findings, Correctness.",
+        corrector_instruction="Fix it using the report.\n## Bug Report\n"),
+}
+
+
+def _style(name: str) -> PromptStyle:
+    if name not in STYLES:
+        raise ValueError(f"prompt style {name!r} is unknown; choose one of {sorted(STYLES)}")
+    return STYLES[name]
+
+
 # The Correctness heading as a line of its own, e.g. "**Correctness:** Wrong" or "### Correctness".
 _CORRECTNESS_HEADING = re.compile(r"^[ \t>#*_-]*correctness[ \t*_]*(?::|$)", re.IGNORECASE | re.MULTILINE)
 
 
-def solver_messages(problem: str) -> Messages:
+def solver_messages(problem: str, style: str = "full") -> Messages:
     """The Solver's chat: the problem and the boxed-answer instruction."""
-    return ({"role": "user", "content": f"{problem.strip()}\n\n{SOLVER_INSTRUCTION}"},)
+    return ({"role": "user", "content": f"{problem.strip()}\n\n{_style(style).solver_instruction}"},)
 
 
-def verifier_messages(problem: str, solution: str) -> Messages:
+def verifier_messages(problem: str, solution: str, style: str = "full") -> Messages:
     """The Verifier's chat: instructions, then Problem, Solution (thinking stripped), reminder."""
     user = (
         f"## Problem\n{problem.strip()}\n\n"
         f"## Solution\n{strip_thinking(solution).strip()}\n\n"
-        f"## Reminder\n{VERIFIER_REMINDER}"
+        f"## Reminder\n{_style(style).verifier_reminder}"
     )
-    return ({"role": "system", "content": VERIFIER_SYSTEM}, {"role": "user", "content": user})
+    return ({"role": "system", "content": _style(style).verifier_system},
+            {"role": "user", "content": user})
 
 
-def corrector_messages(problem: str, solution: str, report: str) -> Messages:
+def corrector_messages(problem: str, solution: str, report: str, style: str = "full") -> Messages:
     """The Corrector's chat: Solver turn, previous solution as assistant turn, fix request."""
     return (
-        *solver_messages(problem),
+        *solver_messages(problem, style),
         {"role": "assistant", "content": strip_thinking(solution).strip()},
-        {"role": "user", "content": CORRECTOR_INSTRUCTION + report.strip()},
+        {"role": "user", "content": _style(style).corrector_instruction + report.strip()},
     )
 
 

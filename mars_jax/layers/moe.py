@@ -7,7 +7,7 @@ out-by-in like the HF tensors) and `wo [E, I, H]`. Both reshape for free into si
 Dispatch backends (all compute the same function; `capacity` alone drops tokens):
   dense    every expert on every token through two large fused matmuls, weighted by the router
            (zero for unselected experts). The reference, and the fastest CPU path for decode-sized
-           token counts, where reading the weights dominates.
+           token counts, where reading the weights dominates, and for tiny experts.
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
            per block, scanned block by block; CPU path for large token counts.
   ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls (TPU/GPU).
@@ -23,6 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mars_jax.layers.params import normal_param
+
+# 'auto' on CPU computes all experts densely when a layer's experts hold at most this many
+# parameters: the wasted FLOPs then cost less than sorting and block-scanning the tokens.
+SMALL_EXPERT_PARAMS = 1 << 20
 
 
 class MoE(nnx.Module):
@@ -62,7 +66,8 @@ class MoE(nnx.Module):
             return self.impl
         if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm"):
             return "ragged"
-        return "dense" if num_tokens <= self.dense_max_tokens else "sorted"
+        small_experts = self.wo.get_value().size * 3 <= SMALL_EXPERT_PARAMS
+        return "dense" if num_tokens <= self.dense_max_tokens or small_experts else "sorted"
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -1,0 +1,56 @@
+"""Defaults shared by the MarsRL configs; each config file overrides what it needs."""
+from ml_collections import ConfigDict, config_dict
+
+
+def base_config() -> ConfigDict:
+    """Every field a run reads, with its default. Sections: data, model, rollout, loss,
+    optimizer, learner (the update step), checkpoint, eval."""
+    c = ConfigDict()
+    c.job = "train"                 # 'train' | 'eval_system'
+    c.seed = 0
+    c.total_steps = 100
+    c.max_nonfinite_updates = 3
+    c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
+
+    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
+
+    c.data = ConfigDict(dict(name="arith", split="train", manual_dir="", data_dir="", shuffle=True))
+
+    c.model = ConfigDict(dict(preset="tiny", checkpoint="", dtype="", param_dtype="",
+                              moe_impl="", moe_block_size=config_dict.placeholder(int),
+                              moe_dense_max_tokens=config_dict.placeholder(int)))
+
+    c.rollout = ConfigDict(dict(
+        mode="pipeline",            # 'pipeline' | 'sequential'
+        prompts_per_step=4, group_size=8, fan_out=2,
+        selection="adaptive",       # 'random' | 'balanced' | 'adaptive'
+        max_stages=5, roles_trained="all",  # 'all' (MarsRL) | 'solver' (-S) | 'vc' (-VC)
+        max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
+        segment_tokens=0,           # 0 = decode each output in one go
+        staleness_bound=1, max_prompt_tokens=1024,
+        temperature=1.0, top_p=1.0, top_k=0, enable_thinking=False,
+        prompt_style="full",        # 'full' | 'compact' (tiny models, byte-level tokenizer)
+        drop_zero_variance=False, normalize_std=True))
+
+    # 0 switches an optional loss term off (clip_c, tis_cap, mastered_mask_prob, ...).
+    c.loss = ConfigDict(dict(clip_low=0.2, clip_high=0.28, clip_c=0.0, kl_coef=0.0,
+                             kl_estimator="k3", aggregation="token-mean", max_response_len=0,
+                             tis_cap=2.0, mastered_mask_prob=0.0, target_entropy=0.0,
+                             entropy_coef=0.0))
+
+    c.optimizer = ConfigDict(dict(learning_rate=1e-6, schedule="constant", warmup_steps=0,
+                                  decay_steps=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                                  max_grad_norm=1.0))
+
+    c.learner = ConfigDict(dict(micro_batch_size=8, logits_chunk=256, routing_replay=False))
+
+    c.checkpoint = ConfigDict(dict(every_steps=1, keep=3, async_save=True))
+
+    c.eval = ConfigDict(dict(dataset="arith", split="test", num_problems=0, num_samples=1,
+                             k_accept=4, max_iterations=10, max_retries=2,
+                             max_new_tokens=ConfigDict(dict(solver=256, verifier=256,
+                                                            corrector=256)),
+                             temperature=0.6, top_p=0.95, policy="sampler",
+                             vc_base_url="", solver_base_url="", served_model="",
+                             timeout_s=600.0, max_concurrency=32))
+    return c

@@ -1,0 +1,34 @@
+r"""Smoke run: MarsRL on the tiny Qwen3-MoE and generated `arith` problems, full pipeline, CPU.
+
+  python experiments/run.py --config=experiments/configs/smoke.py --workdir=/tmp/marsrl_smoke
+
+Any field can be overridden, e.g. `--config.rollout.mode=sequential --config.total_steps=4`.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import base_config  # noqa: E402
+
+
+def get_config():
+    c = base_config()
+    c.total_steps = 6
+    c.tokenizer = "tiny"
+    # Data.
+    c.data.name, c.data.split = "arith", "train"
+    # Model.
+    c.model.preset = "tiny"
+    # Rollouts: 2 new problems a step, groups of 4, all 5 stages, decoded in 24-token segments.
+    c.rollout.prompts_per_step = 2
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens.solver = 48
+    c.rollout.max_new_tokens.verifier = 48
+    c.rollout.max_new_tokens.corrector = 48
+    c.rollout.segment_tokens = 24
+    c.rollout.max_prompt_tokens = 512
+    c.rollout.prompt_style = "compact"
+    # Optimizer.
+    c.optimizer.learning_rate = 1e-4
+    c.learner.micro_batch_size = 16
+    return c

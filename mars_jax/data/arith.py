@@ -1,0 +1,109 @@
+"""`arith`: seeded multi-step integer arithmetic problems with exact answers.
+
+Problems read like `What is 7 + 3 * (12 - 5)?` (digits, `+ - *`, parentheses, a few
+words) so that a tiny model with a small-vocabulary tokenizer can learn them. Each is a
+random binary expression tree over non-negative integer literals, printed with only the
+parentheses that precedence requires, and evaluated on the tree (no text is evaluated).
+
+Difficulty knobs: `num_ops` (operators per problem, or an inclusive range),
+`max_operand` (largest literal) and `operators` (a subset of "+-*").
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+# split -> (seed, number of problems); train never repeats a test problem.
+SPLITS: Mapping[str, tuple[int, int]] = {"train": (1, 20_000), "test": (2, 500)}
+
+Node = int | tuple[str, "Node", "Node"]
+
+
+def _tree(rng: random.Random, num_ops: int, max_operand: int, operators: str) -> Node:
+    if num_ops == 0:
+        return rng.randint(0, max_operand)
+    left_ops = rng.randint(0, num_ops - 1)
+    return (
+        rng.choice(operators),
+        _tree(rng, left_ops, max_operand, operators),
+        _tree(rng, num_ops - 1 - left_ops, max_operand, operators),
+    )
+
+
+def _value(node: Node) -> int:
+    if isinstance(node, int):
+        return node
+    op, left, right = node
+    return _APPLY[op](_value(left), _value(right))
+
+
+def _render(node: Node) -> str:
+    if isinstance(node, int):
+        return str(node)
+    op, left, right = node
+    left_text, right_text = _render(left), _render(right)
+    if isinstance(left, tuple) and _PRECEDENCE[left[0]] < _PRECEDENCE[op]:
+        left_text = f"({left_text})"
+    if isinstance(right, tuple) and (
+        _PRECEDENCE[right[0]] < _PRECEDENCE[op] or (op == "-" and _PRECEDENCE[right[0]] == _PRECEDENCE[op])
+    ):
+        right_text = f"({right_text})"
+    return f"{left_text} {op} {right_text}"
+
+
+def generate_problems(
+    num: int,
+    seed: int,
+    *,
+    num_ops: int | tuple[int, int] = (1, 3),
+    max_operand: int = 20,
+    operators: str = "+-*",
+    id_prefix: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> list[dict]:
+    """`num` distinct problems, each {`id`, `problem`, `answer`, `num_ops`}.
+
+    The answer is the exact integer value as a string (may be negative). The same
+    arguments always give the same problems. `exclude` lists problem texts to avoid.
+    Raises ValueError if the knobs allow fewer than `num` distinct problems.
+    """
+    low, high = (num_ops, num_ops) if isinstance(num_ops, int) else num_ops
+    if not 1 <= low <= high:
+        raise ValueError(f"num_ops must be >= 1 (a range low <= high), got {num_ops}")
+    if max_operand < 0 or not operators or set(operators) - set(_PRECEDENCE):
+        raise ValueError(f"need max_operand >= 0 and operators from '+-*', got {max_operand}, {operators!r}")
+    prefix = id_prefix if id_prefix is not None else f"arith-s{seed}"
+    rng = random.Random(seed)
+    problems: list[dict] = []
+    seen = set(exclude)
+    attempts = 0
+    while len(problems) < num:
+        attempts += 1
+        if attempts > 50 * num + 1000:
+            raise ValueError(f"only {len(problems)} distinct problems found for these knobs, {num} asked")
+        ops = rng.randint(low, high)
+        tree = _tree(rng, ops, max_operand, operators)
+        text = f"What is {_render(tree)}?"
+        if text in seen:
+            continue
+        seen.add(text)
+        problems.append(
+            {"id": f"{prefix}-{len(problems):05d}", "problem": text, "answer": str(_value(tree)), "num_ops": ops}
+        )
+    return problems
+
+
+def load_split(split: str) -> list[dict]:
+    """The fixed `arith` split (`SPLITS`): default knobs, fixed seed, train disjoint from test."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r} of 'arith'; valid splits: {', '.join(SPLITS)}")
+    seed, num = SPLITS[split]
+    exclude: frozenset[str] = frozenset()
+    if split == "train":
+        test_seed, test_num = SPLITS["test"]
+        exclude = frozenset(p["problem"] for p in generate_problems(test_num, test_seed))
+    return generate_problems(num, seed, id_prefix=f"arith-{split}", exclude=exclude)

@@ -1,0 +1,168 @@
+"""Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector.
+
+* `extract_answer(text)`: the last `\\boxed{...}`/`\\fbox{...}` after the last `</think>`.
+* `is_equivalent(pred, gold)`: are two answers mathematically equal?
+* `grade(response, gold)`: `extract_answer` + `is_equivalent`; no boxed answer, no credit.
+* `grade_many(responses, golds)`: the batched form, on all cores.
+
+Safety: model text is never evaluated (no `eval`, no `sympify` of strings). Cheap
+pre-checks (`normalize.cost_reason`) turn away inputs that would make sympy slow, and
+every comparison that reaches sympy runs in a worker process with a hard deadline
+(`pool.GraderPool`): a call takes at most `timeout` seconds (default 1 s) once the
+workers are up and returns False on timeout instead of raising. Workers start on first
+use (about a second, not counted against the deadline); call `warm_up()` to pay that
+up front.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Sequence
+
+from mars_jax.rewards import normalize
+from mars_jax.rewards.pool import GraderPool
+from mars_jax.rewards.text import last_boxed, strip_thinking
+
+DEFAULT_TIMEOUT = 1.0  # seconds per comparison
+
+_pool: GraderPool | None = None
+_pool_lock = threading.Lock()
+
+
+def extract_answer(text: str) -> str | None:
+    """The last `\\boxed{...}` or `\\fbox{...}` content after the last `</think>`, stripped.
+
+    Nested braces are matched. Returns None when there is no complete box (including
+    when the response never leaves an open `<think>`; see `text.strip_thinking`).
+    """
+    boxed = last_boxed(strip_thinking(text))
+    return None if boxed is None else boxed.strip()
+
+
+def default_num_workers() -> int:
+    """One worker per available core, at least 2 (so one can cover while another restarts)."""
+    return max(2, len(os.sched_getaffinity(0)))
+
+
+def _shared_pool(num_workers: int | None = None) -> GraderPool:
+    """The process-wide pool, (re)created when missing, closed, forked, or of another size."""
+    global _pool
+    with _pool_lock:
+        stale = _pool is None or not _pool.usable
+        if not stale and num_workers is not None and _pool.num_workers != num_workers:
+            _pool.close()
+            stale = True
+        if stale:
+            _pool = GraderPool(num_workers or default_num_workers())
+        return _pool
+
+
+def warm_up(num_workers: int | None = None) -> None:
+    """Start the grader workers now and wait until they are ready."""
+    _shared_pool(num_workers).wait_ready()
+
+
+def worker_stats() -> dict[str, int]:
+    """Outcome counts of the comparisons the current workers ran: "ok", "timeout"
+    (the worker's alarm), "killed" (past the hard deadline), "error", "crashed"."""
+    return {} if _pool is None else dict(_pool.stats)
+
+
+def worker_pids() -> list[int]:
+    """Process ids of the current grader workers (for monitoring)."""
+    return [] if _pool is None else _pool.pids
+
+
+def shutdown() -> None:
+    """Stop the grader workers (they restart on the next call). Runs at exit."""
+    global _pool
+    with _pool_lock:
+        if _pool is not None and _pool.usable:
+            _pool.close()
+        _pool = None
+
+
+atexit.register(shutdown)
+
+
+def _check_str(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be str, got {type(value).__name__}")
+
+
+def _equivalent_pairs(pairs: list[tuple[str, str]], timeout: float, num_workers: int | None) -> list[bool]:
+    """Quick verdicts here; each distinct remaining pair once, in the worker pool."""
+    results: list[bool] = []
+    pending: dict[tuple[str, str], list[int]] = {}
+    for index, pair in enumerate(pairs):
+        quick = normalize.quick_verdict(*pair)
+        results.append(bool(quick))
+        if quick is None:
+            pending.setdefault(pair, []).append(index)
+    if pending:
+        decided = _shared_pool(num_workers).map(list(pending), timeout)
+        for indices, value in zip(pending.values(), decided):
+            for index in indices:
+                results[index] = value
+    return results
+
+
+def is_equivalent(pred: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Whether answer `pred` equals reference answer `gold` (math-verify + our rules).
+
+    Meant for bare answers (`\\frac{1}{2}`, `x \\in [0, 1)`); `$...$`, `\\boxed{}` and
+    surrounding words are tolerated. Empty answers never match. False on timeout.
+    """
+    return is_equivalent_many([pred], [gold], timeout=timeout)[0]
+
+
+def is_equivalent_many(
+    preds: Sequence[str],
+    golds: Sequence[str],
+    num_workers: int | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[bool]:
+    """`is_equivalent` for each (pred, gold) pair, in parallel (see `grade_many`)."""
+    if len(preds) != len(golds):
+        raise ValueError(f"{len(preds)} preds but {len(golds)} golds")
+    for index, (pred, gold) in enumerate(zip(preds, golds)):
+        _check_str(f"preds[{index}]", pred)
+        _check_str(f"golds[{index}]", gold)
+    return _equivalent_pairs(list(zip(preds, golds)), timeout, num_workers)
+
+
+def grade(response: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Whether a whole model `response` boxes an answer equivalent to `gold`."""
+    return grade_many([response], [gold], timeout=timeout, num_workers=None)[0]
+
+
+def grade_many(
+    responses: Sequence[str],
+    golds: Sequence[str],
+    num_workers: int | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[bool]:
+    """`grade` for each (response, gold) pair, in parallel on `num_workers` processes.
+
+    `num_workers=None` keeps the current pool, or starts one per available core
+    (at least 2). Each comparison is bounded by `timeout` seconds.
+    """
+    if len(responses) != len(golds):
+        raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+    pairs: list[tuple[str, str]] = []
+    slots: list[int] = []
+    for index, (response, gold) in enumerate(zip(responses, golds)):
+        _check_str(f"responses[{index}]", response)
+        _check_str(f"golds[{index}]", gold)
+        answer = extract_answer(response)
+        if answer is not None:
+            pairs.append((answer, gold))
+            slots.append(index)
+    results = [False] * len(responses)
+    for index, value in zip(slots, _equivalent_pairs(pairs, timeout, num_workers)):
+        results[index] = value
+    return results

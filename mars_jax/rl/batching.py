@@ -1,0 +1,70 @@
+"""Finished samples -> a padded, micro-batched `TrainBatch` with bucketed shapes.
+
+Lengths round up to powers of two (at least `min_length`) and the number of micro-batches to a
+power of two, so the update program recompiles only when a bucket changes. Padding rows have an
+all-zero loss mask and contribute nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from mars_jax.rl.update import TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSample:
+    """One response to train on. `expert_ids [L_moe, len(prompt) + len(response), k]` optional."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    sampler_logprobs: Sequence[float]
+    advantage: float
+    expert_ids: np.ndarray | None = None
+
+
+def _pow2(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_length: int = 32,
+               max_length: int | None = None) -> TrainBatch:
+    """Right-padded `[prompt, response]` rows grouped into micro-batches of `micro_batch_size`."""
+    if not samples:
+        raise ValueError("make_batch: no samples")
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    if max_length is not None and longest > max_length:
+        raise ValueError(f"make_batch: a sample of {longest} tokens exceeds max_length {max_length}")
+    length = _pow2(longest, min_length)
+    num_micro = _pow2(-(-len(samples) // micro_batch_size), 1)
+    rows = num_micro * micro_batch_size
+    tokens = np.zeros((rows, length), np.int32)
+    attention = np.zeros((rows, length), np.int32)
+    loss_mask = np.zeros((rows, length), np.float32)
+    logprobs = np.zeros((rows, length), np.float32)
+    advantages = np.zeros((rows,), np.float32)
+    with_experts = samples[0].expert_ids is not None
+    experts = None
+    if with_experts:
+        layers, _, k = samples[0].expert_ids.shape
+        experts = np.zeros((layers, rows, length, k), np.int32)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if len(s.sampler_logprobs) != r:
+            raise ValueError(f"sample {i}: {len(s.sampler_logprobs)} logprobs for {r} tokens")
+        tokens[i, :p + r] = list(s.prompt_ids) + list(s.response_ids)
+        attention[i, :p + r] = 1
+        loss_mask[i, p:p + r] = 1
+        logprobs[i, p:p + r] = s.sampler_logprobs
+        advantages[i] = s.advantage
+        if with_experts:
+            n = min(s.expert_ids.shape[1], p + r)
+            experts[:, i, :n] = s.expert_ids[:, :n]
+    split = lambda x: x.reshape(num_micro, micro_batch_size, *x.shape[1:])
+    return TrainBatch(
+        tokens=split(tokens), attention_mask=split(attention), loss_mask=split(loss_mask),
+        advantages=split(advantages), sampler_logprobs=split(logprobs),
+        expert_ids=None if experts is None else
+        experts.reshape(experts.shape[0], num_micro, micro_batch_size, length, -1).swapaxes(0, 1))

@@ -1,0 +1,296 @@
+"""Grouped agentic rollouts: the per-problem tree Solver -> Verifier1 -> Corrector1 -> Verifier2 ->
+Corrector2, decoded in segments, graded with agent-specific rewards.
+
+A problem's stage s spawns its rollouts only once every rollout of stage s-1 has finished: the
+Solver samples a group of G; each later stage picks `fan_out` outputs of the stage before
+(`mars_jax.rl.selection`: random | balanced | adaptive; the Corrector only takes Verifier outputs
+that report an error) and samples a group of G for each. A trajectory stops early when no
+eligible parent remains (e.g. every Verifier output passed the solution). A truncated Solver or
+Corrector output can still be verified (it is graded like any other); a truncated Verifier output
+has no Correctness verdict, so it never reaches the Corrector.
+
+Segments: a rollout asks for at most `segment_tokens` new tokens per decode; an unfinished one is
+resumed in a later decode by re-prefilling prompt + partial response under the then-current policy.
+A partial rollout whose first segment is more than `staleness_bound` policy versions old restarts
+from scratch, so no trained sample is staler than the bound.
+
+Context overflow rule: when a Verifier or Corrector prompt would exceed `max_prompt_tokens`, the
+embedded solution (then the report) keeps only its tail (where the final answer is), after a
+'[... earlier text cut ...]' marker, halving until the prompt fits; each cut is counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from mars_jax.agents import prompts
+from mars_jax.rewards import grader
+from mars_jax.rewards.agent_rewards import parse_verdict, verifier_reward
+from mars_jax.rewards.text import strip_thinking
+from mars_jax.rl.selection import Candidate, select_parents
+
+STAGE_ROLES = ("solver", "verifier", "corrector", "verifier", "corrector")
+CUT_MARKER = "[... earlier text cut ...]\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How rollouts are grown and cut."""
+
+    group_size: int = 8
+    fan_out: int = 2
+    selection: str = "adaptive"
+    max_stages: int = 5
+    max_new_tokens: dict = dataclasses.field(
+        default_factory=lambda: {"solver": 512, "verifier": 512, "corrector": 512})
+    segment_tokens: int | None = None
+    staleness_bound: int = 1
+    max_prompt_tokens: int = 2048
+    enable_thinking: bool = False
+    prompt_style: str = "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """Decode `max_new_tokens` after `prompt_ids` for `role`."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    role: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str           # 'stop' | 'length'
+    expert_ids: np.ndarray | None = None
+
+
+class Generator(Protocol):
+    def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]: ...
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One member of a group, possibly partially decoded."""
+
+    uid: str
+    problem_uid: str
+    stage: int
+    parent_uid: str | None
+    prompt_ids: list[int]
+    solution: str | None = None          # the solution judged (Verifier) / revised (Corrector)
+    judged_correct: bool | None = None   # Verifier: is the judged solution actually correct
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    first_version: int | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    reward: float = 0.0
+    expert_ids: Any = None
+
+    @property
+    def role(self) -> str:
+        return STAGE_ROLES[self.stage]
+
+    @property
+    def group_key(self) -> tuple[str, int, str | None]:
+        return (self.problem_uid, self.stage, self.parent_uid)
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["expert_ids"] = None  # re-recorded when a partial rollout is resumed
+        return data
+
+
+@dataclasses.dataclass
+class ProblemTree:
+    uid: str
+    problem: dict
+    spawned: dict = dataclasses.field(default_factory=dict)   # stage -> rollouts spawned
+    finished: dict = dataclasses.field(default_factory=dict)  # stage -> [finished rollout]
+
+
+class AgenticRollouts:
+    """Pending rollouts of every problem in flight, and the trees that spawn them."""
+
+    def __init__(self, tokenizer, config: RolloutConfig, *, seed: int,
+                 encode: Callable[..., list[int]]):
+        self.tokenizer, self.config, self.encode = tokenizer, config, encode
+        self.rng = np.random.default_rng(seed)
+        self.pending: list[Rollout] = []
+        self.trees: dict[str, ProblemTree] = {}
+        self.context_cuts = 0
+        self.restarts = 0
+
+    # --- building rollouts -------------------------------------------------------------------
+
+    def _encode(self, messages) -> list[int]:
+        return self.encode(self.tokenizer, list(messages),
+                           enable_thinking=self.config.enable_thinking, add_generation_prompt=True)
+
+    def _fit(self, build: Callable[..., Any], *texts: str) -> list[int]:
+        """Encodes `build(*texts)`, cutting texts (from the first) per the overflow rule."""
+        texts = list(texts)
+        ids = self._encode(build(*texts))
+        for i in range(len(texts)):
+            body = texts[i]
+            while len(ids) > self.config.max_prompt_tokens and len(body) > 16:
+                body = body[len(body) // 2:]
+                texts[i] = CUT_MARKER + body
+                ids = self._encode(build(*texts))
+                self.context_cuts += 1
+        if len(ids) > self.config.max_prompt_tokens:
+            raise ValueError(f"a prompt of {len(ids)} tokens still exceeds "
+                             f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}")
+        return ids
+
+    def _spawn(self, tree: ProblemTree, stage: int, parent: Rollout | None, prompt_ids, **extra):
+        index = tree.spawned.get(stage, 0)
+        for i in range(self.config.group_size):
+            self.pending.append(Rollout(
+                uid=f"{tree.uid}/s{stage}/{index + i}", problem_uid=tree.uid, stage=stage,
+                parent_uid=None if parent is None else parent.uid, prompt_ids=list(prompt_ids),
+                **extra))
+        tree.spawned[stage] = index + self.config.group_size
+
+    def add_problems(self, problems: Sequence[dict], uids: Sequence[str]) -> None:
+        """Starts a tree per problem with a Solver group."""
+        for problem, uid in zip(problems, uids):
+            tree = ProblemTree(uid=uid, problem=dict(problem))
+            self.trees[uid] = tree
+            ids = self._encode(prompts.solver_messages(problem["problem"], self.config.prompt_style))
+            if len(ids) > self.config.max_prompt_tokens:
+                raise ValueError(f"problem {problem.get('id')}: prompt of {len(ids)} tokens exceeds "
+                                 f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}")
+            self._spawn(tree, 0, None, ids)
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    def _budget(self, rollout: Rollout) -> int:
+        return self.config.max_new_tokens[rollout.role] - len(rollout.response_ids)
+
+    def take_requests(self, version: int) -> tuple[list[Rollout], list[GenerationRequest]]:
+        """Pops every pending rollout (restarting over-stale partial ones) with its request."""
+        batch, self.pending = self.pending, []
+        requests = []
+        for r in batch:
+            if r.response_ids and version - r.first_version > self.config.staleness_bound:
+                r.response_ids, r.logprobs, r.first_version = [], [], None
+                self.restarts += 1
+            budget = self._budget(r)
+            if self.config.segment_tokens:
+                budget = min(budget, self.config.segment_tokens)
+            requests.append(GenerationRequest(tuple(r.prompt_ids + r.response_ids), budget, r.role))
+        return batch, requests
+
+    def absorb(self, batch: Sequence[Rollout], outputs: Sequence[GenerationOutput], version: int
+               ) -> list[list[Rollout]]:
+        """Appends decoded tokens; grades what finished; spawns next stages. Returns the groups
+        that became complete (every member finished), ready for training."""
+        if len(batch) != len(outputs):
+            raise ValueError(f"generator returned {len(outputs)} outputs for {len(batch)} requests")
+        finished = []
+        for r, out in zip(batch, outputs):
+            if r.first_version is None:
+                r.first_version = version
+            r.response_ids += list(out.token_ids)
+            r.logprobs += list(out.logprobs)
+            r.expert_ids = out.expert_ids
+            if out.finish_reason == "stop" or self._budget(r) <= 0:
+                r.finish_reason = "stop" if out.finish_reason == "stop" else "length"
+                r.text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+                finished.append(r)
+            else:
+                self.pending.append(r)
+        self._grade(finished)
+        groups = []
+        for r in finished:
+            tree = self.trees[r.problem_uid]
+            tree.finished.setdefault(r.stage, []).append(r)
+        for uid in dict.fromkeys(r.problem_uid for r in finished):
+            groups += self._complete_groups(self.trees[uid], finished)
+            self._advance(self.trees[uid])
+        return groups
+
+    def _grade(self, finished: Sequence[Rollout]) -> None:
+        answer_roles = [r for r in finished if r.role != "verifier"]
+        golds = [self.trees[r.problem_uid].problem["answer"] for r in answer_roles]
+        for r, ok in zip(answer_roles, grader.grade_many([r.text for r in answer_roles], golds)):
+            r.reward = float(ok)
+        for r in finished:
+            if r.role == "verifier":
+                r.reward = verifier_reward(r.text, bool(r.judged_correct))
+
+    def _complete_groups(self, tree: ProblemTree, finished: Sequence[Rollout]) -> list[list[Rollout]]:
+        keys = dict.fromkeys(r.group_key for r in finished if r.problem_uid == tree.uid)
+        groups = []
+        for key in keys:
+            members = [r for r in tree.finished.get(key[1], []) if r.group_key == key]
+            if len(members) == self.config.group_size:
+                groups.append(members)
+        return groups
+
+    def _advance(self, tree: ProblemTree) -> None:
+        """Spawns the next stage when the last one is complete; forgets finished trees."""
+        stage = max(tree.spawned)
+        done = tree.finished.get(stage, [])
+        if len(done) < tree.spawned[stage]:
+            return
+        next_stage = stage + 1
+        if next_stage < self.config.max_stages:
+            self._spawn_children(tree, done, next_stage)
+        if max(tree.spawned) == stage:  # nothing new: the trajectory is over
+            del self.trees[tree.uid]
+
+    def _spawn_children(self, tree: ProblemTree, parents: list[Rollout], stage: int) -> None:
+        usable = list(parents)
+        role = STAGE_ROLES[stage]
+        if role == "verifier":
+            candidates = [Candidate(is_correct=r.reward == 1.0) for r in usable]
+        else:
+            candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=parse_verdict(r.text))
+                          for r in usable]
+        chosen = select_parents(candidates, stage=role, fan_out=self.config.fan_out,
+                                policy=self.config.selection, rng=self.rng)
+        problem, style = tree.problem["problem"], self.config.prompt_style
+        for index in chosen:
+            parent = usable[index]
+            if role == "verifier":
+                solution = strip_thinking(parent.text)
+                ids = self._fit(lambda s: prompts.verifier_messages(problem, s, style), solution)
+                self._spawn(tree, stage, parent, ids, solution=solution,
+                            judged_correct=parent.reward == 1.0)
+            else:
+                report = prompts.bug_report(parent.text)
+                ids = self._fit(lambda s, rep: prompts.corrector_messages(problem, s, rep, style),
+                                parent.solution or "", report)
+                self._spawn(tree, stage, parent, ids, solution=parent.solution)
+
+    # --- checkpointing -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: pending rollouts, trees in flight, selection RNG, counters."""
+        def tree_json(t: ProblemTree) -> dict:
+            return dict(uid=t.uid, problem=t.problem, spawned={str(k): v for k, v in t.spawned.items()},
+                        finished={str(k): [r.to_json() for r in v] for k, v in t.finished.items()})
+
+        return dict(pending=[r.to_json() for r in self.pending],
+                    trees=[tree_json(t) for t in self.trees.values()],
+                    rng=self.rng.bit_generator.state, context_cuts=self.context_cuts,
+                    restarts=self.restarts)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = [Rollout(**r) for r in state["pending"]]
+        self.trees = {}
+        for t in state["trees"]:
+            self.trees[t["uid"]] = ProblemTree(
+                uid=t["uid"], problem=t["problem"],
+                spawned={int(k): v for k, v in t["spawned"].items()},
+                finished={int(k): [Rollout(**r) for r in v] for k, v in t["finished"].items()})
+        self.rng.bit_generator.state = state["rng"]
+        self.context_cuts, self.restarts = state["context_cuts"], state["restarts"]

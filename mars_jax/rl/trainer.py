@@ -1,0 +1,222 @@
+"""The MarsRL training loop: rollouts -> agent-specific rewards -> group advantages -> update.
+
+Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the current
+parameters, train on the groups that completed, write metrics, checkpoint. Sampler and update
+share the same parameter arrays; the policy version is the number of applied updates.
+Re-running the same command on the same workdir resumes from the newest readable checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+import tqdm
+from flax import nnx
+from ml_collections import ConfigDict
+
+from mars_jax import builders, sharding
+from mars_jax.checkpoint import Checkpointer
+from mars_jax.data.tokenizer import encode_chat, eos_token_ids
+from mars_jax.metrics import MetricsWriter
+from mars_jax.rewards.agent_rewards import parse_verdict
+from mars_jax.rl.advantages import group_advantages_np
+from mars_jax.rl.batching import TrainSample, make_batch
+from mars_jax.rl.losses import LossConfig
+from mars_jax.rl.pipeline import rollout_step, trainable
+from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
+                                 RolloutConfig, Rollout)
+from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.sampling import generate
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; a final checkpoint was written."""
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many non-finite updates in a row; the last good checkpoint is kept."""
+
+
+class SamplerGenerator:
+    """Decodes `GenerationRequest`s with `mars_jax.sampling.generate` on one model version."""
+
+    def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
+                 top_k: int, seed: int, record_routing: bool, mesh=None):
+        self.model, self.eos, self.seed, self.mesh = model, tuple(eos), seed, mesh
+        self.kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                           record_routing=record_routing)
+        self.calls = 0
+
+    def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        if not requests:
+            return []
+        result = generate(self.model, [list(r.prompt_ids) for r in requests],
+                          max_new_tokens=[r.max_new_tokens for r in requests],
+                          eos_token_ids=self.eos, seed=self.seed + self.calls, mesh=self.mesh,
+                          **self.kwargs)
+        self.calls += 1
+        experts = result.expert_ids or [None] * len(requests)
+        return [GenerationOutput(tuple(t), tuple(lp), "stop" if reason == "stop" else "length", e)
+                for t, lp, reason, e in zip(result.tokens, result.logprobs,
+                                            result.finish_reasons, experts)]
+
+
+def rollout_config(config: ConfigDict) -> RolloutConfig:
+    r = config.rollout
+    return RolloutConfig(
+        group_size=r.group_size, fan_out=r.fan_out, selection=r.selection,
+        max_stages=1 if r.roles_trained == "solver" else r.max_stages,
+        max_new_tokens=dict(r.max_new_tokens), segment_tokens=r.segment_tokens or None,
+        staleness_bound=r.staleness_bound, max_prompt_tokens=r.max_prompt_tokens,
+        enable_thinking=r.enable_thinking, prompt_style=r.prompt_style)
+
+
+def loss_config(config: ConfigDict) -> LossConfig:
+    fields = {k: (None if v in ("", 0) and k in ("clip_c", "tis_cap", "mastered_mask_prob",
+                                                   "target_entropy", "max_response_len") else v)
+              for k, v in config.loss.items()}
+    return LossConfig(**fields)
+
+
+def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
+    """Mean reward per role, Verifier accuracy (verdict right) and recall (errors found)."""
+    samples = [r for g in groups for r in g]
+    metrics: dict[str, float] = {}
+    for role in ("solver", "verifier", "corrector"):
+        rewards = [r.reward for r in samples if r.role == role]
+        metrics[f"reward/{role}"] = float(np.mean(rewards)) if rewards else float("nan")
+        metrics[f"samples/{role}"] = len(rewards)
+    verifiers = [r for r in samples if r.role == "verifier"]
+    metrics["verifier/accuracy"] = metrics["reward/verifier"]
+    wrong = [r for r in verifiers if not r.judged_correct]
+    metrics["verifier/recall"] = (float(np.mean([parse_verdict(r.text) is False for r in wrong]))
+                                  if wrong else float("nan"))
+    return metrics
+
+
+def training_samples(groups: Sequence[list[Rollout]], *, drop_zero_variance: bool,
+                     normalize_std: bool) -> list[TrainSample]:
+    """GRPO advantages within each (problem, role, parent) group, then one TrainSample each."""
+    if not groups:
+        return []
+    members = [r for g in groups for r in g]
+    ids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    result = group_advantages_np(np.array([r.reward for r in members], np.float32), ids,
+                                 normalize_std=normalize_std)
+    return [TrainSample(r.prompt_ids, r.response_ids, r.logprobs, float(a), r.expert_ids)
+            for r, a, zero in zip(members, result.advantages, result.zero_variance)
+            if not (drop_zero_variance and zero)]
+
+
+class _SigtermFlag:
+    def __init__(self):
+        self.raised = False
+        try:
+            signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread (e.g. inside a notebook worker)
+            pass
+
+    def _handle(self, signum, frame):
+        self.raised = True
+
+
+def train(config: ConfigDict, workdir: str) -> dict[str, float]:
+    """Trains for `config.total_steps` steps (resuming if `workdir` has checkpoints); returns the
+    last step's metrics."""
+    workdir_path = Path(workdir)
+    workdir_path.mkdir(parents=True, exist_ok=True)
+    sigterm = _SigtermFlag()
+    mesh = builders.build_mesh(config)
+    with sharding.use_mesh(mesh):
+        model = builders.build_model(config, mesh)
+    tokenizer = builders.build_tokenizer(config)
+    problems = builders.build_problem_iterator(config)
+    optimizer = make_optimizer(**dict(config.optimizer))
+    graphdef, _ = nnx.split(model, nnx.Param)
+    state = init_train_state(model, optimizer)
+    update_config = UpdateConfig(loss=loss_config(config), temperature=config.rollout.temperature,
+                                 logits_chunk=config.learner.logits_chunk,
+                                 routing_replay=config.learner.routing_replay)
+    ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
+                  if update_config.loss.needs_ref_logprobs else None)
+    engine = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed, encode=encode_chat)
+    checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
+                                async_save=config.checkpoint.async_save)
+    start, nonfinite_streak = 0, 0
+    restored = checkpointer.restore_latest(state)
+    if restored is not None:
+        start, state, meta = restored
+        problems.set_state(meta["data"])
+        engine.load_state_dict(meta["rollouts"])
+        nonfinite_streak = meta["nonfinite_streak"]
+        logging.info("resumed from step %d", start)
+    writer = MetricsWriter(workdir_path, resume_step=start)
+    eos = eos_token_ids(tokenizer)
+    metrics: dict[str, float] = {}
+    bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
+                    total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
+    try:
+        for step in bar:
+            version = int(state.step)
+            model = nnx.merge(graphdef, state.params)
+            generator = SamplerGenerator(
+                model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                top_k=config.rollout.top_k, seed=config.seed * 1_000_003 + step * 1_009,
+                record_routing=config.learner.routing_replay, mesh=mesh)
+            t0 = time.perf_counter()
+            with sharding.use_mesh(mesh):
+                rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,
+                                        prompts_per_step=config.rollout.prompts_per_step,
+                                        step=step, version=version)
+            t1 = time.perf_counter()
+            groups = trainable(rollouts.groups, config.rollout.roles_trained)
+            samples = training_samples(groups, drop_zero_variance=config.rollout.drop_zero_variance,
+                                       normalize_std=config.rollout.normalize_std)
+            metrics = role_metrics(rollouts.groups)
+            metrics.update({
+                "tokens_per_second": rollouts.generated_tokens / max(t1 - t0, 1e-9),
+                "staleness/max": max((version - r.first_version for g in groups for r in g),
+                                     default=0),
+                "samples/trained": len(samples), "decode/calls": len(rollouts.decode_batches),
+                "decode/requests": sum(sum(b.values()) for b in rollouts.decode_batches),
+                "rollouts/pending": len(engine.pending), "rollouts/context_cuts": engine.context_cuts,
+                "rollouts/restarts": engine.restarts, "time/rollout": t1 - t0})
+            for stage in range(5):
+                metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
+            if samples:
+                batch = make_batch(samples, micro_batch_size=config.learner.micro_batch_size)
+                with sharding.use_mesh(mesh):
+                    state, update_metrics = train_step(state, batch, ref_params, graphdef=graphdef,
+                                                       optimizer=optimizer, config=update_config)
+                metrics.update({f"update/{k}": float(v) for k, v in update_metrics.items()})
+                finite = update_metrics["finite"] > 0
+                nonfinite_streak = 0 if finite else nonfinite_streak + 1
+                if not finite:
+                    logging.warning("step %d: non-finite loss or gradient, update skipped", step)
+            metrics["time/update"] = time.perf_counter() - t1
+            metrics["policy_version"] = int(state.step)
+            writer.write(step, metrics)
+            bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/solver", "reward/verifier")
+                             if np.isfinite(metrics[k])})
+            if nonfinite_streak >= config.max_nonfinite_updates:
+                raise NonFiniteUpdates(f"{nonfinite_streak} non-finite updates in a row at step "
+                                       f"{step}; the last good checkpoint is kept")
+            if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
+                                          or step == config.total_steps or sigterm.raised):
+                checkpointer.save(step, state, {
+                    "data": problems.get_state(), "rollouts": engine.state_dict(),
+                    "nonfinite_streak": nonfinite_streak})
+            if sigterm.raised:
+                raise Preempted(f"SIGTERM at step {step}; checkpoint saved")
+    finally:
+        checkpointer.close()
+        writer.close()
+        bar.close()
+    return metrics

@@ -1,0 +1,81 @@
+"""The `arith` task: answers recomputed independently, determinism, knobs, splits."""
+
+import ast
+import re
+
+import pytest
+
+from mars_jax.data import arith, datasets
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+
+def _independent_value(expression: str) -> int:
+    """Evaluate + - * over integer literals by walking Python's own parse tree."""
+
+    def walk(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        raise AssertionError(f"unexpected syntax in {expression!r}: {ast.dump(node)}")
+
+    return walk(ast.parse(expression, mode="eval").body)
+
+
+def _expression(problem: str) -> str:
+    match = re.fullmatch(r"What is (.+)\?", problem)
+    assert match, problem
+    return match.group(1)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_answers_recomputed(split):
+    problems = datasets.load("arith", split)
+    assert len(problems) == arith.SPLITS[split][1]
+    for problem in problems:
+        assert problem["answer"] == str(_independent_value(_expression(problem["problem"])))
+
+
+def test_small_alphabet_and_knobs():
+    problems = arith.generate_problems(300, seed=7, num_ops=(2, 4), max_operand=9, operators="+*")
+    for problem in problems:
+        expression = _expression(problem["problem"])
+        assert set(expression) <= set("0123456789+* ()")
+        operands = [int(n) for n in re.findall(r"\d+", expression)]
+        assert max(operands) <= 9
+        assert 2 <= problem["num_ops"] == len(re.findall(r"[+*]", expression)) <= 4
+        assert int(problem["answer"]) >= 0
+    assert set(arith.load_split("train")[0]) == {"id", "problem", "answer", "num_ops"}
+
+
+def test_deterministic_and_distinct():
+    first = arith.generate_problems(200, seed=3)
+    assert first == arith.generate_problems(200, seed=3)
+    assert first != arith.generate_problems(200, seed=4)
+    assert len({p["problem"] for p in first}) == 200
+    assert len({p["id"] for p in first}) == 200
+
+
+def test_precedence_parentheses():
+    # Minimal parentheses must still encode the tree: check values where they matter.
+    problems = arith.generate_problems(2000, seed=11, num_ops=3, max_operand=9)
+    with_parens = [p for p in problems if "(" in p["problem"]]
+    assert with_parens, "some trees need parentheses"
+    for problem in with_parens:
+        assert problem["answer"] == str(_independent_value(_expression(problem["problem"])))
+
+
+def test_train_and_test_are_disjoint():
+    train = {p["problem"] for p in arith.load_split("train")}
+    test = {p["problem"] for p in arith.load_split("test")}
+    assert not train & test
+
+
+def test_bad_knobs():
+    with pytest.raises(ValueError, match="num_ops"):
+        arith.generate_problems(1, seed=0, num_ops=0)
+    with pytest.raises(ValueError, match="operators"):
+        arith.generate_problems(1, seed=0, operators="/")
+    with pytest.raises(ValueError, match="distinct problems"):
+        arith.generate_problems(500, seed=0, num_ops=1, max_operand=2, operators="+")

@@ -1,0 +1,90 @@
+"""Tokenizers: the tiny byte-level one, the real Qwen3 one, chat formatting, eos ids."""
+
+import pytest
+
+from mars_jax.data import arith
+from mars_jax.data.tokenizer import encode_chat, eos_token_ids, load_tokenizer, qwen3_tokenizer, tiny_tokenizer
+
+MESSAGES = [
+    {"role": "system", "content": "You are an exacting reviewer."},
+    {"role": "user", "content": "What is 7 + 3 * (12 - 5)?\n\nWrite the final answer inside \\boxed{}."},
+]
+# Qwen3's chat format, written out by hand.
+PROMPT = (
+    "<|im_start|>system\nYou are an exacting reviewer.<|im_end|>\n"
+    "<|im_start|>user\nWhat is 7 + 3 * (12 - 5)?\n\nWrite the final answer inside \\boxed{}.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+AGENT_TEXT = (
+    "**Final Verdict:** The solution contains a Critical Error.\n"
+    "**List of Findings:**\n* **Location:** \"$x^2 - 4 = 0 \\implies x = 2$\"\n"
+    "  **Issue:** Critical Error — the root $x = -2$ is lost; naïve.\n"
+    "**Correctness:** Wrong"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_tokenizer()
+
+
+def test_tiny_vocabulary(tiny):
+    assert len(tiny) == 261 <= 512
+    assert tiny.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]) == [
+        256, 257, 258, 259, 260,
+    ]
+    assert tiny.encode("A", add_special_tokens=False) == [ord("A")]
+    assert tiny_tokenizer().get_vocab() == tiny.get_vocab()  # built deterministically
+
+
+@pytest.mark.parametrize("text", [p["problem"] for p in arith.generate_problems(50, seed=0)] + ["-1234", AGENT_TEXT])
+def test_tiny_round_trip(tiny, text):
+    ids = tiny.encode(text, add_special_tokens=False)
+    assert tiny.decode(ids) == text
+    assert max(ids) < len(tiny)
+
+
+def test_think_tokens_are_single_and_kept(tiny):
+    text = "<think>\nhmm\n</think>\n\n\\boxed{-17}<|im_end|>"
+    ids = tiny.encode(text, add_special_tokens=False)
+    assert ids[0] == 259 and 260 in ids and ids[-1] == 258
+    assert tiny.decode(ids, skip_special_tokens=True) == "<think>\nhmm\n</think>\n\n\\boxed{-17}"
+
+
+@pytest.mark.parametrize("make", [tiny_tokenizer, qwen3_tokenizer], ids=["tiny", "qwen3"])
+def test_chat_format(make):
+    tokenizer = make()
+    thinking = encode_chat(tokenizer, MESSAGES, enable_thinking=True)
+    direct = encode_chat(tokenizer, MESSAGES, enable_thinking=False)
+    assert tokenizer.decode(thinking) == PROMPT
+    assert tokenizer.decode(direct) == PROMPT + "<think>\n\n</think>\n\n"
+    history = [*MESSAGES, {"role": "assistant", "content": "<think>\nsum\n</think>\n\n\\boxed{28}"}]
+    closed = tokenizer.decode(encode_chat(tokenizer, history, add_generation_prompt=False))
+    assert closed == PROMPT + "<think>\nsum\n</think>\n\n\\boxed{28}<|im_end|>\n"
+
+
+def test_qwen3_tokenizer_is_the_real_one():
+    tokenizer = qwen3_tokenizer()
+    assert len(tokenizer) == 151_669
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]) == [
+        151643, 151644, 151645, 151667, 151668,
+    ]
+    assert tokenizer.decode(tokenizer.encode(AGENT_TEXT, add_special_tokens=False)) == AGENT_TEXT
+
+
+def test_eos_token_ids(tiny):
+    assert eos_token_ids(tiny) == (258, 256)
+    assert eos_token_ids(qwen3_tokenizer()) == (151645, 151643)
+
+
+def test_save_and_load_from_checkpoint_dir(tiny, tmp_path):
+    tiny.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.encode(AGENT_TEXT, add_special_tokens=False) == tiny.encode(AGENT_TEXT, add_special_tokens=False)
+    assert encode_chat(loaded, MESSAGES) == encode_chat(tiny, MESSAGES)
+    assert eos_token_ids(loaded) == (258, 256)
+
+
+def test_missing_tokenizer_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer directory not found: .*nowhere"):
+        load_tokenizer(tmp_path / "nowhere")

@@ -1,0 +1,71 @@
+"""Agreement of our grader with 362 external answer-equivalence cases (shared/data).
+
+The cases come from seven projects' grader test suites (grader_cases_SOURCES.md).
+Rows whose source harness is a reward on a whole response (`openr1_accuracy_reward`,
+`rllm_reward_math`) go through `grade`; all others compare answers with
+`is_equivalent`. Run with `-s` to see the per-source table and the misses.
+
+This measures the equivalence rules, not the time bound (see test_grader_safety.py):
+a few cases need up to ~0.5 s of sympy on an idle core, so on a loaded shared machine
+the 1 s default would turn them into timeouts. The test therefore allows 5 s per case.
+"""
+
+import collections
+import json
+import os
+
+import pytest
+
+from mars_jax.data.paths import default_manual_dir
+from mars_jax.rewards import grader
+
+RESPONSE_HARNESSES = {"openr1_accuracy_reward", "rllm_reward_math"}
+MIN_AGREEMENT = 0.96
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    path = os.path.join(default_manual_dir(), "grader_cases.jsonl")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _verdicts(cases: list[dict]) -> list[bool]:
+    response_rows = [i for i, c in enumerate(cases) if c["harness"] in RESPONSE_HARNESSES]
+    answer_rows = [i for i, c in enumerate(cases) if c["harness"] not in RESPONSE_HARNESSES]
+    verdicts = [False] * len(cases)
+    graded = grader.grade_many(
+        [cases[i]["pred"] for i in response_rows], [cases[i]["gold"] for i in response_rows], timeout=TIMEOUT_S
+    )
+    compared = grader.is_equivalent_many(
+        [cases[i]["pred"] for i in answer_rows], [cases[i]["gold"] for i in answer_rows], timeout=TIMEOUT_S
+    )
+    for rows, values in ((response_rows, graded), (answer_rows, compared)):
+        for i, value in zip(rows, values):
+            verdicts[i] = value
+    return verdicts
+
+
+def test_agreement_with_external_cases(cases):
+    assert len(cases) == 362
+    grader.warm_up()
+    verdicts = _verdicts(cases)
+    total, agree = collections.Counter(), collections.Counter()
+    misses = []
+    for case, verdict in zip(cases, verdicts):
+        source = case["source"].split("@")[0]
+        total[source] += 1
+        if verdict == case["expected"]:
+            agree[source] += 1
+        else:
+            misses.append(f"{case['id']} expected={case['expected']} [{case['harness']}] "
+                          f"gold={case['gold'][:60]!r} pred={case['pred'][-80:]!r}")
+    print(f"\n{'source':28s} {'agree':>7s} {'n':>4s}")
+    for source in sorted(total):
+        print(f"{source:28s} {agree[source]:7d} {total[source]:4d}")
+    overall = sum(agree.values()) / len(cases)
+    print(f"{'overall':28s} {sum(agree.values()):7d} {len(cases):4d}  ({100 * overall:.1f}%)")
+    print("misses:\n  " + "\n  ".join(misses))
+    print(f"worker outcomes: {grader.worker_stats()}")
+    assert overall >= MIN_AGREEMENT, f"agreement {overall:.3f} < {MIN_AGREEMENT}"
