@@ -6,8 +6,10 @@ r"""Entry point of every mars_jax job: MarsRL training or V–C system evaluatio
 `--config.<field>=value` overrides any config field. Rerunning a training command on the same
 workdir resumes it; exit code 75 means it was preempted (SIGTERM) after a final checkpoint.
 """
+import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -22,6 +24,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     config = _CONFIG.value
+    if config.jax_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if config.job == "train":
         try:
             trainer.train(config, _WORKDIR.value)

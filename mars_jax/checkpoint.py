@@ -20,6 +20,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
 

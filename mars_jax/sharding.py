@@ -15,10 +15,12 @@ import dataclasses
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -50,22 +52,49 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the mesh axes; one size may be -1, meaning all remaining devices."""
+    """Sizes of the mesh axes; one size may be -1, meaning all remaining devices.
+
+    `data`, `fsdp`, `tensor` and `expert` are sizes within one slice (ICI). `dcn` gives, in
+    `MESH_AXES` order, how many slices each axis spans (data-centre network; on GPUs and CPUs a
+    slice is a process); an axis's full size is its within-slice size times its `dcn` size.
+    """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
+    dcn: tuple[int, ...] = (1,) * len(MESH_AXES)
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, int]) -> "MeshConfig":
-        unknown = set(mapping) - set(MESH_AXES)
-        if unknown:
-            raise ValueError(f"mesh: unknown axes {sorted(unknown)}; valid axes are {MESH_AXES}")
-        return cls(**{k: int(v) for k, v in mapping.items()})
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "MeshConfig":
+        """Axis sizes by name, plus an optional `dcn` mapping of across-slice sizes by name."""
+        mapping = dict(mapping)
+        dcn = dict(mapping.pop("dcn", None) or {})
+        for where, names in (("mesh", mapping), ("mesh.dcn", dcn)):
+            unknown = set(names) - set(MESH_AXES)
+            if unknown:
+                raise ValueError(f"{where}: unknown axes {sorted(unknown)}; valid axes are {MESH_AXES}")
+        for name, size in dcn.items():
+            if int(size) < 1:
+                raise ValueError(f"mesh.dcn.{name}: size must be positive, got {size}")
+        return cls(**{k: int(v) for k, v in mapping.items()},
+                   dcn=tuple(int(dcn.get(name, 1)) for name in MESH_AXES))
+
+    @property
+    def num_slices(self) -> int:
+        return math.prod(self.dcn)
 
     def resolve(self, num_devices: int) -> tuple[int, ...]:
-        """Axis sizes with -1 replaced; raises ValueError naming the field when they do not fit."""
+        """Full axis sizes (within-slice times `dcn`) with -1 replaced; raises ValueError naming
+        the field when they do not fit `num_devices`."""
+        if num_devices % self.num_slices:
+            raise ValueError(f"mesh.dcn: {num_devices} devices cannot form {self.num_slices} "
+                             f"equal slices (dcn sizes {dict(zip(MESH_AXES, self.dcn))})")
+        ici = self.resolve_ici(num_devices // self.num_slices)
+        return tuple(i * d for i, d in zip(ici, self.dcn))
+
+    def resolve_ici(self, num_devices: int) -> tuple[int, ...]:
+        """Within-slice axis sizes with -1 replaced, for slices of `num_devices` devices."""
         sizes = [getattr(self, name) for name in MESH_AXES]
         wildcard = [name for name, size in zip(MESH_AXES, sizes) if size == -1]
         if len(wildcard) > 1:
@@ -87,16 +116,35 @@ class MeshConfig:
         return tuple(sizes)
 
 
-def make_mesh(config: MeshConfig | Mapping[str, int] | None = None,
+def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`."""
+    """Builds the ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`.
+
+    Devices are laid out along the physical topology (`mesh_utils`). With `dcn` sizes, each
+    slice (devices sharing a `slice_index`, or a process where devices have none) holds one
+    within-slice block of the mesh and the `dcn` axes run across slices.
+    """
     if config is None:
         config = MeshConfig()
     elif not isinstance(config, MeshConfig):
         config = MeshConfig.from_mapping(config)
     devices = list(jax.devices() if devices is None else devices)
     shape = config.resolve(len(devices))
-    device_array = np.asarray(devices).reshape(shape)
+    if config.num_slices == 1:
+        device_array = mesh_utils.create_device_mesh(shape, devices,
+                                                     allow_split_physical_axes=True)
+    else:
+        by_slice = hasattr(devices[0], "slice_index")
+        granules = {d.slice_index if by_slice else d.process_index for d in devices}
+        if len(granules) != config.num_slices:
+            kind = "slices" if by_slice else "processes"
+            raise ValueError(f"mesh.dcn: sizes {dict(zip(MESH_AXES, config.dcn))} need "
+                             f"{config.num_slices} slices, but the devices span {len(granules)} "
+                             f"{kind}")
+        ici = config.resolve_ici(len(devices) // config.num_slices)
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici, config.dcn, devices, process_is_granule=not by_slice,
+            allow_split_physical_axes=True)
     return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -11,6 +11,7 @@ def base_config() -> ConfigDict:
     c.total_steps = 100
     c.max_nonfinite_updates = 3
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
+    c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)
 
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
 
@@ -42,7 +43,8 @@ def base_config() -> ConfigDict:
                                   decay_steps=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0))
 
-    c.learner = ConfigDict(dict(micro_batch_size=8, logits_chunk=256, routing_replay=False))
+    c.learner = ConfigDict(dict(micro_batch_size=8, min_length=32, logits_chunk=256,
+                                routing_replay=False))
 
     c.checkpoint = ConfigDict(dict(every_steps=1, keep=3, async_save=True))
 

@@ -191,7 +191,8 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
             for stage in range(5):
                 metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
             if samples:
-                batch = make_batch(samples, micro_batch_size=config.learner.micro_batch_size)
+                batch = make_batch(samples, micro_batch_size=config.learner.micro_batch_size,
+                                   min_length=config.learner.min_length)
                 with sharding.use_mesh(mesh):
                     state, update_metrics = train_step(state, batch, ref_params, graphdef=graphdef,
                                                        optimizer=optimizer, config=update_config)

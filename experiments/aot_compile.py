@@ -1,0 +1,389 @@
+r"""Ahead-of-time compilation of every program of a MarsRL training step for a TPU or GPU topology.
+
+  pip install -e .[tpu]          # libtpu: compiles for any TPU topology from a CPU machine
+  python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b.py \
+      --topology=v5p:4x4x4
+  python experiments/aot_compile.py --config=experiments/configs/smoke.py \
+      --config.model.preset=bench --topology=v5e:2x2
+  python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b_gpu.py \
+      --topology=h200:8            # needs the CUDA PJRT plugin (pip install jax[cuda12])
+
+Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `rl.batching`):
+  prefill   prefill of a decode batch + its first segment (`sampler._prefill_and_decode`)
+  decode    one further segment of that batch (`sampler._continue_decode`)
+  logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
+  update    `rl.update.train_step` over one step's micro-batches
+Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
+FLOPs (`cost_analysis()`: per device, a loop body counted once) and whether it fits the chip;
+the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
+same width (compile time grows with depth: the layer loop is unrolled).
+"""
+from __future__ import annotations
+
+import os
+
+for _key, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"),
+                     ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+    os.environ.setdefault(_key, _value)
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from ml_collections import ConfigDict, config_flags  # noqa: E402
+
+from mars_jax import builders, sharding  # noqa: E402
+from mars_jax.layers.attention import KVCache  # noqa: E402
+from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
+from mars_jax.rl import trainer  # noqa: E402
+from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optimizer,  # noqa: E402
+                                token_logprobs, train_step)
+from mars_jax.sampling import sampler  # noqa: E402
+
+PROGRAMS = ("prefill", "decode", "logprobs", "update")
+GiB = 1 << 30
+# HBM per device by `device_kind` (TPU compile-only devices do not report it).
+TPU_HBM = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": 95 * GiB,
+           "TPU v6 lite": 32 * GiB}
+# Deviceless GPU targets (`stream_executor.GpuTargetConfigProto`, from XLA's gpu_specs).
+GPU_SPECS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", memory=84_942_979_072, bandwidth=3_352_320_000_000),
+    "h200": dict(name="NVIDIA H200 141GB HBM3e", memory=151_397_597_184,
+                 bandwidth=4_800_000_000_000),
+}
+STOP_IDS = 2  # <|im_end|>, <|endoftext|>
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
+                                          lock_config=True)
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "TPU 'v5p:4x4x4', 'v5e:2x2', ... (libtpu) or GPU 'h100:8', 'h200:2x8' "
+    "(hosts x GPUs per host; CUDA plugin).")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice over DCN).")
+_PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), f"Subset of {PROGRAMS}.")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "Compile this many layers (0: the config's).")
+_JSON = flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
+flags.mark_flags_as_required(["config", "topology"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices to compile for and the HBM of one of them."""
+
+    devices: list
+    hbm_bytes: int
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Static shapes of a step's programs, bucketed the way the sampler and batcher bucket."""
+
+    decode_batch: int
+    prompt_len: int
+    new_tokens: int
+    segment: int
+    micro_batch: int
+    num_micro: int
+    train_len: int
+
+
+@dataclasses.dataclass
+class Result:
+    """One program's compile result; byte counts are per device."""
+
+    program: str
+    fits: bool
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    flops: float = 0.0
+    compile_s: float = 0.0
+    error: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+                + self.code_bytes)
+
+
+def _pow2(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def tpu_target(topology: str, num_slices: int = 1) -> Target:
+    """Compile-only devices of a TPU topology such as 'v5p:4x4x4' (through libtpu)."""
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    devices = topologies.get_topology_desc(topology, "tpu", **kwargs).devices
+    kind = devices[0].device_kind
+    if kind not in TPU_HBM:
+        raise ValueError(f"--topology: no HBM size known for {kind!r}; known: {sorted(TPU_HBM)}")
+    return Target(list(devices), TPU_HBM[kind],
+                  f"{topology} x{num_slices} slice(s): {len(devices)} x {kind}")
+
+
+def gpu_target(topology: str) -> Target:
+    """Compile-only devices of 'h100:8' / 'h200:2x8' (hosts x GPUs) through the CUDA plugin."""
+    model, _, shape = topology.partition(":")
+    hosts, _, per_host = shape.rpartition("x")
+    spec = GPU_SPECS[model]
+    target_config = (
+        "gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 "
+        "shared_memory_per_block: 49152 shared_memory_per_core: 233472 "
+        "threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128 "
+        "block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 "
+        f"memory_bandwidth: {spec['bandwidth']} l2_cache_size: 52428800 clock_rate_ghz: 1.98 "
+        f"device_memory_size: {spec['memory']} shared_memory_per_block_optin: 232448 "
+        "cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 "
+        "registers_per_block_limit: 65536 } "
+        f'platform_name: "CUDA" device_description_str: "{spec["name"]}"')
+    devices = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                           topology=f"1x{hosts or 1}x{per_host}").devices
+    return Target(list(devices), spec["memory"], f"{topology}: {len(devices)} x {spec['name']}")
+
+
+def make_target(topology: str, num_slices: int = 1) -> Target:
+    if topology.split(":")[0] in GPU_SPECS:
+        if num_slices != 1:
+            raise ValueError("--num_slices: multi-slice applies to TPU topologies only")
+        return gpu_target(topology)
+    return tpu_target(topology, num_slices)
+
+
+def model_config(config: ConfigDict, num_layers: int = 0) -> Qwen3Config:
+    """The architecture of `config.model` (checkpoint's config.json if present, else preset)."""
+    overrides = builders.model_overrides(config)
+    checkpoint = config.model.get("checkpoint")
+    if checkpoint and Path(checkpoint, "config.json").is_file():
+        cfg = Qwen3Config.from_json_file(Path(checkpoint, "config.json"), **overrides)
+    else:
+        cfg = get_preset(config.model.preset, **overrides)
+    if cfg.moe_impl == "auto":  # what 'auto' picks on TPU / GPU (this process runs on CPU)
+        cfg = cfg.replace(moe_impl="ragged")
+    return cfg.replace(num_hidden_layers=num_layers) if num_layers else cfg
+
+
+def step_shapes(config: ConfigDict) -> Shapes:
+    """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows, the longest
+    prompt and output budget, and training rows of prompt + output."""
+    r = config.rollout
+    decode_batch = r.prompts_per_step * r.group_size
+    prompt_len = _pow2(r.max_prompt_tokens, sampler.MIN_PROMPT_BUCKET)
+    new_tokens = _pow2(max(r.max_new_tokens.values()), sampler.MIN_NEW_BUCKET)
+    micro = config.learner.micro_batch_size
+    return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                  segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,
+                  num_micro=_pow2(-(-decode_batch // micro), 1),
+                  train_len=_pow2(r.max_prompt_tokens + max(r.max_new_tokens.values()), 32))
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def _sharded(mesh: Mesh, shape: Sequence[int], dtype, names: Sequence[str | None]):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype,
+                                sharding=sharding.named_sharding(mesh, names, shape))
+
+
+def _scalar(mesh: Mesh, dtype):
+    return jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+class StepPrograms:
+    """Lowers the step's programs over abstract, sharded parameters of `cfg` on `mesh`."""
+
+    def __init__(self, config: ConfigDict, cfg: Qwen3Config, mesh: Mesh):
+        self.config, self.cfg, self.mesh = config, cfg, mesh
+        self.shapes = step_shapes(config)
+        abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, state = nnx.split(abstract_model)
+        self.train_graphdef, _ = nnx.split(abstract_model, nnx.Param)
+        self.weights = _abstract(state, sharding.state_shardings(state, mesh))
+        self.num_moe = len(abstract_model.moe_layers)
+        self.sampling = sampler.SamplingParams(
+            greedy=False, top_k=config.rollout.top_k, top_p=config.rollout.top_p,
+            record_routing=config.learner.routing_replay and self.num_moe > 0)
+        self.update_config = UpdateConfig(
+            loss=trainer.loss_config(config), temperature=config.rollout.temperature,
+            logits_chunk=config.learner.logits_chunk, routing_replay=config.learner.routing_replay)
+
+    def lower(self, program: str) -> jax.stages.Lowered:
+        with sharding.use_mesh(self.mesh):
+            return getattr(self, f"_{program}")()
+
+    def _prefill(self) -> jax.stages.Lowered:
+        s, mesh = self.shapes, self.mesh
+        b = s.decode_batch
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
+        args = (_sharded(mesh, (b, s.prompt_len), jnp.int32, ("batch", None)),
+                _sharded(mesh, (b, s.prompt_len), jnp.int32, ("batch", None)),
+                _sharded(mesh, (b,), jnp.int32, ("batch",)),
+                _sharded(mesh, (b, STOP_IDS), jnp.int32, ("batch", None)),
+                _sharded(mesh, (b,), keys.dtype, ("batch",)),
+                _scalar(mesh, jnp.float32), _scalar(mesh, jnp.int32))
+        return sampler._prefill_and_decode.lower(self.graphdef, self.weights, *args,
+                                                 num_new=s.new_tokens, params=self.sampling)
+
+    def decode_state(self) -> sampler.DecodeState:
+        """The abstract state `_continue_decode` resumes, sharded by the logical rules."""
+        s, mesh, cfg = self.shapes, self.mesh, self.cfg
+        b, p, n = s.decode_batch, s.prompt_len, s.new_tokens
+        cache_shape = (b, p + n, cfg.num_key_value_heads, cfg.head_dim)
+        cache_names = ("batch", "cache_length", "act_kv_heads", None)
+        kv = lambda: _sharded(mesh, cache_shape, cfg.compute_dtype, cache_names)
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
+        experts = None
+        if self.sampling.record_routing:
+            experts = _sharded(mesh, (self.num_moe, b, p + n, cfg.num_experts_per_tok),
+                               jnp.int32, (None, "batch", None, None))
+        rows = lambda *tail, dtype=jnp.int32: _sharded(mesh, (b, *tail), dtype,
+                                                       ("batch",) + (None,) * len(tail))
+        return sampler.DecodeState(
+            cache=tuple(KVCache(kv(), kv()) for _ in range(cfg.num_hidden_layers)),
+            next_logits=_sharded(mesh, (b, cfg.vocab_size), jnp.float32, ("batch", "act_vocab")),
+            tokens=rows(n), logprobs=rows(n, dtype=jnp.float32), experts=experts,
+            step=_scalar(mesh, jnp.int32), lengths=rows(), done=rows(dtype=jnp.bool_),
+            hit_stop=rows(dtype=jnp.bool_), keys=rows(dtype=keys.dtype),
+            prompt_mask=rows(p, dtype=jnp.bool_), prompt_lengths=rows(), max_new=rows(),
+            stop_ids=rows(STOP_IDS))
+
+    def _decode(self) -> jax.stages.Lowered:
+        return sampler._continue_decode.lower(
+            self.graphdef, self.weights, self.decode_state(), _scalar(self.mesh, jnp.float32),
+            _scalar(self.mesh, jnp.int32), params=self.sampling)
+
+    def _train_rows(self, *lead: int, dtype=jnp.int32):
+        s = self.shapes
+        names = (None,) * (len(lead) - 1) + ("batch", None)
+        return _sharded(self.mesh, (*lead, s.micro_batch, s.train_len), dtype, names)
+
+    def _logprobs(self) -> jax.stages.Lowered:
+        graphdef, config = self.train_graphdef, self.update_config
+
+        @jax.jit
+        def logprobs(params, tokens, mask):
+            model = nnx.merge(graphdef, params)
+            return token_logprobs(model, tokens, mask, temperature=config.temperature,
+                                  chunk=config.logits_chunk)[0]
+
+        return logprobs.lower(self.weights, self._train_rows(), self._train_rows())
+
+    def _update(self) -> jax.stages.Lowered:
+        s, mesh = self.shapes, self.mesh
+        optimizer = make_optimizer(**dict(self.config.optimizer))
+        opt_shapes = jax.eval_shape(optimizer.init, self.weights)
+        opt_shardings = jax.jit(optimizer.init).lower(self.weights).compile().output_shardings
+        state = TrainState(params=self.weights, opt_state=_abstract(opt_shapes, opt_shardings),
+                           step=_scalar(mesh, jnp.int32))
+        m = s.num_micro
+        experts = None
+        if self.update_config.routing_replay:
+            experts = _sharded(mesh, (m, self.num_moe, s.micro_batch, s.train_len,
+                                      self.cfg.num_experts_per_tok), jnp.int32,
+                               (None, None, "batch", None, None))
+        batch = TrainBatch(
+            tokens=self._train_rows(m), attention_mask=self._train_rows(m),
+            loss_mask=self._train_rows(m, dtype=jnp.float32),
+            advantages=_sharded(mesh, (m, s.micro_batch), jnp.float32, (None, "batch")),
+            sampler_logprobs=self._train_rows(m, dtype=jnp.float32), expert_ids=experts)
+        ref = self.weights if self.update_config.loss.needs_ref_logprobs else None
+        return train_step.lower(state, batch, ref, graphdef=self.train_graphdef,
+                                optimizer=optimizer, config=self.update_config)
+
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory|exceeds? .*memory|Exceeded hbm")
+
+
+def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int) -> Result:
+    """Compiles one program; an out-of-memory compile error counts as 'does not fit'."""
+    start = time.perf_counter()
+    try:
+        compiled = lower().compile()
+    except Exception as e:  # XLA reports HBM overflow as a compile error on TPU
+        message = str(e)
+        if not _OOM.search(message):
+            raise
+        summary = " ".join(line.strip() for line in message.splitlines()[:3])
+        return Result(name, fits=False, compile_s=time.perf_counter() - start, error=summary[:400])
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    result = Result(name, fits=True, argument_bytes=memory.argument_size_in_bytes,
+                    output_bytes=memory.output_size_in_bytes,
+                    alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
+                    code_bytes=memory.generated_code_size_in_bytes,
+                    flops=float((cost or {}).get("flops", 0.0)),
+                    compile_s=time.perf_counter() - start)
+    result.fits = result.total_bytes <= hbm_bytes
+    return result
+
+
+def format_table(results: Sequence[Result], hbm_bytes: int) -> str:
+    gib = lambda n: f"{n / GiB:8.2f}"
+    lines = [f"{'program':9} {'args':>8} {'outputs':>8} {'alias':>8} {'temps':>8} {'total':>8} "
+             f"{'HBM':>8} {'TFLOPs':>9} {'fits':>4} {'compile':>8}   (GiB per device)"]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.program:9} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
+                         f"{gib(hbm_bytes)} {'-':>9} {'no':>4} {r.compile_s:7.0f}s   {r.error}")
+            continue
+        lines.append(f"{r.program:9} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
+                     f"{gib(r.alias_bytes)} {gib(r.temp_bytes)} {gib(r.total_bytes)} "
+                     f"{gib(hbm_bytes)} {r.flops / 1e12:9.3f} {'yes' if r.fits else 'no':>4} "
+                     f"{r.compile_s:7.0f}s")
+    return "\n".join(lines)
+
+
+def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
+        programs: Sequence[str] = PROGRAMS, num_layers: int = 0) -> tuple[Target, Shapes,
+                                                                           list[Result]]:
+    """Compiles `programs` of `config` for `topology`; returns the target, shapes and results."""
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {PROGRAMS}")
+    target = make_target(topology, num_slices)
+    mesh = sharding.make_mesh(dict(config.mesh), target.devices)
+    steps = StepPrograms(config, model_config(config, num_layers), mesh)
+    results = [compile_program(p, lambda p=p: steps.lower(p), target.hbm_bytes) for p in programs]
+    return target, steps.shapes, results
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    target, shapes, results = run(config, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
+                                  programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
+    cfg = model_config(config, _NUM_LAYERS.value)
+    mesh_shape = dict(sharding.make_mesh(dict(config.mesh), target.devices).shape)
+    print(f"target  {target.description}; mesh {mesh_shape}")
+    print(f"model   {config.model.preset or config.model.checkpoint}: "
+          f"{cfg.num_hidden_layers} layers, params {cfg.param_dtype}, compute {cfg.dtype}")
+    print(f"shapes  {dataclasses.asdict(shapes)}")
+    print(format_table(results, target.hbm_bytes))
+    if _JSON.value:
+        Path(_JSON.value).write_text(json.dumps(dict(
+            target=target.description, mesh=mesh_shape, layers=cfg.num_hidden_layers,
+            shapes=dataclasses.asdict(shapes), hbm_bytes=target.hbm_bytes,
+            results=[dict(dataclasses.asdict(r), total_bytes=r.total_bytes) for r in results]),
+            indent=2))
+    if not all(r.fits for r in results):
+        print("does not fit: " + ", ".join(r.program for r in results if not r.fits))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,77 @@
+"""Exact resume: 6 steps straight == 3 steps, SIGKILL, restart, 3 more (bitwise, on CPU)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from mars_jax.checkpoint import Checkpointer
+
+REPO = Path(__file__).resolve().parents[2]
+OVERRIDES = [
+    "--config.total_steps=6", "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=1",
+    "--config.rollout.max_new_tokens.solver=16", "--config.rollout.max_new_tokens.verifier=16",
+    "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.segment_tokens=8",
+    "--config.rollout.max_stages=3", "--config.learner.micro_batch_size=8",
+    "--config.learner.min_length=512",
+]
+TIMING_KEYS = ("time/", "tokens_per_second")
+
+
+def _command(workdir):
+    return [sys.executable, str(REPO / "experiments/run.py"),
+            "--config=" + str(REPO / "experiments/configs/smoke.py"), f"--workdir={workdir}",
+            f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *OVERRIDES]
+
+
+def _env():
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device
+    return env
+
+
+def _final_params(workdir):
+    from flax import nnx
+    from mars_jax.models import create_model, get_preset
+    from mars_jax.rl.update import init_train_state, make_optimizer
+    model = create_model(get_preset("tiny"))
+    abstract = init_train_state(model, make_optimizer(1e-4))
+    checkpointer = Checkpointer(Path(workdir) / "checkpoints")
+    step, state, _ = checkpointer.restore_latest(abstract)
+    checkpointer.close()
+    return step, jax.tree.leaves(jax.tree.map(np.asarray, state.params))
+
+
+def _metrics(workdir):
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(_command(straight), env=_env(), check=True, capture_output=True, timeout=900)
+
+    process = subprocess.Popen(_command(killed), env=_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.time() < deadline, "run ended before step 3"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(metrics.read_text().splitlines()) < 6
+    subprocess.run(_command(killed), env=_env(), check=True, capture_output=True, timeout=900)
+
+    step_a, params_a = _final_params(straight)
+    step_b, params_b = _final_params(killed)
+    assert step_a == step_b == 6
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert _metrics(straight) == _metrics(killed)
