@@ -13,6 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from mars_jax import eval_job
 from mars_jax.rl import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -34,7 +35,6 @@ def main(argv):
             logging.warning("%s", e)
             sys.exit(trainer.PREEMPTED_EXIT_CODE)
     elif config.job == "eval_system":
-        from mars_jax.agents import eval_job
         eval_job.run(config, _WORKDIR.value)
     else:
         raise app.UsageError(f"config.job: {config.job!r} is not 'train' or 'eval_system'")

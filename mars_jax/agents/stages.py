@@ -59,16 +59,19 @@ class VerificationOutput:
         return self.completion.finish_reason == "stop" and self.passed is not None
 
 
-def solver_request(problem: str, max_new_tokens: int) -> ChatRequest:
-    return ChatRequest(prompts.solver_messages(problem), "solver", max_new_tokens)
+def solver_request(problem: str, max_new_tokens: int, style: str = "full") -> ChatRequest:
+    return ChatRequest(prompts.solver_messages(problem, style), "solver", max_new_tokens)
 
 
-def verifier_request(problem: str, solution: str, max_new_tokens: int) -> ChatRequest:
-    return ChatRequest(prompts.verifier_messages(problem, solution), "verifier", max_new_tokens)
+def verifier_request(problem: str, solution: str, max_new_tokens: int,
+                     style: str = "full") -> ChatRequest:
+    return ChatRequest(prompts.verifier_messages(problem, solution, style), "verifier", max_new_tokens)
 
 
-def corrector_request(problem: str, solution: str, report: str, max_new_tokens: int) -> ChatRequest:
-    return ChatRequest(prompts.corrector_messages(problem, solution, report), "corrector", max_new_tokens)
+def corrector_request(problem: str, solution: str, report: str, max_new_tokens: int,
+                      style: str = "full") -> ChatRequest:
+    return ChatRequest(prompts.corrector_messages(problem, solution, report, style), "corrector",
+                       max_new_tokens)
 
 
 def parse_solution(completion: Completion) -> SolutionOutput:

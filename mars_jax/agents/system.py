@@ -46,6 +46,7 @@ class LoopConfig:
     max_retries: int = 2
     max_new_tokens: Mapping[str, int] = dataclasses.field(
         default_factory=lambda: {"solver": 8192, "verifier": 8192, "corrector": 8192})
+    prompt_style: str = "full"  # see `mars_jax.agents.prompts.STYLES`
 
     def __post_init__(self) -> None:
         if self.k_accept < 1 or self.max_iterations < 0 or self.max_retries < 0:
@@ -153,11 +154,12 @@ class ProblemLoop:
             raise RuntimeError("the loop has finished")
         budget = self.config.max_new_tokens[self._stage]
         if self._stage == "solver":
-            return stages.solver_request(self.problem, budget)
+            return stages.solver_request(self.problem, budget, self.config.prompt_style)
         solution = self._candidates[-1].solution
         if self._stage == "verifier":
-            return stages.verifier_request(self.problem, solution, budget)
-        return stages.corrector_request(self.problem, solution, self._report, budget)
+            return stages.verifier_request(self.problem, solution, budget, self.config.prompt_style)
+        return stages.corrector_request(self.problem, solution, self._report, budget,
+                                         self.config.prompt_style)
 
     def advance(self, completion: Completion) -> None:
         """Consumes the completion of `next_request()`."""

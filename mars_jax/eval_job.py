@@ -1,0 +1,76 @@
+"""The `eval_system` job: Solver-only and full V–C system avg@k over a dataset split.
+
+Writes `workdir/eval/records.jsonl` (every candidate, verdict, chosen answer, correctness, tokens
+per agent; appended as pairs finish, so a rerun resumes), `workdir/eval/summary.json` and
+TensorBoard scalars under `workdir/eval/tensorboard`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tqdm
+from ml_collections import ConfigDict
+from tensorboardX import SummaryWriter
+
+from mars_jax import builders, sharding
+from mars_jax.agents.eval import EvalProblem, evaluate
+from mars_jax.agents.http_policy import HttpPolicy
+from mars_jax.agents.policy import Policy, RoutedPolicy
+from mars_jax.agents.sampler_policy import SamplerPolicy
+from mars_jax.agents.system import LoopConfig
+
+
+def build_policy(config: ConfigDict) -> Policy:
+    """The in-process sampler, or an OpenAI-compatible server (optionally a separate Solver's)."""
+    e = config.eval
+    if e.policy == "sampler":
+        mesh = builders.build_mesh(config)
+        with sharding.use_mesh(mesh):
+            model = builders.build_model(config, mesh)
+        return SamplerPolicy(model, builders.build_tokenizer(config), temperature=e.temperature,
+                             top_p=e.top_p, seed=config.seed,
+                             enable_thinking=config.rollout.enable_thinking)
+    if e.policy == "http":
+        http = lambda url: HttpPolicy(url, e.served_model, temperature=e.temperature, top_p=e.top_p,
+                                      timeout_s=e.timeout_s, max_concurrency=e.max_concurrency)
+        vc = http(e.vc_base_url)
+        return RoutedPolicy(vc, {"solver": http(e.solver_base_url)}) if e.solver_base_url else vc
+    raise ValueError(f"eval.policy: {e.policy!r} is not 'sampler' or 'http'")
+
+
+def load_eval_problems(config: ConfigDict) -> list[EvalProblem]:
+    data = ConfigDict(dict(config.data))
+    data.name = config.eval.dataset
+    records = builders.load_problems(data, config.eval.split)
+    count = config.eval.num_problems or len(records)
+    return [EvalProblem(str(r["id"]), r["problem"], str(r["answer"]))
+            for r in (records[i] for i in range(min(count, len(records))))]
+
+
+def run(config: ConfigDict, workdir: str) -> dict:
+    """Evaluates and returns the summary (also written to `workdir/eval/summary.json`)."""
+    out = Path(workdir) / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    problems = load_eval_problems(config)
+    e = config.eval
+    loop = LoopConfig(k_accept=e.k_accept, max_iterations=e.max_iterations,
+                      max_retries=e.max_retries, max_new_tokens=dict(e.max_new_tokens),
+                      prompt_style=config.rollout.prompt_style)
+    bar = tqdm.tqdm(total=len(problems) * e.num_samples, desc="eval")
+
+    def on_round(info) -> None:
+        bar.set_postfix(round=info.round, **info.requests_by_role)
+        bar.n = info.finished
+        bar.refresh()
+
+    records, summary = evaluate(problems, build_policy(config), num_samples=e.num_samples,
+                                config=loop, records_path=str(out / "records.jsonl"),
+                                on_round=on_round)
+    bar.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    with SummaryWriter(str(out / "tensorboard")) as writer:
+        for key, value in summary.items():
+            if isinstance(value, (int, float)):
+                writer.add_scalar(f"eval/{key}", value, 0)
+    return summary
