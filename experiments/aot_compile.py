@@ -54,7 +54,7 @@ from mars_jax.sampling import sampler  # noqa: E402
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
 GiB = 1 << 30
 # HBM per device by `device_kind` (TPU compile-only devices do not report it).
-TPU_HBM = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": 95 * GiB,
+TPU_HBM = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": int(95.74 * GiB),
            "TPU v6 lite": 32 * GiB}
 # Deviceless GPU targets (`stream_executor.GpuTargetConfigProto`, from XLA's gpu_specs).
 GPU_SPECS = {
@@ -109,7 +109,7 @@ class Result:
     alias_bytes: int = 0
     temp_bytes: int = 0
     code_bytes: int = 0
-    flops: float = 0.0
+    flops: float | None = None  # None: the backend gives no cost analysis (deviceless GPU)
     compile_s: float = 0.0
     error: str = ""
 
@@ -305,28 +305,28 @@ class StepPrograms:
                                 optimizer=optimizer, config=self.update_config)
 
 
-_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory|exceeds? .*memory|Exceeded hbm")
+_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
 
 
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int) -> Result:
-    """Compiles one program; an out-of-memory compile error counts as 'does not fit'."""
+    """Compiles one program. A compile error counts as 'does not fit': on TPU, XLA rejects a
+    program that overflows HBM; on GPU, shapes far beyond the chip can fail to compile at all."""
     start = time.perf_counter()
+    lowered = lower()
     try:
-        compiled = lower().compile()
-    except Exception as e:  # XLA reports HBM overflow as a compile error on TPU
-        message = str(e)
-        if not _OOM.search(message):
-            raise
-        summary = " ".join(line.strip() for line in message.splitlines()[:3])
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        summary = " ".join(line.strip() for line in str(e).splitlines()[:3])
+        if not _OOM.search(summary):
+            summary = f"compile error: {summary}"
         return Result(name, fits=False, compile_s=time.perf_counter() - start, error=summary[:400])
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     result = Result(name, fits=True, argument_bytes=memory.argument_size_in_bytes,
                     output_bytes=memory.output_size_in_bytes,
                     alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
                     code_bytes=memory.generated_code_size_in_bytes,
-                    flops=float((cost or {}).get("flops", 0.0)),
+                    flops=(cost or {}).get("flops"),
                     compile_s=time.perf_counter() - start)
     result.fits = result.total_bytes <= hbm_bytes
     return result
@@ -341,47 +341,61 @@ def format_table(results: Sequence[Result], hbm_bytes: int) -> str:
             lines.append(f"{r.program:9} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
                          f"{gib(hbm_bytes)} {'-':>9} {'no':>4} {r.compile_s:7.0f}s   {r.error}")
             continue
+        tflops = "-" if r.flops is None else f"{r.flops / 1e12:.3f}"
         lines.append(f"{r.program:9} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
                      f"{gib(r.alias_bytes)} {gib(r.temp_bytes)} {gib(r.total_bytes)} "
-                     f"{gib(hbm_bytes)} {r.flops / 1e12:9.3f} {'yes' if r.fits else 'no':>4} "
+                     f"{gib(hbm_bytes)} {tflops:>9} {'yes' if r.fits else 'no':>4} "
                      f"{r.compile_s:7.0f}s")
     return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class Report:
+    """What was compiled, for which target, and the per-program results."""
+
+    target: str
+    mesh: dict[str, int]
+    model: str
+    layers: int
+    shapes: Shapes
+    hbm_bytes: int
+    results: list[Result]
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields["results"] = [dict(dataclasses.asdict(r), total_bytes=r.total_bytes)
+                             for r in self.results]
+        return json.dumps(fields, indent=2)
+
+
 def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
-        programs: Sequence[str] = PROGRAMS, num_layers: int = 0) -> tuple[Target, Shapes,
-                                                                           list[Result]]:
-    """Compiles `programs` of `config` for `topology`; returns the target, shapes and results."""
+        programs: Sequence[str] = PROGRAMS, num_layers: int = 0) -> Report:
+    """Compiles `programs` of `config` for `topology`."""
     unknown = set(programs) - set(PROGRAMS)
     if unknown:
         raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {PROGRAMS}")
     target = make_target(topology, num_slices)
     mesh = sharding.make_mesh(dict(config.mesh), target.devices)
-    steps = StepPrograms(config, model_config(config, num_layers), mesh)
+    cfg = model_config(config, num_layers)
+    steps = StepPrograms(config, cfg, mesh)
     results = [compile_program(p, lambda p=p: steps.lower(p), target.hbm_bytes) for p in programs]
-    return target, steps.shapes, results
+    return Report(target.description, dict(mesh.shape),
+                  config.model.checkpoint or config.model.preset, cfg.num_hidden_layers,
+                  steps.shapes, target.hbm_bytes, results)
 
 
 def main(argv):
     del argv
-    config = _CONFIG.value
-    target, shapes, results = run(config, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
-                                  programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
-    cfg = model_config(config, _NUM_LAYERS.value)
-    mesh_shape = dict(sharding.make_mesh(dict(config.mesh), target.devices).shape)
-    print(f"target  {target.description}; mesh {mesh_shape}")
-    print(f"model   {config.model.preset or config.model.checkpoint}: "
-          f"{cfg.num_hidden_layers} layers, params {cfg.param_dtype}, compute {cfg.dtype}")
-    print(f"shapes  {dataclasses.asdict(shapes)}")
-    print(format_table(results, target.hbm_bytes))
+    report = run(_CONFIG.value, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
+                 programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
+    print(f"target  {report.target}; mesh {report.mesh}")
+    print(f"model   {report.model}: {report.layers} layers")
+    print(f"shapes  {dataclasses.asdict(report.shapes)}")
+    print(format_table(report.results, report.hbm_bytes))
     if _JSON.value:
-        Path(_JSON.value).write_text(json.dumps(dict(
-            target=target.description, mesh=mesh_shape, layers=cfg.num_hidden_layers,
-            shapes=dataclasses.asdict(shapes), hbm_bytes=target.hbm_bytes,
-            results=[dict(dataclasses.asdict(r), total_bytes=r.total_bytes) for r in results]),
-            indent=2))
-    if not all(r.fits for r in results):
-        print("does not fit: " + ", ".join(r.program for r in results if not r.fits))
+        Path(_JSON.value).write_text(report.to_json())
+    if not all(r.fits for r in report.results):
+        print("does not fit: " + ", ".join(r.program for r in report.results if not r.fits))
         sys.exit(1)
 
 

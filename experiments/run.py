@@ -1,10 +1,13 @@
-r"""Entry point of every mars_jax job: MarsRL training or V–C system evaluation.
+r"""Entry point of every mars_jax job: MarsRL training, V–C system evaluation or SFT warm start.
 
   python experiments/run.py --config=experiments/configs/smoke.py --workdir=/tmp/smoke
   python experiments/run.py --config=experiments/configs/eval_system.py --workdir=/tmp/eval
+  python experiments/run.py --config=experiments/configs/toy_sft.py --workdir=/tmp/mars_toy/sft
 
 `--config.<field>=value` overrides any config field. Rerunning a training command on the same
-workdir resumes it; exit code 75 means it was preempted (SIGTERM) after a final checkpoint.
+workdir resumes it. Exit codes: 2 the config is invalid (checked before anything is built; the
+message lists each field with its fix), 65 too many non-finite updates in a row, 74 a checkpoint
+could not be saved, 75 preempted (SIGTERM) after a final checkpoint.
 """
 import os
 import sys
@@ -13,8 +16,14 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mars_jax import eval_job
+from mars_jax import distributed, eval_job
+from mars_jax.checkpoint import CheckpointSaveError
+from mars_jax.config_validation import ConfigError, validate
 from mars_jax.rl import trainer
+from mars_jax.sft import job as sft_job
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
+from common import base_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
                                           lock_config=True)
@@ -24,20 +33,38 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    distributed.initialize_from_flags()  # several processes: before anything starts a backend
     config = _CONFIG.value
+    try:  # jax.device_count() starts the backend: keep this after any distributed init
+        validate(_as_validated(config), base_config(), device_count=jax.device_count())
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
     if config.jax_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if config.job == "train":
         try:
             trainer.train(config, _WORKDIR.value)
-        except trainer.Preempted as e:
-            logging.warning("%s", e)
-            sys.exit(trainer.PREEMPTED_EXIT_CODE)
+        except (trainer.Preempted, trainer.NonFiniteUpdates, CheckpointSaveError) as e:
+            logging.error("%s: %s", type(e).__name__, e)
+            sys.exit(e.exit_code)
     elif config.job == "eval_system":
         eval_job.run(config, _WORKDIR.value)
+    elif config.job == "sft":
+        sft_job.run(config, _WORKDIR.value)
     else:
-        raise app.UsageError(f"config.job: {config.job!r} is not 'train' or 'eval_system'")
+        raise app.UsageError(f"config.job: {config.job!r} is not 'train', 'eval_system' or 'sft'")
+
+
+def _as_validated(config):
+    """`sft` reads the train job's fields (data, model, optimizer), so it is checked as 'train'
+    until mars_jax.config_validation lists 'sft' among the jobs."""
+    if config.job != "sft":
+        return config
+    checked = config.copy_and_resolve_references()
+    checked.job = "train"
+    return checked
 
 
 if __name__ == "__main__":

@@ -1,50 +1,148 @@
 """Orbax checkpoints of a training run: train state (params, optimizer, update count) + JSON meta
 (step, data iterator position, pipeline queues and partial segments, counters).
 
-Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it on commit),
-so a crash mid-save never damages an earlier checkpoint. Restore walks back from the newest step and
-skips, with a warning, any checkpoint that fails to read.
+Integrity rules:
+  * Saves are asynchronous and atomic: orbax writes to `<step>.orbax-checkpoint-tmp` and renames
+    it on commit, so a save killed midway leaves a temporary directory that restore ignores (and
+    the next manager removes), never a damaged earlier checkpoint.
+  * A save that fails (disk full, I/O error) raises `CheckpointSaveError` at the next `save`,
+    `wait` or `close`, naming the step that failed and the previous intact one; the manager is
+    re-read from disk, so it never points at the failed step.
+  * Every checkpoint stores a fingerprint of the state (a position-weighted sum of the bits of
+    every array, computed on device). Restore walks back from the newest step and skips, with a
+    warning, any checkpoint that fails to read or whose fingerprint does not match (truncated or
+    corrupted files); a skipped checkpoint is moved to `<directory>.unreadable/` so that the
+    resumed run can save that step again.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+FINGERPRINT_KEY = "state_fingerprint"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; earlier checkpoints are intact."""
+
+    exit_code = 74  # EX_IOERR: fix the storage, then rerun the same command to resume
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint read back differs from what was saved."""
 
 
 class Checkpointer:
     """Keeps the last `keep` checkpoints under `directory`."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pending: int | None = None
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        """Starts saving `state` and `meta` as `step` (raises if an earlier save failed)."""
+        self.wait()
+        meta = {**meta, FINGERPRINT_KEY: fingerprint(state)}
+        self._pending = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
+            self._failed(e)
+
+    def wait(self) -> None:
+        """Blocks until the pending save is committed; raises `CheckpointSaveError` if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+        self._pending = None
+
+    def _failed(self, error: Exception) -> None:
+        step, self._pending = self._pending, None
+        self.manager.reload()
+        raise CheckpointSaveError(
+            f"saving checkpoint {step} to {self.directory} failed: {error}; the previous "
+            f"checkpoint ({self.manager.latest_step()}) is intact: fix the storage (e.g. free disk "
+            "space) and rerun to resume from it") from error
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, meta) of the newest readable checkpoint, or None if there is none."""
+        """(step, state, meta) of the newest intact checkpoint, or None if there is none."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-            except Exception as e:  # orbax raises many types for damaged files
+                meta = dict(restored.meta)
+                expected = meta.pop(FINGERPRINT_KEY, None)
+                if expected is not None and fingerprint(restored.state) != expected:
+                    raise CorruptCheckpoint("its state differs from the one saved (fingerprint)")
+            except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
                 logging.warning("checkpoint at step %d is unreadable (%s); trying an older one",
                                 step, e)
+                self._set_aside(step)
                 continue
-            return step, restored.state, restored.meta
+            return step, restored.state, meta
         return None
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def _set_aside(self, step: int) -> None:
+        """Moves an unreadable checkpoint out of the manager's directory (kept for inspection)."""
+        if jax.process_index() == 0:
+            aside = os.path.join(self.directory + ".unreadable", str(step))
+            suffix = 0
+            while os.path.exists(aside + (f".{suffix}" if suffix else "")):
+                suffix += 1
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)),
+                        aside + (f".{suffix}" if suffix else ""))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
+        self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the pending save (raising if it failed) and releases the manager."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def fingerprint(state: Any) -> str:
+    """A digest of every array's shape, dtype and bits; equal states give equal digests,
+    whatever their sharding."""
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(state)]
+    sums = np.asarray(jax.device_get(_bit_sums(leaves)))
+    layout = repr([(x.shape, str(x.dtype)) for x in leaves]).encode()
+    return hashlib.sha256(layout + sums.tobytes()).hexdigest()[:32]
+
+
+@jax.jit
+def _bit_sums(leaves: list[jax.Array]) -> jax.Array:
+    """[n, 2] uint32: per array, the sum of its words and their position-weighted sum."""
+    return jnp.stack([_leaf_sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+
+
+def _leaf_sums(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    position, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+        position += jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride)
+        stride = stride * words.shape[axis] % 2**32
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                      jnp.sum(words * (2 * position + 1), dtype=jnp.uint32)])

@@ -11,7 +11,8 @@ from tensorboardX import SummaryWriter
 
 class MetricsWriter:
     """Appends metrics to `workdir/metrics.jsonl` and `workdir/tensorboard`. On resume from step
-    `resume_step`, lines for later steps (written after that checkpoint) are dropped first."""
+    `resume_step`, lines for later steps (written after that checkpoint) are dropped first; the
+    file is rewritten atomically (temporary file + rename), so a crash then loses nothing."""
 
     def __init__(self, workdir: str | os.PathLike, *, resume_step: int = 0, tensorboard: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
@@ -24,7 +25,9 @@ class MetricsWriter:
                         kept.append(line)
                 except (ValueError, KeyError):
                     break  # a line cut short by a crash: drop it and everything after
-            self.path.write_text("".join(f"{line}\n" for line in kept))
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(f"{line}\n" for line in kept))
+            os.replace(tmp, self.path)
         self.tb = SummaryWriter(str(Path(workdir) / "tensorboard")) if tensorboard else None
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -121,8 +122,8 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
     """Builds the ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`.
 
     Devices are laid out along the physical topology (`mesh_utils`). With `dcn` sizes, each
-    slice (devices sharing a `slice_index`, or a process where devices have none) holds one
-    within-slice block of the mesh and the `dcn` axes run across slices.
+    slice (devices sharing a `slice_index`; a process when all devices are in one slice, as on
+    GPU or CPU hosts) holds one within-slice block of the mesh and the `dcn` axes run across them.
     """
     if config is None:
         config = MeshConfig()
@@ -130,20 +131,23 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
         config = MeshConfig.from_mapping(config)
     devices = list(jax.devices() if devices is None else devices)
     shape = config.resolve(len(devices))
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
     if config.num_slices == 1:
+        if slices > 1:
+            logging.warning("mesh: devices span %d slices but mesh.dcn is unset, so every axis "
+                            "may cross the data-centre network; set mesh.dcn", slices)
         device_array = mesh_utils.create_device_mesh(shape, devices,
                                                      allow_split_physical_axes=True)
     else:
-        by_slice = hasattr(devices[0], "slice_index")
-        granules = {d.slice_index if by_slice else d.process_index for d in devices}
+        granules = {d.slice_index if slices > 1 else d.process_index for d in devices}
         if len(granules) != config.num_slices:
-            kind = "slices" if by_slice else "processes"
+            kind = "slices" if slices > 1 else "processes"
             raise ValueError(f"mesh.dcn: sizes {dict(zip(MESH_AXES, config.dcn))} need "
                              f"{config.num_slices} slices, but the devices span {len(granules)} "
                              f"{kind}")
         ici = config.resolve_ici(len(devices) // config.num_slices)
         device_array = mesh_utils.create_hybrid_device_mesh(
-            ici, config.dcn, devices, process_is_granule=not by_slice,
+            ici, config.dcn, devices, process_is_granule=slices == 1,
             allow_split_physical_axes=True)
     return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 

@@ -4,9 +4,9 @@ from ml_collections import ConfigDict, config_dict
 
 def base_config() -> ConfigDict:
     """Every field a run reads, with its default. Sections: data, model, rollout, loss,
-    optimizer, learner (the update step), checkpoint, eval."""
+    optimizer, learner (the update step), checkpoint, eval, sft."""
     c = ConfigDict()
-    c.job = "train"                 # 'train' | 'eval_system'
+    c.job = "train"                 # 'train' | 'eval_system' | 'sft'
     c.seed = 0
     c.total_steps = 100
     c.max_nonfinite_updates = 3
@@ -55,4 +55,12 @@ def base_config() -> ConfigDict:
                              temperature=0.6, top_p=0.95, policy="sampler",
                              vc_base_url="", solver_base_url="", served_model="",
                              timeout_s=600.0, max_concurrency=32))
+
+    # The 'sft' job (mars_jax.sft): packed supervised steps on generated role traces; `keep` is the
+    # probability that a problem's example of each role is trained on.
+    c.sft = ConfigDict(dict(arch="",   # '' = model.preset; else a mars_jax.sft.job.ARCHS name
+                            steps=200, rows=16, row_tokens=512,
+                            solver_error_rate=0.3, verifier_flawed_rate=0.5,
+                            keep=ConfigDict(dict(solver=1.0, verifier=1.0, corrector=1.0)),
+                            holdout_problems=64, eval_every=50))
     return c

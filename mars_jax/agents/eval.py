@@ -154,7 +154,8 @@ def _load_records(path: str) -> dict[tuple[str, int], Record]:
 
     Lines that do not decode (a write cut short by a crash) are dropped and the
     file is rewritten without them (and with a final newline), so that appending
-    continues cleanly.
+    continues cleanly; the rewrite goes through a temporary file and a rename, so
+    a crash during it loses no record.
     """
     if not os.path.exists(path):
         return {}
@@ -175,6 +176,7 @@ def _load_records(path: str) -> dict[tuple[str, int], Record]:
     if bad:
         log.warning("dropping %d unreadable line(s) from %s", bad, path)
     if bad or rewrite:
-        with open(path, "w", encoding="utf-8") as f:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.writelines(good)
+        os.replace(path + ".tmp", path)
     return records

@@ -16,11 +16,16 @@ from scratch, so no trained sample is staler than the bound.
 
 Context overflow rule: when a Verifier or Corrector prompt would exceed `max_prompt_tokens`, the
 embedded solution (then the report) keeps only its tail (where the final answer is), after a
-'[... earlier text cut ...]' marker, halving until the prompt fits; each cut is counted.
+'[... earlier text cut ...]' marker, halving until the prompt fits; each halving is counted in
+`context_cuts`. A prompt that cannot fit even so (the problem statement alone nearly fills the
+context) is not decoded: a new problem whose Solver prompt is too long is skipped, and a Verifier
+or Corrector child that still overflows is not spawned (its branch of the tree ends); each is
+counted in `context_drops`, with a warning. Overflow never stops training.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -34,6 +39,10 @@ from mars_jax.rl.selection import Candidate, select_parents
 
 STAGE_ROLES = ("solver", "verifier", "corrector", "verifier", "corrector")
 CUT_MARKER = "[... earlier text cut ...]\n"
+
+
+class ContextOverflow(ValueError):
+    """A prompt exceeds `max_prompt_tokens` even after the overflow rule's cuts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +134,7 @@ class AgenticRollouts:
         self.pending: list[Rollout] = []
         self.trees: dict[str, ProblemTree] = {}
         self.context_cuts = 0
+        self.context_drops = 0
         self.restarts = 0
 
     # --- building rollouts -------------------------------------------------------------------
@@ -134,7 +144,8 @@ class AgenticRollouts:
                            enable_thinking=self.config.enable_thinking, add_generation_prompt=True)
 
     def _fit(self, build: Callable[..., Any], *texts: str) -> list[int]:
-        """Encodes `build(*texts)`, cutting texts (from the first) per the overflow rule."""
+        """Encodes `build(*texts)`, cutting texts (from the first) per the overflow rule; raises
+        `ContextOverflow` when even the cut prompt is too long."""
         texts = list(texts)
         ids = self._encode(build(*texts))
         for i in range(len(texts)):
@@ -145,9 +156,13 @@ class AgenticRollouts:
                 ids = self._encode(build(*texts))
                 self.context_cuts += 1
         if len(ids) > self.config.max_prompt_tokens:
-            raise ValueError(f"a prompt of {len(ids)} tokens still exceeds "
-                             f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}")
+            raise ContextOverflow(f"a prompt of {len(ids)} tokens still exceeds "
+                                  f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}")
         return ids
+
+    def _drop(self, what: str, error: ContextOverflow) -> None:
+        self.context_drops += 1
+        logging.warning("context overflow: %s dropped (%s)", what, error)
 
     def _spawn(self, tree: ProblemTree, stage: int, parent: Rollout | None, prompt_ids, **extra):
         index = tree.spawned.get(stage, 0)
@@ -159,14 +174,16 @@ class AgenticRollouts:
         tree.spawned[stage] = index + self.config.group_size
 
     def add_problems(self, problems: Sequence[dict], uids: Sequence[str]) -> None:
-        """Starts a tree per problem with a Solver group."""
+        """Starts a tree per problem with a Solver group (skipping problems too long to prompt)."""
         for problem, uid in zip(problems, uids):
-            tree = ProblemTree(uid=uid, problem=dict(problem))
-            self.trees[uid] = tree
             ids = self._encode(prompts.solver_messages(problem["problem"], self.config.prompt_style))
             if len(ids) > self.config.max_prompt_tokens:
-                raise ValueError(f"problem {problem.get('id')}: prompt of {len(ids)} tokens exceeds "
-                                 f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}")
+                self._drop(f"problem {problem.get('id')}", ContextOverflow(
+                    f"Solver prompt of {len(ids)} tokens exceeds "
+                    f"rollout.max_prompt_tokens={self.config.max_prompt_tokens}"))
+                continue
+            tree = ProblemTree(uid=uid, problem=dict(problem))
+            self.trees[uid] = tree
             self._spawn(tree, 0, None, ids)
 
     # --- decoding ----------------------------------------------------------------------------
@@ -260,16 +277,22 @@ class AgenticRollouts:
         problem, style = tree.problem["problem"], self.config.prompt_style
         for index in chosen:
             parent = usable[index]
-            if role == "verifier":
-                solution = strip_thinking(parent.text)
-                ids = self._fit(lambda s: prompts.verifier_messages(problem, s, style), solution)
-                self._spawn(tree, stage, parent, ids, solution=solution,
-                            judged_correct=parent.reward == 1.0)
-            else:
-                report = prompts.bug_report(parent.text)
-                ids = self._fit(lambda s, rep: prompts.corrector_messages(problem, s, rep, style),
-                                parent.solution or "", report)
-                self._spawn(tree, stage, parent, ids, solution=parent.solution)
+            try:
+                if role == "verifier":
+                    solution = strip_thinking(parent.text)
+                    ids = self._fit(lambda s: prompts.verifier_messages(problem, s, style),
+                                    solution)
+                    extra = dict(solution=solution, judged_correct=parent.reward == 1.0)
+                else:
+                    report = prompts.bug_report(parent.text)
+                    ids = self._fit(
+                        lambda s, rep: prompts.corrector_messages(problem, s, rep, style),
+                        parent.solution or "", report)
+                    extra = dict(solution=parent.solution)
+            except ContextOverflow as e:
+                self._drop(f"{role} of {parent.uid}", e)
+                continue
+            self._spawn(tree, stage, parent, ids, **extra)
 
     # --- checkpointing -----------------------------------------------------------------------
 
@@ -282,7 +305,7 @@ class AgenticRollouts:
         return dict(pending=[r.to_json() for r in self.pending],
                     trees=[tree_json(t) for t in self.trees.values()],
                     rng=self.rng.bit_generator.state, context_cuts=self.context_cuts,
-                    restarts=self.restarts)
+                    context_drops=self.context_drops, restarts=self.restarts)
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = [Rollout(**r) for r in state["pending"]]
@@ -294,3 +317,4 @@ class AgenticRollouts:
                 finished={int(k): [Rollout(**r) for r in v] for k, v in t["finished"].items()})
         self.rng.bit_generator.state = state["rng"]
         self.context_cuts, self.restarts = state["context_cuts"], state["restarts"]
+        self.context_drops = state.get("context_drops", 0)  # absent in older checkpoints

@@ -7,10 +7,11 @@ Re-running the same command on the same workdir resumes from the newest readable
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -37,11 +38,15 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
 
 
 class Preempted(Exception):
-    """SIGTERM arrived; a final checkpoint was written."""
+    """SIGTERM arrived; a final checkpoint was written (unless updates were non-finite)."""
+
+    exit_code = PREEMPTED_EXIT_CODE
 
 
 class NonFiniteUpdates(RuntimeError):
     """Too many non-finite updates in a row; the last good checkpoint is kept."""
+
+    exit_code = 65  # EX_DATAERR: inspect metrics.jsonl, fix the config, rerun to resume
 
 
 class SamplerGenerator:
@@ -116,23 +121,44 @@ def training_samples(groups: Sequence[list[Rollout]], *, drop_zero_variance: boo
 
 
 class _SigtermFlag:
-    def __init__(self):
-        self.raised = False
-        try:
-            signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread (e.g. inside a notebook worker)
-            pass
+    """Set by SIGTERM; the loop checks it after each step."""
 
-    def _handle(self, signum, frame):
+    def __init__(self) -> None:
+        self.raised = False
+
+    def handle(self, signum, frame) -> None:
         self.raised = True
+
+
+@contextlib.contextmanager
+def _catch_sigterm() -> Iterator[_SigtermFlag]:
+    """Turns SIGTERM into a flag while training; restores the previous handler afterwards."""
+    flag, installed = _SigtermFlag(), True
+    try:
+        previous = signal.signal(signal.SIGTERM, flag.handle)
+    except ValueError:  # not the main thread (e.g. inside a notebook worker): no handler
+        installed = False
+    try:
+        yield flag
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def train(config: ConfigDict, workdir: str) -> dict[str, float]:
     """Trains for `config.total_steps` steps (resuming if `workdir` has checkpoints); returns the
-    last step's metrics."""
-    workdir_path = Path(workdir)
+    last step's metrics.
+
+    Raises `Preempted` after SIGTERM (final checkpoint saved), `NonFiniteUpdates` after
+    `config.max_nonfinite_updates` skipped updates in a row (no checkpoint of the streak is
+    saved, so the newest one is the last good state) and `CheckpointSaveError` when a save fails.
+    """
+    with _catch_sigterm() as sigterm:
+        return _train(config, Path(workdir), sigterm)
+
+
+def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dict[str, float]:
     workdir_path.mkdir(parents=True, exist_ok=True)
-    sigterm = _SigtermFlag()
     mesh = builders.build_mesh(config)
     with sharding.use_mesh(mesh):
         model = builders.build_model(config, mesh)
@@ -186,7 +212,9 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
                                      default=0),
                 "samples/trained": len(samples), "decode/calls": len(rollouts.decode_batches),
                 "decode/requests": sum(sum(b.values()) for b in rollouts.decode_batches),
-                "rollouts/pending": len(engine.pending), "rollouts/context_cuts": engine.context_cuts,
+                "rollouts/pending": len(engine.pending),
+                "rollouts/context_cuts": engine.context_cuts,
+                "rollouts/context_drops": engine.context_drops,
                 "rollouts/restarts": engine.restarts, "time/rollout": t1 - t0})
             for stage in range(5):
                 metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
@@ -200,7 +228,9 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
                 if not finite:
-                    logging.warning("step %d: non-finite loss or gradient, update skipped", step)
+                    logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a "
+                                    "row)", step, nonfinite_streak)
+            metrics["update/nonfinite_streak"] = nonfinite_streak
             metrics["time/update"] = time.perf_counter() - t1
             metrics["policy_version"] = int(state.step)
             writer.write(step, metrics)
@@ -214,10 +244,14 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
                 checkpointer.save(step, state, {
                     "data": problems.get_state(), "rollouts": engine.state_dict(),
                     "nonfinite_streak": nonfinite_streak})
-            if sigterm.raised:
-                raise Preempted(f"SIGTERM at step {step}; checkpoint saved")
+            if sigterm.raised and step < config.total_steps:
+                checkpointer.wait()
+                raise Preempted(f"SIGTERM at step {step}; " + (
+                    "checkpoint saved" if nonfinite_streak == 0 else
+                    f"no checkpoint during {nonfinite_streak} non-finite updates, the last good "
+                    "one is kept"))
     finally:
-        checkpointer.close()
         writer.close()
         bar.close()
+        checkpointer.close()  # raises CheckpointSaveError if the last save failed
     return metrics

@@ -9,7 +9,7 @@ the staleness of segments resumed across policy versions.
 
 Logits are formed chunk by chunk along the sequence under `jax.checkpoint`, so no
 `[batch, length, vocab]` array is ever materialised, forward or backward.
-A non-finite loss or gradient leaves parameters and optimizer state unchanged (`finite` = 0).
+A non-finite loss, gradient or update leaves parameters and optimizer state unchanged (`finite` = 0).
 """
 from __future__ import annotations
 
@@ -157,8 +157,9 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Any, *, graphde
     num_micro = batch.tokens.shape[0]
     grads = jax.tree.map(lambda g: g / num_micro, grads)
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(grad_norm) & jnp.all(jnp.isfinite(metrics["loss"]))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    finite = (jnp.isfinite(grad_norm) & jnp.all(jnp.isfinite(metrics["loss"]))
+              & jnp.isfinite(optax.global_norm(updates)))
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     tokens = jnp.maximum(jnp.sum(metrics["tokens"]), 1.0)

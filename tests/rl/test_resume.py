@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 from mars_jax.checkpoint import Checkpointer
 
@@ -52,7 +51,6 @@ def _metrics(workdir):
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
 
-@pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(_command(straight), env=_env(), check=True, capture_output=True, timeout=900)

@@ -1,0 +1,98 @@
+"""Shared helpers of the model benchmarks (`forward.py`, `decode.py`): checkpoints, timing, machine."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def make_hf_checkpoint(config, path: Path, seed: int = 0) -> Path:
+    """Writes a randomly initialised HF transformers (torch) model of `config` to `path`.
+
+    The same files then load into every engine, so all of them run identical weights."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config = transformers.Qwen3MoeConfig(**config.to_hf_dict())
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def time_runs(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of `repeats` calls of `fn` (which must block until done), after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+                     ) -> dict[str, list[float]]:
+    """Like `time_runs` for several engines, alternating them run by run after `warmup` calls
+    each, so that a change in the machine's load over time hits every engine alike."""
+    for fn in fns.values():
+        time_runs(fn, 0, warmup)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name] += time_runs(fn, 1, warmup=0)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def _proc_status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far: `VmHWM`, the high-water mark of its own
+    address space. (`ru_maxrss` is not used: a process started by fork + exec inherits there the
+    peak of its parent's address space.)"""
+    return _proc_status_mib("VmHWM")
+
+
+def current_rss_mib() -> float:
+    return _proc_status_mib("VmRSS")
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name, or the platform's processor string when lscpu is missing."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def machine_line() -> str:
+    return f"{cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start"
+
+
+def versions_line() -> str:
+    import flax
+    import jax
+    import torch
+    import transformers
+
+    return (f"jax {jax.__version__}, flax {flax.__version__}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")

@@ -1,0 +1,107 @@
+r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, for a TPU v5p slice.
+
+  python experiments/run.py --workdir=gs://BUCKET/marsrl_30b \
+      --config=experiments/configs/marsrl_qwen3_30b_a3b.py:ckpt=/data/Qwen3-30B-A3B-Thinking-2507
+  # Check that every program fits the slice before paying for it (CPU machine, libtpu):
+  python experiments/aot_compile.py --topology=v5p:8x8x4 \
+      --config=experiments/configs/marsrl_qwen3_30b_a3b.py
+  # Few-minute CPU run of the same pipeline (bench-sized model, short lengths):
+  python experiments/run.py --workdir=/tmp/marsrl_30b_local \
+      --config=experiments/configs/marsrl_qwen3_30b_a3b.py:runlocal
+
+`get_config(arg)` takes comma-separated options: `ckpt=DIR` (the HF checkpoint directory; also the
+tokenizer) and `runlocal`. `get_sweep()` is the hyper-parameter grid x seeds that
+`launch/xm_launch.py` expands.
+
+Paper settings: lr 1e-6 constant, 128 prompts x group 8, temperature 0.85, top_p 1.0, 32k input,
+64k output decoded in 4 x 16k segments, 5 stages (Solver, then Verifier/Corrector rounds), bf16.
+
+Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128, vocab 151,936):
+  parameters bf16                 61 GB   sharded over every chip (fsdp = all)
+  AdamW mu + nu (param dtype)    122 GB
+  gradients (accumulated)         61 GB   => train state ~244 GB: 0.95 GB/chip on 256 chips
+  KV cache, bf16, per token       48 layers x 2 x 4 x 128 x 2 B = 196,608 B
+    one row, 32k + 64k buckets    98,304 tokens x 196,608 B = 19.3 GB (allocated at full length)
+    128 x 8 = 1,024 rows          19.8 TB: more than a v5p-128 (64 chips x 95 GB = 6.1 TB) holds;
+                                  v5p-512 (256 chips, 24 TB) holds it at 4 rows (77 GB) per chip.
+  attention scores, f32 (dense `[T, S]` per head; no flash attention in mars_jax today)
+    prefill, one row, one layer   32 heads x 32,768 x 98,304 x 4 B = 412 GB
+    update, one row (L = 131,072) 32 heads x 131,072^2 x 4 B = 2.2 TB
+  So at these lengths the prefill and update programs fit no slice until attention is blockwise
+  (splash / flash) and the rollout batch is split across decode calls; the AOT check reports
+  exactly that (see `launch/README.md`, "Recorded AOT results").
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import base_config  # noqa: E402
+
+
+def parse_arg(arg: str | None) -> dict[str, str]:
+    """'ckpt=DIR,runlocal' -> {'ckpt': 'DIR', 'runlocal': ''}."""
+    options = {}
+    for item in filter(None, (arg or "").split(",")):
+        key, _, value = item.partition("=")
+        options[key] = value
+    unknown = set(options) - {"ckpt", "runlocal"}
+    if unknown:
+        raise ValueError(f"config arg: unknown options {sorted(unknown)}; use ckpt=DIR, runlocal")
+    return options
+
+
+def get_config(arg: str | None = None):
+    options = parse_arg(arg)
+    c = base_config()
+    c.seed = 0
+    c.total_steps = 300
+    # Model: the HF checkpoint (weights, config.json, tokenizer); the preset gives the shapes for
+    # AOT compilation when no checkpoint directory is at hand.
+    c.model.preset = "qwen3_30b_a3b"
+    c.model.checkpoint = options.get("ckpt", "")
+    c.tokenizer = options.get("ckpt") or "qwen3"
+    c.model.dtype = c.model.param_dtype = "bfloat16"
+    # One FSDP axis over every chip: parameters, optimizer state and the batch are all split.
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, -1, 1, 1
+    # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).
+    c.data.name, c.data.split = "dsr_sub", "train"
+    # Rollouts.
+    c.rollout.mode = "pipeline"
+    c.rollout.prompts_per_step = 128
+    c.rollout.group_size = 8
+    c.rollout.max_stages = 5
+    c.rollout.temperature, c.rollout.top_p, c.rollout.top_k = 0.85, 1.0, 0
+    c.rollout.max_prompt_tokens = 32 * 1024
+    for role in ("solver", "verifier", "corrector"):
+        c.rollout.max_new_tokens[role] = 64 * 1024
+    c.rollout.segment_tokens = 16 * 1024
+    c.rollout.enable_thinking = True
+    # Optimizer: constant 1e-6.
+    c.optimizer.learning_rate = 1e-6
+    c.optimizer.schedule = "constant"
+    c.learner.micro_batch_size = 256  # one row per chip of a 256-chip slice
+    c.learner.logits_chunk = 512
+    c.checkpoint.every_steps = 10
+    if "runlocal" in options:
+        c.total_steps = 2
+        c.model.preset, c.model.checkpoint, c.tokenizer = "tiny", "", "tiny"
+        c.model.dtype = c.model.param_dtype = ""
+        c.mesh.data, c.mesh.fsdp = -1, 1
+        c.data.name = "arith"
+        c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_stages = 2, 4, 3
+        c.rollout.max_prompt_tokens, c.rollout.segment_tokens = 512, 24
+        c.rollout.prompt_style = "compact"
+        c.rollout.enable_thinking = False
+        for role in ("solver", "verifier", "corrector"):
+            c.rollout.max_new_tokens[role] = 48
+        c.optimizer.learning_rate = 1e-4
+        c.learner.micro_batch_size = 16
+        c.checkpoint.every_steps = 1
+    return c
+
+
+def get_sweep() -> list[dict]:
+    """Hyper-parameter grid x seeds, as `--config.<field>` overrides, one dict per run."""
+    grid = [{"config.optimizer.learning_rate": lr, "config.rollout.temperature": t}
+            for lr in (1e-6, 2e-6) for t in (0.85, 1.0)]
+    return [dict(point, **{"config.seed": seed}) for point in grid for seed in (0, 1)]

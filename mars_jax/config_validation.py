@@ -1,0 +1,292 @@
+"""Checks a run's config before anything is built or compiled.
+
+`validate(config, schema, device_count=...)` compares the final ConfigDict with the defaults
+schema (`experiments/configs/common.py`) and raises one `ConfigError` listing every problem as
+`field: problem; fix: ...`:
+
+  schema       unknown fields (with the closest valid name), missing fields, wrong types
+               (an int field takes int, a float field int or float, a placeholder also None);
+  choices      enumerated strings (job, rollout.mode, rollout.selection, ...);
+  ranges       counts and sizes that must be positive or at least some minimum;
+  consistency  GRPO group size >= 2, fan_out <= group_size, the mesh fits the devices, the segment
+               budget fits every role's max_new_tokens, the job's dataset can be found (manual dir
+               or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for eval_system),
+               an HTTP evaluation has a server URL and model name.
+
+Rules that read a field with a schema problem are skipped, so one wrong type yields one message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Callable, Iterator
+
+from ml_collections import ConfigDict, FieldReference
+
+from mars_jax import sharding
+from mars_jax.agents.prompts import STYLES
+from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from mars_jax.rl.pipeline import MODES
+from mars_jax.rl.rollout import STAGE_ROLES
+from mars_jax.rl.selection import POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One unusable field: what is wrong and how to fix it."""
+
+    field: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.problem}; fix: {self.fix}"
+
+
+class ConfigError(ValueError):
+    """The config cannot run; the message names each field with its problem and fix."""
+
+    exit_code = 2  # EX_USAGE-like: nothing was built
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
+
+
+ROLES_TRAINED = ("all", "solver", "vc")  # see `mars_jax.rl.pipeline.trainable`
+CHOICES: dict[str, tuple[str, ...]] = {
+    "job": ("train", "eval_system", "sft"),
+    "rollout.mode": MODES,
+    "rollout.selection": POLICIES,
+    "rollout.roles_trained": ROLES_TRAINED,
+    "rollout.prompt_style": tuple(STYLES),
+    "optimizer.schedule": ("constant", "cosine"),
+    "loss.kl_estimator": KL_ESTIMATORS,
+    "loss.aggregation": AGGREGATIONS,
+    "eval.policy": ("sampler", "http"),
+}
+AT_LEAST: dict[str, float] = {
+    "total_steps": 1, "max_nonfinite_updates": 1,
+    "rollout.prompts_per_step": 1, "rollout.fan_out": 1, "rollout.max_stages": 1,
+    **{f"rollout.max_new_tokens.{role}": 1 for role in ("solver", "verifier", "corrector")},
+    "rollout.segment_tokens": 0, "rollout.staleness_bound": 0, "rollout.max_prompt_tokens": 1,
+    "rollout.top_k": 0,
+    "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
+    "optimizer.learning_rate": 0, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0,
+    "optimizer.max_grad_norm": 0,
+    "checkpoint.every_steps": 1, "checkpoint.keep": 1,
+    "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
+    "eval.max_retries": 0, "eval.max_concurrency": 1,
+}
+
+Rule = Callable[[ConfigDict, int], Iterator[Problem]]
+_RULES: list[tuple[tuple[str, ...], Rule]] = []
+
+
+def validate(config: ConfigDict, schema: ConfigDict, *, device_count: int) -> None:
+    """Raises `ConfigError` listing every problem of `config`; returns None when it can run."""
+    problems = list(_schema_problems(config, schema))
+    bad = {p.field for p in problems}
+    for fields, rule in _RULES:
+        if not any(_overlap(f, b) for f in fields for b in bad):
+            problems += rule(config, device_count)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _schema_problems(config: ConfigDict, schema: ConfigDict, prefix: str = ""
+                     ) -> Iterator[Problem]:
+    expected = dict(schema.items(preserve_field_references=True))
+    for key in config.keys():
+        if key not in expected:
+            close = difflib.get_close_matches(key, list(expected), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            yield Problem(prefix + key, "unknown field", f"remove it{hint}")
+    for key, default in expected.items():
+        name = prefix + key
+        if key not in config:
+            yield Problem(name, "missing", f"add it (default {_plain(default)!r})")
+            continue
+        value = config[key]
+        if isinstance(default, ConfigDict):
+            if isinstance(value, ConfigDict):
+                yield from _schema_problems(value, default, name + ".")
+            else:
+                yield Problem(name, f"expected a section, got {value!r}", "give it the "
+                              "sub-fields of the defaults in experiments/configs/common.py")
+        elif not _type_ok(value, default):
+            want = _field_type(default)
+            yield Problem(name, f"expected {want.__name__}, got {type(value).__name__} {value!r}",
+                          f"give it a {want.__name__} value, like the default {_plain(default)!r}")
+
+
+def _plain(default):
+    return default.get() if isinstance(default, FieldReference) else default
+
+
+def _field_type(default) -> type:
+    return default.get_type() if isinstance(default, FieldReference) else type(default)
+
+
+def _type_ok(value, default) -> bool:
+    if value is None:
+        return isinstance(default, FieldReference) or default is None
+    if default is None:
+        return True
+    want = _field_type(default)
+    if isinstance(value, bool) or want is bool:
+        return isinstance(value, bool) and want is bool
+    if want is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, want)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether field `a` is `b`, inside it, or holds it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _get(config: ConfigDict, field: str):
+    for part in field.split("."):
+        config = config[part]
+    return config
+
+
+def _rule(*fields: str) -> Callable[[Rule], Rule]:
+    """Registers a rule that reads `fields`; it is skipped when one of them has a schema problem."""
+    def register(rule: Rule) -> Rule:
+        _RULES.append((fields, rule))
+        return rule
+    return register
+
+
+def _choice(field: str, allowed: tuple[str, ...]) -> Rule:
+    def rule(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+        value = _get(config, field)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1)
+            yield Problem(field, f"{value!r} is not one of {allowed}",
+                          f"set it to {close[0] if close else allowed[0]!r}")
+    return rule
+
+
+def _at_least(field: str, minimum: float) -> Rule:
+    def rule(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+        value = _get(config, field)
+        if not (math.isfinite(value) and value >= minimum):
+            yield Problem(field, f"{value!r} is not a finite number >= {minimum}",
+                          f"set it to {minimum} or more")
+    return rule
+
+
+_RULES += [((field,), _choice(field, allowed)) for field, allowed in CHOICES.items()]
+_RULES += [((field,), _at_least(field, minimum)) for field, minimum in AT_LEAST.items()]
+
+
+@_rule("rollout.group_size", "rollout.fan_out", "rollout.max_stages")
+def _groups(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    r = config.rollout
+    if r.group_size < 2:
+        yield Problem("rollout.group_size", f"{r.group_size} < 2: a GRPO advantage compares "
+                      "samples within a group, so one sample has none",
+                      "set it to 2 or more (e.g. 8)")
+    if r.fan_out > r.group_size:
+        yield Problem("rollout.fan_out", f"{r.fan_out} > rollout.group_size={r.group_size}: a "
+                      "stage picks its parents among the previous stage's group",
+                      f"set rollout.fan_out <= {r.group_size} or raise rollout.group_size")
+    if r.max_stages > len(STAGE_ROLES):
+        yield Problem("rollout.max_stages", f"{r.max_stages} > {len(STAGE_ROLES)} stages "
+                      f"{STAGE_ROLES}", f"set it to {len(STAGE_ROLES)} or less")
+
+
+@_rule("rollout.temperature", "rollout.top_p")
+def _sampling(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    r = config.rollout
+    if not 0 < r.temperature < math.inf:
+        yield Problem("rollout.temperature", f"{r.temperature!r} is not > 0 (log-probabilities "
+                      "are computed at logits / T)", "set it to a positive number, e.g. 1.0")
+    if not 0 < r.top_p <= 1:
+        yield Problem("rollout.top_p", f"{r.top_p!r} is not in (0, 1]", "set it to 1.0 (off) or "
+                      "a fraction like 0.95")
+
+
+@_rule("mesh")
+def _mesh(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    try:
+        sharding.MeshConfig.from_mapping(config.mesh.to_dict()).resolve(device_count)
+    except (ValueError, TypeError) as e:
+        yield Problem("mesh", f"does not fit the {device_count} available device(s): "
+                      f"{str(e).removeprefix('mesh: ')}",
+                      "make the product of mesh.data/fsdp/tensor/expert equal the device count, "
+                      "or set one axis to -1")
+
+
+@_rule("rollout.segment_tokens", "rollout.max_new_tokens")
+def _segments(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    segment, budgets = config.rollout.segment_tokens, dict(config.rollout.max_new_tokens)
+    over = {role: n for role, n in budgets.items() if 0 < n < segment}
+    if over:
+        roles = ", ".join(f"rollout.max_new_tokens.{k}={v}" for k, v in over.items())
+        yield Problem("rollout.segment_tokens", f"{segment} exceeds {roles}",
+                      f"set it to at most {min(over.values())}, or 0 to decode each output in "
+                      "one go")
+
+
+@_rule("job", "data", "eval.dataset", "eval.split")
+def _data(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    from mars_jax.data import builder, datasets
+    from mars_jax.data.paths import MANUAL_DIR_ENV, default_manual_dir
+    data = config.data
+    if config.job != "eval_system":  # 'train' and 'sft' read data.name / data.split
+        name_field, name, split_field, split = "data.name", data.name, "data.split", data.split
+    else:
+        name_field, name = "eval.dataset", config.eval.dataset
+        split_field, split = "eval.split", config.eval.split
+    if name not in datasets.SPLITS:
+        yield Problem(name_field, f"unknown dataset {name!r}",
+                      f"set it to one of {tuple(datasets.SPLITS)}")
+        return
+    if split not in datasets.SPLITS[name]:
+        yield Problem(split_field, f"{name!r} has no split {split!r}",
+                      f"set it to one of {datasets.SPLITS[name]}")
+        return
+    if data.manual_dir and not os.path.isdir(data.manual_dir):
+        yield Problem("data.manual_dir", f"{data.manual_dir} does not exist",
+                      f"point it at the directory holding the problem JSONL files, or leave it "
+                      f"empty to use ${MANUAL_DIR_ENV} or ../shared/data")
+        return
+    if name == "arith":
+        return
+    file_name = {c.name: dict(c.split_files) for c in builder.CONFIGS}[name][split]
+    try:
+        manual_dir = data.manual_dir or default_manual_dir()
+    except FileNotFoundError:
+        manual_dir = None
+    if manual_dir and os.path.isfile(os.path.join(manual_dir, file_name)):
+        return
+    if builder.MarsProblems(config=name, data_dir=data.data_dir or None).is_prepared():
+        return
+    yield Problem("data.manual_dir", f"no {file_name} for {name}/{split} in "
+                  f"{manual_dir or '(no data dir found)'} and the dataset is not prepared in "
+                  f"{data.data_dir or 'the TFDS data dir'}",
+                  f"set data.manual_dir (or ${MANUAL_DIR_ENV}) to a directory holding {file_name}")
+
+
+@_rule("job", "eval.policy", "eval.vc_base_url", "eval.solver_base_url", "eval.served_model")
+def _http_eval(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    e = config.eval
+    if config.job != "eval_system" or e.policy != "http":
+        return
+    if not e.vc_base_url.startswith(("http://", "https://")):
+        yield Problem("eval.vc_base_url", f"{e.vc_base_url!r} is not an http(s) URL, but "
+                      "eval.policy is 'http'", "set it to the server root with its API prefix, "
+                      "e.g. http://localhost:8000/v1")
+    if e.solver_base_url and not e.solver_base_url.startswith(("http://", "https://")):
+        yield Problem("eval.solver_base_url", f"{e.solver_base_url!r} is not an http(s) URL",
+                      "set it to the Solver server's root, or leave it empty to use vc_base_url")
+    if not e.served_model:
+        yield Problem("eval.served_model", "empty, but eval.policy is 'http'",
+                      "set it to the model name the server serves")

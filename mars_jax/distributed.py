@@ -1,0 +1,153 @@
+"""Multi-host runs: one JAX process per host, one global mesh, each host its own data shard.
+
+`initialize` starts `jax.distributed` from arguments (`--coordinator_address`, `--num_processes`,
+`--process_id`), from `JAX_COORDINATOR_ADDRESS`, or from a detected cluster (Cloud TPU pods,
+Slurm, Open MPI); a single-process run starts nothing. It must run before anything touches a JAX
+backend. Every process then executes the same jitted programs on global arrays:
+
+  * `global_train_batch` turns each host's own micro-batched `TrainBatch` into one global batch
+    whose rows are split over the mesh's batch axes (hosts first agree on its padded shape);
+  * `gather_process_meta` / `local_process_meta` keep per-host checkpoint metadata (data iterator
+    position, pipeline queues) in the one JSON item orbax writes from the primary host, while
+    orbax itself saves and restores each host's shards of the train state;
+  * `any_process` lets data-dependent loops (sequential rollouts) stop on every host together.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from absl import flags
+from jax.experimental import multihost_utils
+
+from mars_jax import sharding
+from mars_jax.rl.update import TrainBatch
+
+MODES = ("auto", "on", "off")
+
+_MODE = flags.DEFINE_enum("distributed", "auto", MODES,
+                          "Start jax.distributed: 'auto' when addresses are given or a "
+                          "multi-process cluster is detected, 'on' always, 'off' never.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0's coordinator (multi-process runs).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
+
+# Environment variables whose presence means "one of several processes" (jax reads them itself).
+_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
+_CLUSTER_SIZE_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def cluster_detected(environ: dict[str, str] | None = None) -> bool:
+    """Whether the environment says this is one process of a multi-process job."""
+    env = os.environ if environ is None else environ
+    if any(env.get(key) for key in _CLUSTER_ENV):
+        return True
+    if "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+        return True
+    return any(int(env.get(key, "1") or "1") > 1 for key in _CLUSTER_SIZE_ENV)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, mode: str = "auto") -> bool:
+    """Starts `jax.distributed` when this is one of several processes; returns whether it runs.
+
+    Unset arguments come from the environment (jax's cluster detection)."""
+    if mode not in MODES:
+        raise ValueError(f"distributed: {mode!r} is not one of {MODES}")
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"num_processes: must be positive, got {num_processes}")
+    if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
+        raise ValueError(f"process_id: {process_id} is not in [0, num_processes={num_processes})")
+    explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    if mode == "off" or (mode == "auto" and not explicit and not cluster_detected()):
+        return False
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return True
+
+
+def initialize_from_flags() -> bool:
+    """`initialize` with `--distributed`, `--coordinator_address`, `--num_processes`, `--process_id`."""
+    return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MODE.value)
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on at least one (a collective: call everywhere)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))
+
+
+def _pad(x: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
+    return np.pad(x, [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)])
+
+
+def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
+    """Each process's own `TrainBatch` (numpy, `[M, b, L]`, same `b` everywhere) as one global
+    batch of `b x processes` rows per micro-batch, split over the mesh's batch axes.
+
+    Processes first agree on the number of micro-batches `M` and the length `L` (the maxima);
+    padding rows and positions have zero masks and change nothing. Call on every process."""
+    local = jax.tree.map(np.asarray, batch)
+    num_micro, rows, length = local.tokens.shape
+    agreed = multihost_utils.process_allgather(np.asarray([num_micro, rows, length]))
+    agreed = np.asarray(agreed).reshape(-1, 3)
+    if len(set(agreed[:, 1].tolist())) != 1:
+        raise ValueError(f"learner.micro_batch_size: processes built micro-batches of different "
+                         f"sizes {sorted(set(agreed[:, 1].tolist()))}; use the same on every host")
+    num_micro, length = int(agreed[:, 0].max()), int(agreed[:, 2].max())
+    procs = jax.process_count()
+
+    def to_global(x: np.ndarray, batch_axis: int, length_axis: int | None) -> jax.Array:
+        sizes = {0: num_micro} | ({length_axis: length} if length_axis is not None else {})
+        x = _pad(x, sizes)
+        shape = list(x.shape)
+        shape[batch_axis] *= procs
+        names = [None] * len(shape)
+        names[batch_axis] = "batch"
+        target = sharding.named_sharding(mesh, names, shape)
+        split = np.prod([mesh.shape[a] for a in _axes(target.spec[batch_axis])], dtype=int)
+        if split % procs:
+            raise ValueError(f"learner.micro_batch_size: {shape[batch_axis]} rows per micro-batch "
+                             f"cannot be split over the mesh's batch axes across {procs} processes")
+        return jax.make_array_from_process_local_data(target, x, tuple(shape))
+
+    experts = None
+    if local.expert_ids is not None:
+        experts = to_global(local.expert_ids, 2, 3)
+    return TrainBatch(tokens=to_global(local.tokens, 1, 2),
+                      attention_mask=to_global(local.attention_mask, 1, 2),
+                      loss_mask=to_global(local.loss_mask, 1, 2),
+                      advantages=to_global(local.advantages, 1, None),
+                      sampler_logprobs=to_global(local.sampler_logprobs, 1, 2),
+                      expert_ids=experts)
+
+
+def _axes(entry) -> Sequence[str]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def gather_process_meta(meta: dict) -> dict:
+    """Every process's JSON-serialisable `meta`, as one dict to save (call on every process)."""
+    if jax.process_count() == 1:
+        return {"process_count": 1, "processes": [meta]}
+    data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(data.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return {"process_count": len(sizes),
+            "processes": [json.loads(row[:n].tobytes()) for row, n in zip(gathered, sizes)]}
+
+
+def local_process_meta(saved: dict) -> dict:
+    """This process's part of `gather_process_meta` output read back from a checkpoint."""
+    count = saved.get("process_count")
+    if count != jax.process_count():
+        raise ValueError(f"checkpoint meta: written by {count} processes, this run has "
+                         f"{jax.process_count()}; resume with the same number of hosts")
+    return saved["processes"][jax.process_index()]

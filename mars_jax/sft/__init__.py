@@ -1,0 +1,1 @@
+"""Warm start for toy MarsRL: generated role traces (`traces`) and supervised fine-tuning (`train`)."""

@@ -1,0 +1,78 @@
+"""The `sft` job behind experiments/run.py: trains on generated role traces, saves an HF checkpoint.
+
+Writes `workdir/metrics.jsonl` (+ TensorBoard): the training loss every step and, at step 0 and
+every `sft.eval_every` steps, the held-out loss overall and per role (`heldout/loss/<role>`); and
+`workdir/model/` (`config.json` + safetensors), which an RL config loads as `model.checkpoint`.
+Held-out examples come from the last `sft.holdout_problems` train problems, never trained on (all
+roles, whatever `sft.keep` keeps for training).
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jax
+import tqdm
+from flax import nnx
+from ml_collections import ConfigDict
+
+from mars_jax import builders
+from mars_jax.metrics import MetricsWriter
+from mars_jax.models import Qwen3, Qwen3Config, create_model, save_pretrained
+from mars_jax.rl.update import make_optimizer
+from mars_jax.sft.train import encoded_examples, example_stream, heldout_loss, pack, sft_step
+
+# Toy architectures (`sft.arch`), for the byte-level `tiny` tokenizer (261 tokens).
+ARCHS: dict[str, dict] = {
+    # 1.1M parameters: 4 layers, hidden 128, 8 experts of 64 (top-2) in every layer.
+    "toy": dict(vocab_size=272, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, intermediate_size=512,
+                moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=True, rope_theta=10_000.0, max_position_embeddings=2048),
+}
+
+
+def build_model(config: ConfigDict) -> Qwen3:
+    """`model.checkpoint` when set (continues from it), else `sft.arch`, else `model.preset`."""
+    if config.sft.arch and not config.model.checkpoint:
+        if config.sft.arch not in ARCHS:
+            raise ValueError(f"sft.arch: {config.sft.arch!r} is not one of {sorted(ARCHS)}")
+        arch = Qwen3Config(**ARCHS[config.sft.arch], **builders.model_overrides(config))
+        return create_model(arch, seed=config.seed)
+    return builders.build_model(config, mesh=None)
+
+
+def run(config: ConfigDict, workdir: str) -> dict[str, float]:
+    """Trains `sft.steps` steps and returns the final held-out losses (also in `summary.json`)."""
+    s, out = config.sft, Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = builders.build_tokenizer(config)
+    model = build_model(config)
+    problems = list(builders.load_problems(config.data))
+    train_problems, holdout = problems[:-s.holdout_problems], problems[-s.holdout_problems:]
+    rates = dict(solver_error_rate=s.solver_error_rate, verifier_flawed_rate=s.verifier_flawed_rate)
+    heldout = list(pack(encoded_examples(holdout, tokenizer, random.Random(-1), **rates),
+                        rows=s.rows, row_tokens=s.row_tokens))
+    batches = pack(example_stream(train_problems, tokenizer, seed=config.seed, keep=dict(s.keep),
+                                  **rates), rows=s.rows, row_tokens=s.row_tokens)
+    optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": s.steps})
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = optimizer.init(params)
+    writer = MetricsWriter(out)
+    summary = heldout_loss(params, heldout, graphdef)
+    try:
+        writer.write(0, {f"heldout/{k}": v for k, v in summary.items()})
+        for step in tqdm.tqdm(range(1, s.steps + 1), desc="sft", disable=jax.process_index() != 0):
+            params, opt_state, metrics = sft_step(params, opt_state, next(batches),
+                                                  graphdef=graphdef, optimizer=optimizer)
+            metrics = {k: float(v) for k, v in metrics.items()}
+            if step % s.eval_every == 0 or step == s.steps:
+                summary = heldout_loss(params, heldout, graphdef)
+                metrics.update({f"heldout/{k}": v for k, v in summary.items()})
+            writer.write(step, metrics)
+    finally:
+        writer.close()
+    save_pretrained(nnx.merge(graphdef, params), out / "model")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary

@@ -1,0 +1,156 @@
+"""Checkpoint integrity: damaged checkpoints are skipped on restore; failed or killed saves never
+damage the previous checkpoint."""
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mars_jax.checkpoint import Checkpointer, CheckpointSaveError
+from tests.fault import harness
+
+
+def _state(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {"w": jnp.asarray(rng.standard_normal((256, 64), dtype=np.float32)),
+            "b": jnp.asarray(rng.standard_normal(64).astype(jnp.bfloat16)), "step": jnp.int32(step)}
+
+
+def _save_steps(directory: Path, steps) -> None:
+    checkpointer = Checkpointer(directory, keep=5)
+    for step in steps:
+        checkpointer.save(step, _state(step), {"step": step})
+    checkpointer.close()
+
+
+def _assert_restores(directory: Path, step: int) -> Checkpointer:
+    checkpointer = Checkpointer(directory, keep=5)
+    restored_step, state, meta = checkpointer.restore_latest(_state(0))
+    assert (restored_step, meta) == (step, {"step": step})
+    for key, value in _state(step).items():
+        np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
+    return checkpointer
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_bytes"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, damage):
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2, 3])
+    data = _largest_file(directory / "3")
+    content = bytearray(data.read_bytes())
+    if damage == "truncate":
+        content = content[:len(content) // 2]
+    else:  # same length: only the stored fingerprint can tell
+        content[100:116] = bytes(b ^ 0xFF for b in content[100:116])
+    data.write_bytes(bytes(content))
+
+    with caplog.at_level(logging.WARNING):
+        checkpointer = _assert_restores(directory, 2)
+    assert "checkpoint at step 3 is unreadable" in caplog.text
+    if damage == "flip_bytes":
+        assert "fingerprint" in caplog.text
+    # The damaged step is set aside, so the resumed run can write step 3 again.
+    assert (tmp_path / "checkpoints.unreadable/3").is_dir()
+    checkpointer.save(3, _state(3), {"step": 3})
+    checkpointer.close()
+    _assert_restores(directory, 3).close()
+
+
+def _fail_json_write_midway(monkeypatch):
+    """Makes the meta writer stop halfway with ENOSPC, as on a full disk."""
+    async def full_disk(self, item, directory):
+        path = directory / self._filename
+        text = json.dumps(item)
+        path.write_text(text[:len(text) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk)
+
+
+def test_a_save_failing_with_enospc_raises_and_keeps_the_previous_checkpoint(tmp_path,
+                                                                            monkeypatch):
+    directory = tmp_path / "checkpoints"
+    checkpointer = Checkpointer(directory, keep=1)  # keep=1: the only good one must survive
+    checkpointer.save(1, _state(1), {"step": 1})
+    checkpointer.wait()
+    _fail_json_write_midway(monkeypatch)
+    checkpointer.save(2, _state(2), {"step": 2})  # asynchronous: fails in the background
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint 2 .*No space left on device.*"
+                                                   r"previous checkpoint \(1\) is intact"):
+        checkpointer.save(3, _state(3), {"step": 3})
+    assert checkpointer.manager.all_steps() == [1]  # not pointing at the failed step
+    monkeypatch.undo()
+    checkpointer.close()
+    _assert_restores(directory, 1).close()
+    assert not (directory / "2").exists()  # only a temporary directory, never a step
+
+
+def test_a_full_tmpfs_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    # One checkpoint of _state (~80 KB incompressible) fits in 150 KB, two do not.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs (needs root)")
+    try:
+        directory = mount / "checkpoints"
+        checkpointer = Checkpointer(directory, keep=1)
+        checkpointer.save(1, _state(1), {"step": 1})
+        checkpointer.wait()
+        checkpointer.save(2, _state(2), {"step": 2})
+        with pytest.raises(CheckpointSaveError, match="No space left on device"):
+            checkpointer.close()
+        _assert_restores(directory, 1).close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+_KILLED_SAVE = """
+import json, time, jax.numpy as jnp, orbax.checkpoint as ocp
+from mars_jax.checkpoint import Checkpointer
+from tests.fault.test_checkpoint_integrity import _state
+
+async def hang_midway(self, item, directory):
+    text = json.dumps(item)
+    (directory / self._filename).write_text(text[:len(text) // 2])
+    time.sleep(600)
+
+checkpointer = Checkpointer({directory!r}, keep=1)
+checkpointer.save(1, _state(1), {{"step": 1}})
+checkpointer.wait()
+ocp.JsonCheckpointHandler._save_fn = hang_midway
+checkpointer.save(2, _state(2), {{"step": 2}})
+time.sleep(600)
+"""
+
+
+def test_a_save_killed_midway_keeps_the_previous_checkpoint(tmp_path):
+    directory = tmp_path / "checkpoints"
+    script = textwrap.dedent(_KILLED_SAVE.format(directory=str(directory)))
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=harness.REPO, env=harness.env())
+    deadline = time.time() + 300
+    while not list(directory.glob("2.orbax-checkpoint-tmp*/meta*/metadata")):
+        assert process.poll() is None and time.time() < deadline, "the save never started"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)  # a half-written meta file is on disk
+    process.wait()
+    assert not (directory / "2").exists()
+    checkpointer = _assert_restores(directory, 1)
+    checkpointer.save(2, _state(2), {"step": 2})
+    checkpointer.close()
+    _assert_restores(directory, 2).close()
+    shutil.rmtree(directory)

@@ -1,0 +1,97 @@
+"""Config validation: every problem of a config in one message, before anything is built."""
+import subprocess
+import sys
+import time
+
+import pytest
+from ml_collections import ConfigDict
+
+from experiments.configs import common, eval_system, smoke
+from mars_jax.config_validation import ConfigError, validate
+from tests.fault import harness
+
+
+def _problems(config, device_count=1) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        validate(config, common.base_config(), device_count=device_count)
+    return {p.field: str(p) for p in info.value.problems}
+
+
+def test_shipped_configs_are_valid():
+    validate(smoke.get_config(), common.base_config(), device_count=1)
+    validate(common.base_config(), common.base_config(), device_count=8)
+    validate(eval_system.get_config(), common.base_config(), device_count=8)
+
+
+def test_unknown_missing_and_mistyped_fields_are_named_with_the_fix():
+    config = smoke.get_config()
+    config.rollout.groupsize = 4                      # typo in a config file
+    del config.learner.logits_chunk
+    config.rollout.max_new_tokens = ConfigDict(dict(solver="48", verifier=48, corrector=48))
+    config.checkpoint = ConfigDict(dict(every_steps=1.5, keep=3, async_save="yes"))
+    problems = _problems(config)
+    assert set(problems) == {"rollout.groupsize", "learner.logits_chunk",
+                             "rollout.max_new_tokens.solver", "checkpoint.every_steps",
+                             "checkpoint.async_save"}
+    assert "did you mean rollout.group_size?" in problems["rollout.groupsize"]
+    assert "add it (default 256)" in problems["learner.logits_chunk"]
+    assert "expected int, got str '48'" in problems["rollout.max_new_tokens.solver"]
+    assert "expected bool" in problems["checkpoint.async_save"]
+
+
+def test_inconsistent_values_are_all_reported_at_once(tmp_path):
+    config = smoke.get_config()
+    config.rollout.group_size = 1
+    config.rollout.fan_out = 3
+    config.mesh.data, config.mesh.tensor = 2, 2
+    config.rollout.segment_tokens = 64                # max_new_tokens are 48
+    config.data.manual_dir = str(tmp_path / "missing")
+    config.rollout.mode = "pipelined"
+    config.optimizer.learning_rate = float("nan")
+    problems = _problems(config, device_count=8)
+    assert set(problems) == {"rollout.group_size", "rollout.fan_out", "mesh",
+                             "rollout.segment_tokens", "data.manual_dir", "rollout.mode",
+                             "optimizer.learning_rate"}
+    assert "fix: set it to 2 or more" in problems["rollout.group_size"]
+    assert "set rollout.fan_out <= 1" in problems["rollout.fan_out"]
+    assert "product of axis sizes" in problems["mesh"] and "8" in problems["mesh"]
+    assert "set it to at most 48" in problems["rollout.segment_tokens"]
+    assert "does not exist" in problems["data.manual_dir"]
+    assert "set it to 'pipeline'" in problems["rollout.mode"]
+
+
+def test_file_backed_dataset_without_a_data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARS_JAX_DATA_DIR", str(tmp_path))  # exists, but has no gsm8k files
+    config = smoke.get_config()
+    config.data.name, config.data.data_dir = "gsm8k", str(tmp_path / "tfds")
+    problem = _problems(config)["data.manual_dir"]
+    assert "no gsm8k_train.jsonl" in problem and "fix: set data.manual_dir" in problem
+
+    config = eval_system.get_config("aime2025")
+    config.eval.split = "train"
+    assert set(_problems(config)) == {"eval.split", "eval.vc_base_url", "eval.served_model"}
+
+
+def test_run_py_exits_2_with_the_message_before_building_anything(tmp_path):
+    config_file = tmp_path / "typo.py"
+    config_file.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(harness.REPO / 'experiments/configs')!r})\n"
+        "from smoke import get_config as smoke_config\n\n"
+        "def get_config():\n"
+        "    c = smoke_config()\n"
+        "    c.rollout.fanout = 2\n"
+        "    return c\n")
+    workdir = tmp_path / "run"
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(harness.RUN), f"--config={config_file}", f"--workdir={workdir}",
+         "--config.rollout.group_size=1"],
+        env=harness.env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert ("rollout.fanout: unknown field; fix: remove it (did you mean rollout.fan_out?)"
+            in result.stderr)
+    assert "rollout.group_size: 1 < 2" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not workdir.exists()  # nothing was built
+    print(f"run.py rejected the config in {time.monotonic() - start:.1f}s")

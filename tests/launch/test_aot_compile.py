@@ -1,0 +1,75 @@
+"""AOT compilation of the step programs for TPU topologies (libtpu, compile-only devices).
+
+The compile tests are slow (minutes each on a CPU) and need `pip install .[tpu]`.
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mars_jax import sharding
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "experiments" / "configs"))
+import aot_compile  # noqa: E402
+import marsrl_qwen3_30b_a3b  # noqa: E402
+
+# The bench preset (8 layers, 16 experts) at short lengths.
+BENCH = ["--config=experiments/configs/smoke.py", "--config.model.preset=bench",
+         "--config.rollout.max_prompt_tokens=64", "--config.rollout.segment_tokens=32",
+         "--config.learner.micro_batch_size=8"] + [
+    f"--config.rollout.max_new_tokens.{role}=64" for role in ("solver", "verifier", "corrector")]
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed: pip install -e .[tpu]")
+
+
+def _aot(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "aot.json"
+    result = subprocess.run([sys.executable, "experiments/aot_compile.py", f"--json={out}", *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert out.exists(), result.stderr[-4000:]
+    return result, json.loads(out.read_text())
+
+
+def test_paper_shapes():
+    shapes = aot_compile.step_shapes(marsrl_qwen3_30b_a3b.get_config())
+    assert (shapes.decode_batch, shapes.prompt_len, shapes.new_tokens, shapes.segment) == (
+        1024, 32768, 65536, 16384)
+    assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (256, 4, 131072)
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_bench_step_programs_compile(tmp_path, topology):
+    result, report = _aot(tmp_path, f"--topology={topology}", *BENCH)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert [r["program"] for r in report["results"]] == list(aot_compile.PROGRAMS)
+    for r in report["results"]:
+        assert r["fits"] and r["argument_bytes"] > 0 and r["flops"] > 0, r
+        assert r["total_bytes"] <= report["hbm_bytes"]
+    assert "update" in result.stdout and "fits" in result.stdout
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_oversized_configuration_does_not_fit(tmp_path):
+    result, report = _aot(tmp_path, "--topology=v5e:2x2", "--programs=prefill", *BENCH,
+                          "--config.rollout.prompts_per_step=512",
+                          "--config.rollout.max_prompt_tokens=16384")
+    assert result.returncode == 1
+    [prefill] = report["results"]
+    assert not prefill["fits"]
+    assert "does not fit: prefill" in result.stdout
+
+
+@needs_libtpu
+def test_multislice_mesh_keeps_slices_together():
+    target = aot_compile.make_target("v5e:2x2", num_slices=2)
+    mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "dcn": {"data": 2}}, target.devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]

@@ -1,0 +1,79 @@
+"""Sweep expansion, the 30B configs and the TPU-VM launcher's commands (no xmanager, no cloud)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "experiments" / "configs" / "marsrl_qwen3_30b_a3b.py"
+
+
+def _module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_test_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep = _module(ROOT / "launch" / "sweep.py")
+tpu_vm = _module(ROOT / "launch" / "tpu_vm.py")
+
+
+def test_config_sweep_is_grid_times_seeds():
+    points = sweep.load_sweep(f"{CONFIG}:runlocal")
+    assert len(points) == 8  # 2 learning rates x 2 temperatures x 2 seeds
+    assert {p["config.seed"] for p in points} == {0, 1}
+    assert len({sweep.run_name(p) for p in points}) == 8
+
+
+def test_grid_sweep_and_run_args():
+    points = sweep.grid_sweep(["config.optimizer.learning_rate=1e-4,3e-4"], [0, 1])
+    assert points[1] == {"config.optimizer.learning_rate": 1e-4, "config.seed": 1}
+    assert sweep.run_name(points[1]) == "learning_rate=0.0001_seed=1"
+    args = sweep.run_args("c.py", "/w/r", points[1], ["--config.total_steps=2"])
+    assert args == ["--config=c.py", "--workdir=/w/r", "--config.optimizer.learning_rate=0.0001",
+                    "--config.seed=1", "--config.total_steps=2"]
+
+
+@pytest.mark.parametrize("grid", [["learning_rate=1"], ["config.x"], ["config.x="]])
+def test_grid_errors_name_the_flag(grid):
+    with pytest.raises(ValueError, match="--grid"):
+        sweep.grid_sweep(grid, [0])
+
+
+def test_paper_and_runlocal_configs():
+    sys.path.insert(0, str(CONFIG.parent))
+    module = _module(CONFIG)
+    paper = module.get_config("ckpt=/data/qwen")
+    assert paper.model.checkpoint == paper.tokenizer == "/data/qwen"
+    assert (paper.rollout.prompts_per_step, paper.rollout.group_size) == (128, 8)
+    assert paper.rollout.max_new_tokens.solver == 4 * paper.rollout.segment_tokens == 65536
+    assert paper.rollout.max_prompt_tokens == 32768 and paper.rollout.max_stages == 5
+    assert (paper.rollout.temperature, paper.rollout.top_p) == (0.85, 1.0)
+    assert paper.optimizer.learning_rate == 1e-6 and paper.model.param_dtype == "bfloat16"
+    local = module.get_config("runlocal")
+    assert local.model.preset == "tiny" and local.total_steps == 2
+    gpu = _module(CONFIG.with_name("marsrl_qwen3_30b_a3b_gpu.py")).get_config()
+    assert gpu.learner.micro_batch_size == 8 and gpu.rollout.max_prompt_tokens == 32768
+    with pytest.raises(ValueError, match="unknown options"):
+        module.get_config("ckpt=/x,fast")
+
+
+def test_tpu_vm_commands():
+    tpu = tpu_vm.Slice("marsrl", "us-east5-a", "v5p-512", project="p")
+    [create] = tpu.commands("create")
+    assert create[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "marsrl"]
+    assert "--accelerator-type=v5p-512" in create and "--project=p" in create
+    everything = tpu.commands("all", ["--config=c.py", "--workdir=/mnt/w"])
+    assert [c[4] if c[0] == "gcloud" else c[0] for c in everything] == [
+        "create", "tar", "scp", "ssh", "ssh", "ssh"]
+    run = everything[-1]
+    assert "--worker=all" in run
+    assert any("experiments/run.py --distributed=on --config=c.py --workdir=/mnt/w" in a
+               for a in run)
+    with pytest.raises(ValueError, match="pass experiments/run.py arguments"):
+        tpu.commands("run")
+    with pytest.raises(ValueError, match="action: 'start'"):
+        tpu.commands("start")
