@@ -118,18 +118,7 @@ class MoE(nnx.Module):
             jnp.searchsorted(padded_end, jnp.arange(num_blocks) * bs, side="right"), e - 1)
         used = jnp.arange(num_blocks) < padded_end[-1] // bs
         wi, wo = self._weights(x.dtype)
-        inter = wi.shape[2]
-
-        def block(_, inputs):
-            xb, expert, is_used = inputs
-
-            def compute():
-                h = (xb @ wi[expert].reshape(2 * inter, hidden).T).reshape(bs, 2, inter)
-                return (jax.nn.silu(h[:, 0]) * h[:, 1]) @ wo[expert]
-
-            return None, jax.lax.cond(is_used, compute, lambda: jnp.zeros_like(xb))
-
-        _, ys = jax.lax.scan(block, None, (buf.reshape(num_blocks, bs, hidden), block_expert, used))
+        ys = _expert_blocks(buf.reshape(num_blocks, bs, hidden), block_expert, used, wi, wo)
         ys = ys.reshape(num_blocks * bs, hidden)[dest] * sorted_w[:, None]
         return jnp.zeros_like(x).at[tokens].add(ys)
 
@@ -158,3 +147,60 @@ class MoE(nnx.Module):
         ys = jnp.einsum("eci,eih->ech", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], wo)
         ys = jnp.concatenate([ys.reshape(e * capacity, hidden), jnp.zeros((1, hidden), x.dtype)])
         return jnp.zeros_like(x).at[tokens].add(ys[dest] * (sorted_w * keep)[:, None])
+
+
+def _block_forward(xb, wi_e, wo_e):
+    """One block through one expert: (output, gate pre-activation, up, activation)."""
+    inter, hidden = wi_e.shape[1], wi_e.shape[2]
+    h = (xb @ wi_e.reshape(2 * inter, hidden).T).reshape(xb.shape[0], 2, inter)
+    act = jax.nn.silu(h[:, 0]) * h[:, 1]
+    return act @ wo_e, h[:, 0], h[:, 1], act
+
+
+@jax.custom_vjp
+def _expert_blocks(blocks, block_expert, used, wi, wo):
+    """`[NB, bs, H]` token blocks, each through its own expert's SwiGLU (unused blocks -> 0).
+
+    The custom backward pass accumulates each block's weight gradient into its expert's slice
+    only; differentiating the indexing `wi[e]` in a scan would add a full `[E, ...]` gradient per
+    block."""
+    def block(_, inputs):
+        xb, e, is_used = inputs
+        out = jax.lax.cond(is_used, lambda: _block_forward(xb, wi[e], wo[e])[0],
+                           lambda: jnp.zeros_like(xb))
+        return None, out
+
+    return jax.lax.scan(block, None, (blocks, block_expert, used))[1]
+
+
+def _expert_blocks_fwd(blocks, block_expert, used, wi, wo):
+    return _expert_blocks(blocks, block_expert, used, wi, wo), (blocks, block_expert, used, wi, wo)
+
+
+def _expert_blocks_bwd(residuals, grads):
+    blocks, block_expert, used, wi, wo = residuals
+
+    def block(acc, inputs):
+        dwi, dwo = acc
+        xb, e, is_used, g = inputs
+
+        def compute():
+            _, gate, up, act = _block_forward(xb, wi[e], wo[e])
+            d_act = g @ wo[e].T
+            sig = jax.nn.sigmoid(gate)
+            d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+            d_h = jnp.stack([d_gate, d_act * jax.nn.silu(gate)], axis=1)  # [bs, 2, I]
+            d_x = d_h.reshape(xb.shape[0], -1) @ wi[e].reshape(-1, xb.shape[1])
+            d_wi = jnp.einsum("bji,bh->jih", d_h, xb)
+            return (d_x, jax.lax.dynamic_update_index_in_dim(dwi, dwi[e] + d_wi, e, 0),
+                    jax.lax.dynamic_update_index_in_dim(dwo, dwo[e] + act.T @ g, e, 0))
+
+        d_x, dwi, dwo = jax.lax.cond(is_used, compute, lambda: (jnp.zeros_like(xb), dwi, dwo))
+        return (dwi, dwo), d_x
+
+    (dwi, dwo), d_blocks = jax.lax.scan(block, (jnp.zeros_like(wi), jnp.zeros_like(wo)),
+                                        (blocks, block_expert, used, grads))
+    return d_blocks, None, None, dwi, dwo
+
+
+_expert_blocks.defvjp(_expert_blocks_fwd, _expert_blocks_bwd)
