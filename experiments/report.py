@@ -8,8 +8,8 @@ marsrl}` of `experiments/configs/toy_marsrl.py`. Each run's newest checkpoint is
 section (held-out `arith` test problems) into `<root>/eval/<variant>/` (resumable with the same
 settings; delete that directory to evaluate with other ones). Writes to
 `--out`: `tables.md` (the tables), `summary.json`, and the plots `rewards.png` (per-role reward
-over training), `verifier.png` (Verifier accuracy and recall over training), `sft_loss.png` and
-`lengths.png` (output tokens per role at evaluation).
+over training), `verifier.png` (Verifier accuracy and recall over training), `sft_loss.png` (the
+SFT stages `<root>/sft1`, `sft2`, `sft`) and `lengths.png` (output tokens per role at evaluation).
 """
 from __future__ import annotations
 
@@ -149,14 +149,24 @@ def plot_training(runs: dict[str, list[dict]], out: Path) -> None:
     plt.close("all")
 
 
+def sft_metrics(root: Path) -> list[dict]:
+    """The SFT stages' metrics (`toy_sft.py`: sft1, sft2, then sft), steps counted across stages."""
+    lines, offset = [], 0
+    for stage in ("sft1", "sft2", "sft"):
+        stage_lines = read_metrics(root / stage / "metrics.jsonl")
+        lines += [{**m, "step": m["step"] + offset} for m in stage_lines]
+        offset += max((m["step"] for m in stage_lines), default=0)
+    return lines
+
+
 def plot_sft(lines: list[dict], out: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     steps, values = curve(lines, "loss", window=10)
     ax.plot(steps, values, label="train (moving avg of 10)")
     for key in ("heldout/loss", *(f"heldout/loss/{r}" for r in ROLES)):
         steps, values = curve(lines, key, window=1)
         ax.plot(steps, values, marker="o", markersize=3, label=key)
-    ax.set(title="SFT loss (reply tokens)", xlabel="SFT step", yscale="log")
+    ax.set(title="SFT loss per reply token (stages 1-3)", xlabel="SFT step", yscale="log")
     _legend(ax)
     fig.tight_layout()
     fig.savefig(out / "sft_loss.png", dpi=110)
@@ -210,7 +220,7 @@ def main(argv) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = {v: read_metrics(root / v / "metrics.jsonl") for v in VARIANTS if v != "base"}
     plot_training({v: lines for v, lines in runs.items() if lines}, out)
-    plot_sft(read_metrics(root / "sft" / "metrics.jsonl"), out)
+    plot_sft(sft_metrics(root), out)
     results = {v: evaluate(v, root) for v in VARIANTS
                if v == "base" or (root / v / "checkpoints").is_dir()}
     plot_lengths(results, out)

@@ -1,7 +1,7 @@
 r"""TPU-VM launcher: create a slice, copy this repository to every worker, install, run, delete.
 
   python launch/tpu_vm.py all --name=marsrl --zone=us-east5-a --accelerator=v5p-512 --dry_run \
-      -- --config=experiments/configs/marsrl_qwen3_30b_a3b.py:ckpt=/mnt/ckpt/Qwen3-30B-A3B-Thinking-2507 \
+      -- --config=experiments/configs/marsrl_qwen3_30b_a3b.py:ckpt=/mnt/ckpt/Qwen3-30B-A3B \
          --workdir=/mnt/shared/marsrl_30b
 
 Actions: create, copy, setup, run, delete, or all (create, copy, setup, run). Arguments after `--`

@@ -71,7 +71,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def initialize_from_flags() -> bool:
-    """`initialize` with `--distributed`, `--coordinator_address`, `--num_processes`, `--process_id`."""
+    """`initialize` from the `--distributed`, `--coordinator_address`, `--num_processes` and
+    `--process_id` flags."""
     return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MODE.value)
 
 

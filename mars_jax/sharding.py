@@ -19,7 +19,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -74,7 +73,8 @@ class MeshConfig:
         for where, names in (("mesh", mapping), ("mesh.dcn", dcn)):
             unknown = set(names) - set(MESH_AXES)
             if unknown:
-                raise ValueError(f"{where}: unknown axes {sorted(unknown)}; valid axes are {MESH_AXES}")
+                raise ValueError(f"{where}: unknown axes {sorted(unknown)}; "
+                                 f"valid axes are {MESH_AXES}")
         for name, size in dcn.items():
             if int(size) < 1:
                 raise ValueError(f"mesh.dcn.{name}: size must be positive, got {size}")

@@ -2,7 +2,7 @@ r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, for a TPU v5p
 
   python experiments/run.py --workdir=gs://BUCKET/marsrl_30b \
       --config=experiments/configs/marsrl_qwen3_30b_a3b.py:ckpt=/data/Qwen3-30B-A3B-Thinking-2507
-  # Check that every program fits the slice before paying for it (CPU machine, libtpu):
+  # Check which programs fit the slice before paying for it (CPU machine, libtpu):
   python experiments/aot_compile.py --topology=v5p:8x8x4 \
       --config=experiments/configs/marsrl_qwen3_30b_a3b.py
   # Few-minute CPU run of the same pipeline (bench-sized model, short lengths):
@@ -20,16 +20,22 @@ Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128,
   parameters bf16                 61 GB   sharded over every chip (fsdp = all)
   AdamW mu + nu (param dtype)    122 GB
   gradients (accumulated)         61 GB   => train state ~244 GB: 0.95 GB/chip on 256 chips
-  KV cache, bf16, per token       48 layers x 2 x 4 x 128 x 2 B = 196,608 B
-    one row, 32k + 64k buckets    98,304 tokens x 196,608 B = 19.3 GB (allocated at full length)
-    128 x 8 = 1,024 rows          19.8 TB: more than a v5p-128 (64 chips x 95 GB = 6.1 TB) holds;
-                                  v5p-512 (256 chips, 24 TB) holds it at 4 rows (77 GB) per chip.
+  KV cache, bf16, per token       48 layers x 2 x 4 x 128 x 2 B = 98,304 B
+    one row, 32k + 64k buckets    98,304 tokens x 98,304 B = 9.7 GB (allocated at full length),
+                                  and the decode loop holds a second copy: ~19.3 GB per row
+    128 x 8 = 1,024 rows          19.8 TB: more than a v5p-128 (64 chips x 95 GiB = 6.5 TB) holds;
+                                  a v5p-512 (256 chips) holds it at 4 rows (77 GB) per chip
   attention scores, f32 (dense `[T, S]` per head; no flash attention in mars_jax today)
     prefill, one row, one layer   32 heads x 32,768 x 98,304 x 4 B = 412 GB
     update, one row (L = 131,072) 32 heads x 131,072^2 x 4 B = 2.2 TB
-  So at these lengths the prefill and update programs fit no slice until attention is blockwise
-  (splash / flash) and the rollout batch is split across decode calls; the AOT check reports
-  exactly that (see `launch/README.md`, "Recorded AOT results").
+  So at these lengths prefill, log-probabilities and update fit no slice until attention is
+  blockwise (splash / flash) and layers are rematerialised.
+
+AOT result (`aot_compile.py`, libtpu 0.0.42.1, all 48 layers; GiB per chip, HBM 95.74):
+  v5p:8x8x4  prefill  no  (XLA: > 1.55 TiB of temporaries)
+             decode   yes (args 36.2 + temps 40.1 = 76.7; 0.35 TFLOPs per token step)
+             logprobs no  (> 2.02 TiB)      update  no  (> 113.7 GiB)
+  v5p:4x4x4  nothing fits (decode > 291 GiB: 16 rows per chip)
 """
 import os
 import sys

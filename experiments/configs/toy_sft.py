@@ -1,15 +1,17 @@
-r"""SFT warm start of the toy MarsRL study: a 1.1M-parameter Qwen3-MoE learns all three roles.
+r"""SFT warm start of the toy MarsRL study: a 1.06M-parameter Qwen3-MoE learns all three roles.
 
-  python experiments/run.py --config=experiments/configs/toy_sft.py:all_roles --workdir=/tmp/mars_toy/sft1
-  python experiments/run.py --config=experiments/configs/toy_sft.py:solver_focus --workdir=/tmp/mars_toy/sft
+Three stages, each continuing from the previous one's model (fresh AdamW, cosine schedule):
+
+  python experiments/run.py --config=experiments/configs/toy_sft.py:1 --workdir=/tmp/mars_toy/sft1
+  python experiments/run.py --config=experiments/configs/toy_sft.py:2 --workdir=/tmp/mars_toy/sft2
+  python experiments/run.py --config=experiments/configs/toy_sft.py:3 --workdir=/tmp/mars_toy/sft
 
 Traces are generated from `arith` train problems (`mars_jax.sft.traces`): Solver solutions with a
 30% error rate, Verifier reports (half on flawed solutions) with right verdicts and the first wrong
-step, Corrector fixes. `all_roles` trains from scratch on one example of each role per problem;
-`solver_focus` continues from its model (`/tmp/mars_toy/sft1/model`) keeping only 30% of the
-(long, already well fitted) Verifier and Corrector examples, so that more of the compute goes to
-reading operands and computing. The final model lands in `<workdir>/model`, which
-`toy_marsrl.py` loads from `/tmp/mars_toy/sft/model`.
+step, Corrector fixes. Stage 1 trains from scratch on one example of each role per problem;
+stages 2 and 3 keep only 30% of the long, already well fitted Verifier and Corrector examples, so
+that more compute goes to reading operands and computing (the Solver's loss). The final model
+lands in `/tmp/mars_toy/sft/model`, which `toy_marsrl.py` loads.
 """
 import os
 import sys
@@ -17,27 +19,26 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from common import base_config  # noqa: E402
 
-STAGE1_MODEL = "/tmp/mars_toy/sft1/model"
+STEPS = {"1": 320, "2": 400, "3": 480}
 
 
-def get_config(arg: str = "all_roles"):
-    if arg not in ("all_roles", "solver_focus"):
-        raise ValueError(f"toy_sft config: unknown arg {arg!r} (all_roles | solver_focus)")
+def get_config(arg: str = "1"):
+    if arg not in STEPS:
+        raise ValueError(f"toy_sft config: unknown stage {arg!r} (1 | 2 | 3)")
     c = base_config()
     c.job = "sft"
+    c.seed = int(arg) - 1  # each stage visits the problems in a new order
     c.tokenizer = "tiny"
     c.data.name, c.data.split = "arith", "train"
     c.sft.arch = "toy"
-    c.sft.steps = 320
+    c.sft.steps = STEPS[arg]
     c.sft.rows, c.sft.row_tokens = 8, 576  # the longest example: ~540 tokens
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.3, 0.5
     c.sft.holdout_problems, c.sft.eval_every = 32, 40
     c.optimizer.learning_rate = 2e-3
     c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 20
     c.optimizer.max_grad_norm = 1.0
-    if arg == "solver_focus":
-        c.seed = 1  # a different problem order than stage 1
-        c.model.checkpoint = STAGE1_MODEL
-        c.sft.steps = 400
+    if arg != "1":
+        c.model.checkpoint = f"/tmp/mars_toy/sft{int(arg) - 1}/model"
         c.sft.keep.verifier, c.sft.keep.corrector = 0.3, 0.3
     return c

@@ -4,7 +4,7 @@ Writes `workdir/metrics.jsonl` (+ TensorBoard): the training loss every step and
 every `sft.eval_every` steps, the held-out loss overall and per role (`heldout/loss/<role>`); and
 `workdir/model/` (`config.json` + safetensors), which an RL config loads as `model.checkpoint`.
 Held-out examples come from the last `sft.holdout_problems` train problems, never trained on (all
-roles, whatever `sft.keep` keeps for training).
+roles, whatever `sft.keep` keeps for training). The job does not resume: rerunning it starts over.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from mars_jax.sft.train import encoded_examples, example_stream, heldout_loss, p
 
 # Toy architectures (`sft.arch`), for the byte-level `tiny` tokenizer (261 tokens).
 ARCHS: dict[str, dict] = {
-    # 1.1M parameters: 4 layers, hidden 128, 8 experts of 64 (top-2) in every layer.
+    # 1.06M parameters: 4 layers, hidden 128, 8 experts of 64 (top-2) in every layer.
     "toy": dict(vocab_size=272, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, intermediate_size=512,
                 moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
@@ -59,6 +59,7 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
     optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": s.steps})
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = optimizer.init(params)
+    (out / "metrics.jsonl").unlink(missing_ok=True)  # no resume: a rerun starts over
     writer = MetricsWriter(out)
     summary = heldout_loss(params, heldout, graphdef)
     try:

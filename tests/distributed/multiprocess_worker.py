@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mars_jax import distributed, sharding
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.models import create_model, get_preset
-from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.rl.update import (TrainBatch, UpdateConfig, init_train_state, make_optimizer,
+                                train_step)
 
 MICRO, ROWS, LENGTH = 2, 8, 32
 
@@ -52,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     procs, pid = jax.process_count(), jax.process_index()
-    # Within a process: data 1 x fsdp 2; across processes (dcn): data 2. One process: data 2 x fsdp 2.
+    # Two processes: data 1 x fsdp 2 within each, data 2 across them (dcn); one: data 2 x fsdp 2.
     mesh_config = ({"data": 1, "fsdp": 2, "dcn": {"data": procs}} if procs > 1
                    else {"data": 2, "fsdp": 2})
     mesh = sharding.make_mesh(mesh_config)

@@ -40,12 +40,12 @@ def test_two_processes_match_one_process(tmp_path):
         _start(tmp_path / "multi", 2, f"--coordinator=localhost:{port}", "--num_processes=2",
                f"--process_id={i}") for i in range(2)]
     try:
-        for run in runs:
-            output, _ = run.communicate(timeout=900)
-            assert run.returncode == 0, output[-4000:]
+        outputs = [run.communicate(timeout=900)[0] for run in runs]
     finally:
         for run in runs:
             run.kill()
+    for name, run, output in zip(("single", "process 0", "process 1"), runs, outputs):
+        assert run.returncode == 0, f"{name} failed:\n{output[-3000:]}"
     single = np.load(tmp_path / "single" / "params.npz")
     multi = np.load(tmp_path / "multi" / "params.npz")
     assert sorted(single.files) == sorted(multi.files)
