@@ -22,11 +22,13 @@ from fractions import Fraction
 from mars_jax.rewards.text import last_boxed
 
 MAX_INPUT_CHARS = 20_000  # per side of an equivalence check (whole solutions fit)
-MAX_BRACE_DEPTH = 64
+MAX_BRACE_DEPTH = 64  # for {}, () and [] alike
+MAX_OPERATORS = 256  # math-verify's parser gives up on longer chains and keeps only the last number
 MAX_DIGITS = 10_000  # largest number (in decimal digits) a power may produce
 MAX_FACTORIAL = 2_000
 MIN_ROUNDED_SIG_DIGITS = 4  # a rounded decimal must carry this many significant digits
 
+_OPERATOR = re.compile(r"[-+*/^=]|\\(?:cdot|times|div|pm)(?![a-zA-Z])")
 _GROUPING = re.compile(r"[{}\s]")
 _POWER_CHAIN = re.compile(r"\d+(?:\.\d+)?(?:\^-?\d+(?:\.\d+)?)+")
 _FACTORIAL = re.compile(r"(\d+)\s*!")
@@ -50,8 +52,10 @@ def cost_reason(text: str) -> str | None:
     """Why `text` is too costly to hand to sympy, or None when it is fine."""
     if len(text) > MAX_INPUT_CHARS:
         return f"longer than {MAX_INPUT_CHARS} characters"
-    if text.count("{") > MAX_BRACE_DEPTH and _brace_depth(text) > MAX_BRACE_DEPTH:
-        return f"braces nested deeper than {MAX_BRACE_DEPTH}"
+    if sum(text.count(c) for c in "{([") > MAX_BRACE_DEPTH and _brace_depth(text) > MAX_BRACE_DEPTH:
+        return f"brackets nested deeper than {MAX_BRACE_DEPTH}"
+    if len(_OPERATOR.findall(text)) > MAX_OPERATORS:
+        return f"more than {MAX_OPERATORS} operators"
     if "^" in text or "**" in text:
         flat = _GROUPING.sub("", text.replace("**", "^"))
         for chain in _POWER_CHAIN.finditer(flat):
@@ -64,13 +68,13 @@ def cost_reason(text: str) -> str | None:
 
 
 def _brace_depth(text: str) -> int:
-    """Deepest `{` nesting in `text`."""
+    """Deepest nesting of `{`, `(` and `[` in `text` (closers of any kind close)."""
     depth = deepest = 0
     for char in text:
-        if char == "{":
+        if char in "{([":
             depth += 1
             deepest = max(deepest, depth)
-        elif char == "}":
+        elif char in "})]":
             depth -= 1
     return deepest
 

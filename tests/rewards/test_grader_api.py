@@ -125,6 +125,10 @@ def test_bad_arguments_raise():
         ("2001!", True),
         ("{" * 65 + "}" * 65, True),
         ("a" * 20_001, True),
+        ("(" * 65 + "1" + ")" * 65, True),
+        ("[0, 1) \\cup (2, 3]", False),
+        ("1+" * 256 + "1", False),
+        ("1+" * 257 + "1", True),  # math-verify would read this as "1"
     ],
 )
 def test_cost_precheck(text, costly):
