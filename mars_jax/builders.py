@@ -40,8 +40,10 @@ def build_tokenizer(config: ConfigDict):
 
 
 def load_problems(data: ConfigDict, split: str | None = None):
+    knobs = data.get("arith")
     return datasets.load(data.name, split or data.split, manual_dir=data.get("manual_dir") or None,
-                         data_dir=data.get("data_dir") or None)
+                         data_dir=data.get("data_dir") or None,
+                         arith_knobs={k: v for k, v in dict(knobs or {}).items() if v is not None})
 
 
 def build_problem_iterator(config: ConfigDict) -> ProblemIterator:

@@ -13,9 +13,14 @@ def base_config() -> ConfigDict:
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
     c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)
 
-    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
+    # Within-slice axis sizes (-1 = the rest); `dcn` sizes run across slices (TPU multi-slice) or
+    # processes (GPU/CPU hosts): e.g. --config.mesh.dcn.data=2 for two slices doing data parallel.
+    c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1,
+                             dcn=dict(data=1, fsdp=1, tensor=1, expert=1)))
 
     c.data = ConfigDict(dict(name="arith", split="train", manual_dir="", data_dir="", shuffle=True))
+    # Difficulty of the generated `arith` problems (mars_jax.data.arith.generate_problems).
+    c.data.arith = ConfigDict(dict(num_ops=(1, 3), max_operand=20, operators="+-*"))
 
     c.model = ConfigDict(dict(preset="tiny", checkpoint="", dtype="", param_dtype="",
                               moe_impl="", moe_block_size=config_dict.placeholder(int),

@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import base_config  # noqa: E402
+from toy_sft import TOY_ARITH  # noqa: E402
 
 VARIANTS = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 SFT_MODEL = "/tmp/mars_toy/sft/model"
@@ -28,6 +29,7 @@ def get_config(arg: str = "marsrl"):
     c.total_steps = 40
     c.tokenizer = "tiny"
     c.data.name, c.data.split = "arith", "train"
+    c.data.arith.update(TOY_ARITH)
     c.model.checkpoint = SFT_MODEL
     # Rollouts: 3 new problems a step, groups of 4, one parent per stage, Solver -> Verifier ->
     # Corrector (3 stages; MarsRL-S stops after the Solver).

@@ -97,13 +97,20 @@ def generate_problems(
     return problems
 
 
-def load_split(split: str) -> list[dict]:
-    """The fixed `arith` split (`SPLITS`): default knobs, fixed seed, train disjoint from test."""
+def load_split(split: str, **knobs) -> list[dict]:
+    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from test.
+
+    `knobs` (`num_ops`, `max_operand`, `operators`; defaults of `generate_problems`) set the
+    difficulty; train and test are drawn with the same knobs.
+    """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} of 'arith'; valid splits: {', '.join(SPLITS)}")
+    unknown = set(knobs) - {"num_ops", "max_operand", "operators"}
+    if unknown:
+        raise ValueError(f"unknown arith knob(s) {sorted(unknown)}; valid: num_ops, max_operand, operators")
     seed, num = SPLITS[split]
     exclude: frozenset[str] = frozenset()
     if split == "train":
         test_seed, test_num = SPLITS["test"]
-        exclude = frozenset(p["problem"] for p in generate_problems(test_num, test_seed))
-    return generate_problems(num, seed, id_prefix=f"arith-{split}", exclude=exclude)
+        exclude = frozenset(p["problem"] for p in generate_problems(test_num, test_seed, **knobs))
+    return generate_problems(num, seed, id_prefix=f"arith-{split}", exclude=exclude, **knobs)

@@ -87,16 +87,18 @@ def load(
     manual_dir: str | os.PathLike | None = None,
     data_dir: str | os.PathLike | None = None,
     skip_malformed: bool = False,
+    arith_knobs: dict | None = None,
 ) -> Sequence[dict]:
     """Records of problem set `name`, split `split` (see `SPLITS` for the valid pairs).
 
     Builds the TFDS dataset on first use (seconds). `skip_malformed` applies to that
     build: malformed JSONL rows are skipped and counted (`ProblemSource.skipped`)
-    instead of raising `jsonl.MalformedRowError`. `arith` ignores the directories.
+    instead of raising `jsonl.MalformedRowError`. `arith` ignores the directories and takes its
+    difficulty from `arith_knobs` (see `arith.load_split`).
     """
     _check_name_split(name, split)
     if name == "arith":
-        return arith.load_split(split)
+        return arith.load_split(split, **(arith_knobs or {}))
     tfds_name = f"{builder.NAME}/{name}"
     tfds_builder = builder.MarsProblems(config=name, data_dir=data_dir, skip_malformed=skip_malformed)
     if manual_dir is None:

@@ -32,7 +32,7 @@ from mars_jax.rl.pipeline import rollout_step, trainable
 from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
                                  RolloutConfig, Rollout)
 from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
-from mars_jax.sampling import generate
+from mars_jax.sampling import generate, prompt_bucket
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
 
@@ -50,7 +50,12 @@ class NonFiniteUpdates(RuntimeError):
 
 
 class SamplerGenerator:
-    """Decodes `GenerationRequest`s with `mars_jax.sampling.generate` on one model version."""
+    """Decodes `GenerationRequest`s with `mars_jax.sampling.generate` on one model version.
+
+    A pipeline step mixes short Solver prompts with long Verifier/Corrector prompts. `generate`
+    left-pads every row to the batch's prompt bucket, so requests are decoded in one call per
+    prompt-length bucket (`sampling.prompt_bucket`): no Solver row pays for a 512-token prefill.
+    """
 
     def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
                  top_k: int, seed: int, record_routing: bool, mesh=None):
@@ -60,8 +65,17 @@ class SamplerGenerator:
         self.calls = 0
 
     def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        if not requests:
-            return []
+        by_bucket: dict[int, list[int]] = {}
+        for index, request in enumerate(requests):
+            by_bucket.setdefault(prompt_bucket(len(request.prompt_ids)), []).append(index)
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        for bucket in sorted(by_bucket):
+            indices = by_bucket[bucket]
+            for index, output in zip(indices, self._decode([requests[i] for i in indices])):
+                outputs[index] = output
+        return outputs
+
+    def _decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         result = generate(self.model, [list(r.prompt_ids) for r in requests],
                           max_new_tokens=[r.max_new_tokens for r in requests],
                           eos_token_ids=self.eos, seed=self.seed + self.calls, mesh=self.mesh,

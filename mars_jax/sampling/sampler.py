@@ -8,8 +8,8 @@ depend on the rest of the batch. Rows stop on their own stop tokens or length bu
 when every row has stopped or the segment budget is spent (finished rows then cost no more steps).
 
 KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
-bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 196,608 bytes
-per token of context per sequence. No `[length, vocab]` buffer is kept: only the next-token logits
+bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 98,304 bytes
+per token of context per sequence (196,608 in float32). No `[length, vocab]` buffer is kept: only the next-token logits
 `[batch, vocab]` live across steps. Log-probabilities follow `mars_jax.sampling.processors`.
 """
 from __future__ import annotations
@@ -88,6 +88,11 @@ class SegmentState:
 
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1)).bit_length())
+
+
+def prompt_bucket(prompt_len: int) -> int:
+    """The padded prompt length `generate` uses for a batch whose longest prompt has this length."""
+    return _bucket(prompt_len, MIN_PROMPT_BUCKET)
 
 
 def _visible_for_step(state: DecodeState, num_new: int) -> jax.Array:
@@ -211,7 +216,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
     multiple = _batch_multiple(mesh)
     batch = -(-_bucket(n, 1) // multiple) * multiple
-    prompt_len = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    prompt_len = prompt_bucket(max(len(p) for p in prompts))
     num_new = _bucket(max(max_new), MIN_NEW_BUCKET)
     tokens = np.zeros((batch, prompt_len), np.int32)
     mask = np.zeros((batch, prompt_len), np.int32)

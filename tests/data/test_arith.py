@@ -79,3 +79,22 @@ def test_bad_knobs():
         arith.generate_problems(1, seed=0, operators="/")
     with pytest.raises(ValueError, match="distinct problems"):
         arith.generate_problems(500, seed=0, num_ops=1, max_operand=2, operators="+")
+
+
+def test_split_difficulty_from_config():
+    """`data.arith` knobs reach the split through `builders.load_problems`; splits stay disjoint."""
+    from ml_collections import ConfigDict
+
+    from mars_jax import builders
+
+    data = ConfigDict(dict(name="arith", split="train", arith=dict(num_ops=(1, 2), max_operand=12)))
+    train, test = builders.load_problems(data), builders.load_problems(data, "test")
+    assert (len(train), len(test)) == (arith.SPLITS["train"][1], arith.SPLITS["test"][1])
+    assert not {p["problem"] for p in train} & {p["problem"] for p in test}
+    for problem in list(train[:500]) + list(test):
+        expression = _expression(problem["problem"])
+        assert max(int(n) for n in re.findall(r"\d+", expression)) <= 12
+        assert 1 <= len(re.findall(r"[-+*]", expression)) <= 2
+        assert problem["answer"] == str(_independent_value(expression))
+    with pytest.raises(ValueError, match="max_operands"):
+        arith.load_split("test", max_operands=3)

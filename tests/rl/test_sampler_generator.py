@@ -1,0 +1,26 @@
+"""`SamplerGenerator`: one decode per prompt bucket, outputs back in request order."""
+import numpy as np
+
+from mars_jax.models import create_model, get_preset
+from mars_jax.rl.rollout import GenerationRequest
+from mars_jax.rl.trainer import SamplerGenerator
+from mars_jax.sampling import generate
+
+
+def test_mixed_prompt_lengths_decode_per_bucket_in_request_order():
+    model = create_model(get_preset("tiny"), seed=0)
+    rng = np.random.default_rng(0)
+    lengths = [5, 40, 7, 300, 33]  # prompt buckets 16, 64, 16, 512, 64
+    prompts = [tuple(int(t) for t in rng.integers(1, 500, size=n)) for n in lengths]
+    requests = [GenerationRequest(role="solver", prompt_ids=p, max_new_tokens=6 + i)
+                for i, p in enumerate(prompts)]
+    generator = SamplerGenerator(model, (), temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                                 record_routing=False)
+    outputs = generator(requests)
+    assert generator.calls == 3
+    for request, output in zip(requests, outputs):
+        alone = generate(model, [list(request.prompt_ids)], max_new_tokens=request.max_new_tokens,
+                         temperature=0.0)
+        assert list(output.token_ids) == list(alone.tokens[0])
+        np.testing.assert_allclose(output.logprobs, alone.logprobs[0], atol=1e-5)
+        assert len(output.token_ids) == request.max_new_tokens
