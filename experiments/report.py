@@ -9,7 +9,7 @@ section (held-out `arith` test problems) into `<root>/eval/<variant>/` (resumabl
 settings; delete that directory to evaluate with other ones). Writes to
 `--out`: `tables.md` (the tables), `summary.json`, and the plots `rewards.png` (per-role reward
 over training), `verifier.png` (Verifier accuracy and recall over training), `sft_loss.png` (the
-SFT stages `<root>/sft1`, `sft2`, `sft`) and `lengths.png` (output tokens per role at evaluation).
+SFT stages `<root>/sft1`, `sft`) and `lengths.png` (output tokens per role at evaluation).
 """
 from __future__ import annotations
 
@@ -125,34 +125,31 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8)
 
 
+def _plot_runs(ax, runs: dict[str, list[dict]], key: str) -> None:
+    """One moving-average curve of metric `key` per run, on a [0, 1] axis."""
+    for variant, lines in runs.items():
+        steps, values = curve(lines, key)
+        if len(steps):
+            ax.plot(steps, values, label=VARIANTS[variant])
+    ax.set(title=f"{key} (moving avg of 5)", xlabel="RL step", ylim=(-0.02, 1.02))
+    _legend(ax)
+
+
 def plot_training(runs: dict[str, list[dict]], out: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, role in zip(axes, ROLES):
-        for variant, lines in runs.items():
-            steps, values = curve(lines, f"reward/{role}")
-            if len(steps):
-                ax.plot(steps, values, label=VARIANTS[variant])
-        ax.set(title=f"{role} reward (moving avg of 5)", xlabel="RL step", ylim=(-0.02, 1.02))
-        _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "rewards.png", dpi=110)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, key in zip(axes, ("verifier/accuracy", "verifier/recall")):
-        for variant, lines in runs.items():
-            steps, values = curve(lines, key)
-            if len(steps):
-                ax.plot(steps, values, label=VARIANTS[variant])
-        ax.set(title=f"{key} (moving avg of 5)", xlabel="RL step", ylim=(-0.02, 1.02))
-        _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "verifier.png", dpi=110)
+    for name, keys in (("rewards", [f"reward/{role}" for role in ROLES]),
+                       ("verifier", ["verifier/accuracy", "verifier/recall"])):
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.4 * len(keys), 3.6))
+        for ax, key in zip(axes, keys):
+            _plot_runs(ax, runs, key)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
     plt.close("all")
 
 
 def sft_metrics(root: Path) -> list[dict]:
-    """The SFT stages' metrics (`toy_sft.py`: sft1, sft2, then sft), steps counted across stages."""
+    """The SFT stages' metrics (`toy_sft.py`: sft1, then sft), steps counted across stages."""
     lines, offset = [], 0
-    for stage in ("sft1", "sft2", "sft"):
+    for stage in ("sft1", "sft"):
         stage_lines = read_metrics(root / stage / "metrics.jsonl")
         lines += [{**m, "step": m["step"] + offset} for m in stage_lines]
         offset += max((m["step"] for m in stage_lines), default=0)
@@ -166,7 +163,7 @@ def plot_sft(lines: list[dict], out: Path) -> None:
     for key in ("heldout/loss", *(f"heldout/loss/{r}" for r in ROLES)):
         steps, values = curve(lines, key, window=1)
         ax.plot(steps, values, marker="o", markersize=3, label=key)
-    ax.set(title="SFT loss per reply token (stages 1-3)", xlabel="SFT step", yscale="log")
+    ax.set(title="SFT loss per reply token (stages 1-2)", xlabel="SFT step", yscale="log")
     _legend(ax)
     fig.tight_layout()
     fig.savefig(out / "sft_loss.png", dpi=110)

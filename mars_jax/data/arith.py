@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-_PRECEDENCE = {"+": 1, "-": 1, "*": 2}
-_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 # split -> (seed, number of problems); train never repeats a test problem.
 SPLITS: Mapping[str, tuple[int, int]] = {"train": (1, 20_000), "test": (2, 500)}
@@ -34,23 +34,27 @@ def _tree(rng: random.Random, num_ops: int, max_operand: int, operators: str) ->
     )
 
 
-def _value(node: Node) -> int:
+def evaluate(node: Node) -> int:
+    """The exact integer value of expression tree `node`."""
     if isinstance(node, int):
         return node
     op, left, right = node
-    return _APPLY[op](_value(left), _value(right))
+    return APPLY[op](evaluate(left), evaluate(right))
+
+
+def render(node: Node) -> str:
+    """`node` with only the parentheses precedence needs; negative numbers as `(-7)` unless alone."""
+    return str(node) if isinstance(node, int) else _render(node)
 
 
 def _render(node: Node) -> str:
     if isinstance(node, int):
-        return str(node)
+        return str(node) if node >= 0 else f"({node})"
     op, left, right = node
     left_text, right_text = _render(left), _render(right)
-    if isinstance(left, tuple) and _PRECEDENCE[left[0]] < _PRECEDENCE[op]:
+    if isinstance(left, tuple) and PRECEDENCE[left[0]] < PRECEDENCE[op]:
         left_text = f"({left_text})"
-    if isinstance(right, tuple) and (
-        _PRECEDENCE[right[0]] < _PRECEDENCE[op] or (op == "-" and _PRECEDENCE[right[0]] == _PRECEDENCE[op])
-    ):
+    if isinstance(right, tuple) and PRECEDENCE[right[0]] < PRECEDENCE[op] + (op == "-"):
         right_text = f"({right_text})"
     return f"{left_text} {op} {right_text}"
 
@@ -74,7 +78,7 @@ def generate_problems(
     low, high = (num_ops, num_ops) if isinstance(num_ops, int) else num_ops
     if not 1 <= low <= high:
         raise ValueError(f"num_ops must be >= 1 (a range low <= high), got {num_ops}")
-    if max_operand < 0 or not operators or set(operators) - set(_PRECEDENCE):
+    if max_operand < 0 or not operators or set(operators) - set(PRECEDENCE):
         raise ValueError(f"need max_operand >= 0 and operators from '+-*', got {max_operand}, {operators!r}")
     prefix = id_prefix if id_prefix is not None else f"arith-s{seed}"
     rng = random.Random(seed)
@@ -87,12 +91,12 @@ def generate_problems(
             raise ValueError(f"only {len(problems)} distinct problems found for these knobs, {num} asked")
         ops = rng.randint(low, high)
         tree = _tree(rng, ops, max_operand, operators)
-        text = f"What is {_render(tree)}?"
+        text = f"What is {render(tree)}?"
         if text in seen:
             continue
         seen.add(text)
         problems.append(
-            {"id": f"{prefix}-{len(problems):05d}", "problem": text, "answer": str(_value(tree)), "num_ops": ops}
+            {"id": f"{prefix}-{len(problems):05d}", "problem": text, "answer": str(evaluate(tree)), "num_ops": ops}
         )
     return problems
 

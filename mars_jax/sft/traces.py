@@ -29,11 +29,10 @@ import re
 from collections.abc import Sequence
 
 from mars_jax.agents import prompts
+from mars_jax.data.arith import APPLY, PRECEDENCE, evaluate, render
 
 Expr = int | tuple[str, "Expr", "Expr"]
 
-_PRECEDENCE = {"+": 1, "-": 1, "*": 2}
-_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _TOKEN = re.compile(r"\s*(\d+|[-+*()])")
 # Result offsets of an injected error: small slips and a wrong tens digit.
 _SLIPS = (-10, -2, -1, 1, 2, 10)
@@ -51,7 +50,7 @@ class Step:
 
     @property
     def claim(self) -> str:
-        return f"{_render(self.left)} {self.op} {_render(self.right)} = {self.result}"
+        return f"{_operand(self.left)} {self.op} {_operand(self.right)} = {self.result}"
 
     @property
     def line(self) -> str:
@@ -59,7 +58,7 @@ class Step:
 
     @property
     def is_right(self) -> bool:
-        return _APPLY[self.op](self.left, self.right) == self.result
+        return APPLY[self.op](self.left, self.right) == self.result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,36 +88,16 @@ def _parse(tokens: list[str], i: int, min_precedence: int) -> tuple[Expr, int]:
         i += 1  # ")"
     else:
         left, i = int(tokens[i]), i + 1
-    while i < len(tokens) and tokens[i] in _PRECEDENCE and _PRECEDENCE[tokens[i]] >= min_precedence:
+    while i < len(tokens) and tokens[i] in PRECEDENCE and PRECEDENCE[tokens[i]] >= min_precedence:
         op = tokens[i]
-        right, i = _parse(tokens, i + 1, _PRECEDENCE[op] + 1)
+        right, i = _parse(tokens, i + 1, PRECEDENCE[op] + 1)
         left = (op, left, right)
     return left, i
 
 
-def evaluate(expr: Expr) -> int:
-    """The exact integer value of `expr`."""
-    if isinstance(expr, int):
-        return expr
-    op, left, right = expr
-    return _APPLY[op](evaluate(left), evaluate(right))
-
-
-def render(expr: Expr) -> str:
-    """`expr` with only the parentheses precedence needs; negative numbers as `(-7)` unless alone."""
-    return str(expr) if isinstance(expr, int) else _render(expr)
-
-
-def _render(expr: Expr) -> str:
-    if isinstance(expr, int):
-        return str(expr) if expr >= 0 else f"({expr})"
-    op, left, right = expr
-    left_text, right_text = _render(left), _render(right)
-    if isinstance(left, tuple) and _PRECEDENCE[left[0]] < _PRECEDENCE[op]:
-        left_text = f"({left_text})"
-    if isinstance(right, tuple) and _PRECEDENCE[right[0]] < _PRECEDENCE[op] + (op == "-"):
-        right_text = f"({right_text})"
-    return f"{left_text} {op} {right_text}"
+def _operand(value: int) -> str:
+    """A number as it appears inside an expression: negative ones in parentheses."""
+    return str(value) if value >= 0 else f"({value})"
 
 
 def _next_op(expr: tuple) -> tuple[int, str, int]:
@@ -146,7 +125,7 @@ def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0) -> list[Step
     steps: list[Step] = []
     while isinstance(expr, tuple):
         left, op, right = _next_op(expr)
-        result = _APPLY[op](left, right) + (slip if len(steps) == slip_at else 0)
+        result = APPLY[op](left, right) + (slip if len(steps) == slip_at else 0)
         expr = _substitute(expr, result)
         steps.append(Step(left, op, right, result, expr))
     return steps
@@ -172,7 +151,7 @@ def verifier_text(steps: Sequence[Step]) -> str:
     wrong = next((s for s in steps if not s.is_right), None)
     if wrong is None:
         return "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
-    right = _APPLY[wrong.op](wrong.left, wrong.right)
+    right = APPLY[wrong.op](wrong.left, wrong.right)
     return ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
             f"* {wrong.claim}: Critical Error, it is {right}\n**Correctness:** Wrong")
 
