@@ -10,7 +10,9 @@ backend. Every process then executes the same jitted programs on global arrays:
   * `gather_process_meta` / `local_process_meta` keep per-host checkpoint metadata (data iterator
     position, pipeline queues) in the one JSON item orbax writes from the primary host, while
     orbax itself saves and restores each host's shards of the train state;
-  * `any_process` lets data-dependent loops (sequential rollouts) stop on every host together.
+  * `any_process` lets data-dependent loops (sequential rollouts) stop on every host together;
+  * `allgather_json` lets the sampler decode every host's requests in one SPMD program (whose
+    results `sharding.fetch` reads back on every host).
 """
 from __future__ import annotations
 
@@ -132,17 +134,30 @@ def _axes(entry) -> Sequence[str]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def gather_process_meta(meta: dict) -> dict:
-    """Every process's JSON-serialisable `meta`, as one dict to save (call on every process)."""
+def allgather_json(value) -> list:
+    """Every process's JSON-serialisable `value`, in process order (a collective: call everywhere)."""
     if jax.process_count() == 1:
-        return {"process_count": 1, "processes": [meta]}
-    data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.asarray(data.size))).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[:data.size] = data
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return {"process_count": len(sizes),
-            "processes": [json.loads(row[:n].tobytes()) for row, n in zip(gathered, sizes)]}
+    return [json.loads(row[:n].tobytes()) for row, n in zip(gathered, sizes)]
+
+
+def gather_process_meta(meta: dict) -> dict:
+    """Every process's JSON-serialisable `meta`, as one dict to save (call on every process)."""
+    processes = allgather_json(meta)
+    return {"process_count": len(processes), "processes": processes}
+
+
+def replicate_scalars(tree, mesh: jax.sharding.Mesh):
+    """Scalar arrays (step and optimizer counters) as mesh-replicated global arrays, the way a
+    jitted step returns them, so every host's first step reuses the same executable."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: x if x.ndim else jax.make_array_from_process_local_data(
+        replicated, np.asarray(x)), tree)
 
 
 def local_process_meta(saved: dict) -> dict:

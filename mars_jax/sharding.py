@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -221,3 +221,11 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) ->
         return variable.replace(named_sharding(mesh, names, variable.get_value().shape, rules))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def fetch(tree):
+    """`tree`'s arrays as numpy on this host, whole even when sharded over other hosts' devices
+    (a collective when several processes run: call it on every process)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)

@@ -68,3 +68,17 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
         advantages=split(advantages), sampler_logprobs=split(logprobs),
         expert_ids=None if experts is None else
         experts.reshape(experts.shape[0], num_micro, micro_batch_size, length, -1).swapaxes(0, 1))
+
+
+def empty_batch(*, micro_batch_size: int, length: int,
+                experts: tuple[int, int] | None = None) -> TrainBatch:
+    """One micro-batch of padding rows (every mask zero): what a host without samples contributes
+    to a multi-host update. `experts` = (layers, experts per token) when routing is replayed."""
+    zeros = lambda dtype, *shape: np.zeros((1, micro_batch_size, *shape), dtype)
+    expert_ids = None
+    if experts is not None:
+        layers, k = experts
+        expert_ids = np.zeros((1, layers, micro_batch_size, length, k), np.int32)
+    return TrainBatch(tokens=zeros(np.int32, length), attention_mask=zeros(np.int32, length),
+                      loss_mask=zeros(np.float32, length), advantages=zeros(np.float32),
+                      sampler_logprobs=zeros(np.float32, length), expert_ids=expert_ids)

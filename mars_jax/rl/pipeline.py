@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from mars_jax.rl.rollout import AgenticRollouts, Generator, Rollout
 
@@ -28,8 +28,13 @@ class StepRollouts:
 
 
 def rollout_step(engine: AgenticRollouts, problems: Iterator[dict], generate: Generator, *,
-                 mode: str, prompts_per_step: int, step: int, version: int) -> StepRollouts:
-    """Runs one step's decodes in `mode`; new problems get uids `'{step}-{i}'`."""
+                 mode: str, prompts_per_step: int, step: int, version: int,
+                 any_process: Callable[[bool], bool] = bool) -> StepRollouts:
+    """Runs one step's decodes in `mode`; new problems get uids `'{step}-{i}'`.
+
+    With several processes, `generate` is a collective and `any_process` must be
+    `distributed.any_process`: a sequential step then decodes until no host has work left, and a
+    host whose own work is done takes part with an empty request list."""
     if mode not in MODES:
         raise ValueError(f"pipeline.mode: {mode!r} is not one of {MODES}")
     new = [next(problems) for _ in range(prompts_per_step)]
@@ -37,12 +42,13 @@ def rollout_step(engine: AgenticRollouts, problems: Iterator[dict], generate: Ge
     groups: list[list[Rollout]] = []
     batches: list[collections.Counter] = []
     tokens = 0
-    while engine.pending:
-        batch, requests = engine.take_requests(version)
+    while any_process(bool(engine.pending)):
+        batch, requests = engine.take_requests(version) if engine.pending else ([], [])
         outputs = generate(requests)
-        batches.append(collections.Counter(r.stage for r in batch))
-        tokens += sum(len(o.token_ids) for o in outputs)
-        groups += engine.absorb(batch, outputs, version)
+        if batch:
+            batches.append(collections.Counter(r.stage for r in batch))
+            tokens += sum(len(o.token_ids) for o in outputs)
+            groups += engine.absorb(batch, outputs, version)
         if mode == "pipeline":
             break
     return StepRollouts(groups=groups, decode_batches=batches, generated_tokens=tokens)

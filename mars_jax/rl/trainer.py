@@ -4,6 +4,13 @@ Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the
 parameters, train on the groups that completed, write metrics, checkpoint. Sampler and update
 share the same parameter arrays; the policy version is the number of applied updates.
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
+
+Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
+run one job on a global mesh: each host draws its own problems and keeps its own rollout queues;
+every decode is one SPMD program over all hosts' requests (`SamplerGenerator`); the update trains
+on all hosts' samples joined into one global batch (`distributed.global_train_batch`); checkpoints
+hold each host's data and queue state (`distributed.gather_process_meta`). Rollout metrics are
+per host (host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are global.
 """
 from __future__ import annotations
 
@@ -20,18 +27,19 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, sharding
+from mars_jax import builders, distributed, sharding
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rewards.agent_rewards import parse_verdict
 from mars_jax.rl.advantages import group_advantages_np
-from mars_jax.rl.batching import TrainSample, make_batch
+from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import rollout_step, trainable
 from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
                                  RolloutConfig, Rollout)
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.rl.update import (TrainBatch, UpdateConfig, init_train_state, make_optimizer,
+                                train_step)
 from mars_jax.sampling import generate, prompt_bucket
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
@@ -55,6 +63,8 @@ class SamplerGenerator:
     A pipeline step mixes short Solver prompts with long Verifier/Corrector prompts. `generate`
     left-pads every row to the batch's prompt bucket, so requests are decoded in one call per
     prompt-length bucket (`sampling.prompt_bucket`): no Solver row pays for a 512-token prefill.
+    With several processes a call is a collective: every host's requests are gathered and decoded
+    together (same buckets, same calls on every host), and each host gets its own outputs back.
     """
 
     def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
@@ -65,6 +75,17 @@ class SamplerGenerator:
         self.calls = 0
 
     def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        if jax.process_count() == 1:
+            return self._decode_by_bucket(requests)
+        # One SPMD decode over every host's requests; each host keeps its own rows.
+        everyone = distributed.allgather_json([[list(r.prompt_ids), r.max_new_tokens, r.role]
+                                               for r in requests])
+        start = sum(len(rows) for rows in everyone[:jax.process_index()])
+        merged = [GenerationRequest(tuple(ids), budget, role)
+                  for rows in everyone for ids, budget, role in rows]
+        return self._decode_by_bucket(merged)[start:start + len(requests)]
+
+    def _decode_by_bucket(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         by_bucket: dict[int, list[int]] = {}
         for index, request in enumerate(requests):
             by_bucket.setdefault(prompt_bucket(len(request.prompt_ids)), []).append(index)
@@ -134,6 +155,20 @@ def training_samples(groups: Sequence[list[Rollout]], *, drop_zero_variance: boo
             if not (drop_zero_variance and zero)]
 
 
+def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_config,
+                  mesh: jax.sharding.Mesh) -> TrainBatch:
+    """This host's samples as a micro-batched `TrainBatch`, joined with the other hosts' into one
+    global batch when several processes run (a host without samples contributes padding)."""
+    micro, min_length = config.learner.micro_batch_size, config.learner.min_length
+    if samples:
+        batch = make_batch(samples, micro_batch_size=micro, min_length=min_length)
+    else:
+        experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
+                   if config.learner.routing_replay and model_config.num_experts else None)
+        batch = empty_batch(micro_batch_size=micro, length=min_length, experts=experts)
+    return batch if jax.process_count() == 1 else distributed.global_train_batch(batch, mesh)
+
+
 class _SigtermFlag:
     """Set by SIGTERM; the loop checks it after each step."""
 
@@ -180,7 +215,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     problems = builders.build_problem_iterator(config)
     optimizer = make_optimizer(**dict(config.optimizer))
     graphdef, _ = nnx.split(model, nnx.Param)
-    state = init_train_state(model, optimizer)
+    state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
     update_config = UpdateConfig(loss=loss_config(config), temperature=config.rollout.temperature,
                                  logits_chunk=config.learner.logits_chunk,
                                  routing_replay=config.learner.routing_replay)
@@ -192,12 +227,15 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     start, nonfinite_streak = 0, 0
     restored = checkpointer.restore_latest(state)
     if restored is not None:
-        start, state, meta = restored
+        start, state, saved = restored
+        meta = distributed.local_process_meta(saved)
         problems.set_state(meta["data"])
         engine.load_state_dict(meta["rollouts"])
         nonfinite_streak = meta["nonfinite_streak"]
         logging.info("resumed from step %d", start)
-    writer = MetricsWriter(workdir_path, resume_step=start)
+    # Rollout metrics are this host's; host 0 writes workdir/metrics.jsonl, host i workdir/host{i}/.
+    host = jax.process_index()
+    writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path, resume_step=start)
     eos = eos_token_ids(tokenizer)
     metrics: dict[str, float] = {}
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
@@ -214,7 +252,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             with sharding.use_mesh(mesh):
                 rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,
                                         prompts_per_step=config.rollout.prompts_per_step,
-                                        step=step, version=version)
+                                        step=step, version=version,
+                                        any_process=distributed.any_process)
             t1 = time.perf_counter()
             groups = trainable(rollouts.groups, config.rollout.roles_trained)
             samples = training_samples(groups, drop_zero_variance=config.rollout.drop_zero_variance,
@@ -232,9 +271,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                 "rollouts/restarts": engine.restarts, "time/rollout": t1 - t0})
             for stage in range(5):
                 metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
-            if samples:
-                batch = make_batch(samples, micro_batch_size=config.learner.micro_batch_size,
-                                   min_length=config.learner.min_length)
+            if distributed.any_process(bool(samples)):
+                batch = _global_batch(samples, config, model.config, mesh)
                 with sharding.use_mesh(mesh):
                     state, update_metrics = train_step(state, batch, ref_params, graphdef=graphdef,
                                                        optimizer=optimizer, config=update_config)
@@ -253,12 +291,13 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             if nonfinite_streak >= config.max_nonfinite_updates:
                 raise NonFiniteUpdates(f"{nonfinite_streak} non-finite updates in a row at step "
                                        f"{step}; the last good checkpoint is kept")
+            preempted = distributed.any_process(sigterm.raised)
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
-                                          or step == config.total_steps or sigterm.raised):
-                checkpointer.save(step, state, {
+                                          or step == config.total_steps or preempted):
+                checkpointer.save(step, state, distributed.gather_process_meta({
                     "data": problems.get_state(), "rollouts": engine.state_dict(),
-                    "nonfinite_streak": nonfinite_streak})
-            if sigterm.raised and step < config.total_steps:
+                    "nonfinite_streak": nonfinite_streak}))
+            if preempted and step < config.total_steps:
                 checkpointer.wait()
                 raise Preempted(f"SIGTERM at step {step}; " + (
                     "checkpoint saved" if nonfinite_streak == 0 else

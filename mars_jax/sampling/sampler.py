@@ -240,8 +240,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     args = (tokens, mask, budget, stop_ids, keys)
     with _maybe_mesh(mesh):
         if mesh is not None:
-            args = tuple(jax.device_put(a, sharding.named_sharding(mesh, ("batch",), a.shape))
-                         for a in args)
+            args = tuple(_batch_on_mesh(a, mesh) for a in args)
         state = _prefill_and_decode(graphdef, weights, *args, jnp.float32(max(temperature, 1e-6)),
                                     jnp.int32(end), num_new=num_new, params=params)
     return _result(state, SegmentState(state, n, params, temperature))
@@ -262,19 +261,29 @@ def resume(model: Qwen3, segment: SegmentState, *, segment_tokens: int | None = 
     return _result(state, dataclasses.replace(segment, decode=state))
 
 
+def _batch_on_mesh(x, mesh: jax.sharding.Mesh) -> jax.Array:
+    """Host value `x` (the same on every process) as a global array split over the batch axes."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_batch_on_mesh(jax.random.key_data(x), mesh),
+                                        impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    target = sharding.named_sharding(mesh, ("batch",), host.shape)
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+
 def _maybe_mesh(mesh: jax.sharding.Mesh | None):
     return sharding.use_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def _result(state: DecodeState, segment: SegmentState) -> SampleResult:
     n = segment.num_prompts
-    tokens, logprobs, lengths, done, hit_stop, prompt_lengths = jax.device_get(
+    tokens, logprobs, lengths, done, hit_stop, prompt_lengths = sharding.fetch(
         (state.tokens, state.logprobs, state.lengths, state.done, state.hit_stop,
          state.prompt_lengths))
     reasons = ["stop" if hit_stop[i] else "length" if done[i] else "segment" for i in range(n)]
     expert_ids = None
     if state.experts is not None:
-        experts = np.asarray(jax.device_get(state.experts))
+        experts = np.asarray(sharding.fetch(state.experts))
         prompt_len = state.prompt_mask.shape[1]
         expert_ids = [experts[:, i, prompt_len - prompt_lengths[i]:prompt_len + lengths[i]]
                       for i in range(n)]

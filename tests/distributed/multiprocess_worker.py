@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from mars_jax import distributed, sharding
 from mars_jax.checkpoint import Checkpointer
@@ -62,11 +61,7 @@ def main() -> None:
     optimizer = make_optimizer(1e-3)
     graphdef, _ = nnx.split(model, nnx.Param)
     state = init_train_state(model, optimizer)
-    # Scalars (step, optimizer counts) replicated on the mesh, as train_step returns them, so the
-    # second step reuses the first step's executable.
-    replicated = NamedSharding(mesh, PartitionSpec())
-    state = jax.tree.map(lambda x: x if x.ndim else jax.make_array_from_process_local_data(
-        replicated, np.asarray(x)), state)
+    state = distributed.replicate_scalars(state, mesh)
     batch = global_batch(config.vocab_size)
     rows = ROWS // procs
     local = jax.tree.map(lambda x: x[:, pid * rows:(pid + 1) * rows], batch)
