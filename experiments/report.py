@@ -9,7 +9,7 @@ section (held-out `arith` test problems) into `<root>/eval/<variant>/` (resumabl
 settings; delete that directory to evaluate with other ones). Writes to
 `--out`: `tables.md` (the tables), `summary.json`, and the plots `rewards.png` (per-role reward
 over training), `verifier.png` (Verifier accuracy and recall over training), `sft_loss.png` (the
-SFT stages `<root>/sft1`, `sft`) and `lengths.png` (output tokens per role at evaluation).
+SFT stages `<root>/sft1`, `sft2`, `sft`) and `lengths.png` (output tokens per role at evaluation).
 """
 from __future__ import annotations
 
@@ -147,9 +147,9 @@ def plot_training(runs: dict[str, list[dict]], out: Path) -> None:
 
 
 def sft_metrics(root: Path) -> list[dict]:
-    """The SFT stages' metrics (`toy_sft.py`: sft1, then sft), steps counted across stages."""
+    """The SFT stages' metrics (`toy_sft.py`: sft1, sft2, then sft), steps counted across stages."""
     lines, offset = [], 0
-    for stage in ("sft1", "sft"):
+    for stage in ("sft1", "sft2", "sft"):
         stage_lines = read_metrics(root / stage / "metrics.jsonl")
         lines += [{**m, "step": m["step"] + offset} for m in stage_lines]
         offset += max((m["step"] for m in stage_lines), default=0)
@@ -163,7 +163,7 @@ def plot_sft(lines: list[dict], out: Path) -> None:
     for key in ("heldout/loss", *(f"heldout/loss/{r}" for r in ROLES)):
         steps, values = curve(lines, key, window=1)
         ax.plot(steps, values, marker="o", markersize=3, label=key)
-    ax.set(title="SFT loss per reply token (stages 1-2)", xlabel="SFT step", yscale="log")
+    ax.set(title="SFT loss per reply token (stages 1-3)", xlabel="SFT step", yscale="log")
     _legend(ax)
     fig.tight_layout()
     fig.savefig(out / "sft_loss.png", dpi=110)

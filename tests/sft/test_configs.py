@@ -25,14 +25,14 @@ def test_toy_marsrl_variants_are_valid_and_train_their_roles(variant, roles):
     assert config.model.checkpoint == "/tmp/mars_toy/sft/model"
 
 
-@pytest.mark.parametrize("stage", ["1", "2"])
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
 def test_toy_sft_stages_are_valid_and_chain(stage):
     config = toy_sft.get_config(stage)
     checked = config.copy_and_resolve_references()
     checked.job = "train"  # as experiments/run.py checks an sft config
     validate(checked, base_config(), device_count=1)
     assert config.sft.arch in ARCHS
-    assert config.model.checkpoint == ("" if stage == "1" else "/tmp/mars_toy/sft1/model")
+    assert config.model.checkpoint == ("" if stage == "1" else f"/tmp/mars_toy/sft{int(stage) - 1}/model")
     assert dict(config.data.arith) == dict(toy_marsrl.get_config("marsrl").data.arith)
 
 
@@ -40,7 +40,7 @@ def test_unknown_args_are_refused():
     with pytest.raises(ValueError, match="unknown"):
         toy_marsrl.get_config("grpo")
     with pytest.raises(ValueError, match="unknown"):
-        toy_sft.get_config("3")
+        toy_sft.get_config("4")
 
 
 def test_toy_architecture_is_a_qwen3_moe_under_20m_parameters():
