@@ -26,7 +26,7 @@ def get_config(arg: str = "marsrl"):
         raise ValueError(f"toy_marsrl config: unknown arg {arg!r} ({' | '.join(VARIANTS)})")
     c = base_config()
     c.seed = 0
-    c.total_steps = 40
+    c.total_steps = 60
     c.tokenizer = "tiny"
     c.data.name, c.data.split = "arith", "train"
     c.data.arith.update(TOY_ARITH)
