@@ -45,9 +45,11 @@ def get_config(arg: str = "marsrl"):
     c.optimizer.learning_rate = 3e-4
     c.learner.micro_batch_size = 12  # a step trains ~36 samples (MarsRL), 12 (-S), 24 (-VC)
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
-    # Held-out evaluation: avg@2 on 64 `arith` test problems, sampled like the rollouts (T=1).
+    # Held-out evaluation: avg@2 on 128 `arith` test problems at the paper's sampling settings
+    # (train T=0.85; eval T=0.6, top_p=0.95).
     c.eval.dataset, c.eval.split = "arith", "test"
-    c.eval.num_problems, c.eval.num_samples = 64, 2
+    c.eval.num_problems, c.eval.num_samples = 128, 2
     c.eval.k_accept, c.eval.max_iterations, c.eval.max_retries = 2, 4, 1
-    c.eval.temperature, c.eval.top_p = 1.0, 1.0
+    c.rollout.temperature = 0.85
+    c.eval.temperature, c.eval.top_p = 0.6, 0.95
     return c
