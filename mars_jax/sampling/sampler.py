@@ -31,6 +31,7 @@ from mars_jax.sampling.processors import choose_tokens
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_BUCKET = 16
+COMPACT_EVERY = 32  # decode steps between checks for finished rows to drop (see `generate`)
 
 
 @struct.dataclass
@@ -189,14 +190,22 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = (), seed: int = 0,
              sequence_seeds: Sequence[int] | None = None, segment_tokens: int | None = None,
-             record_routing: bool = False, mesh: jax.sharding.Mesh | None = None) -> SampleResult:
+             record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
+             compact_every: int | None = COMPACT_EVERY) -> SampleResult:
     """Samples continuations of `prompts` (token-id lists of any lengths) with `model`'s arrays.
 
     `temperature=0` is greedy. `max_new_tokens` and `eos_token_ids` may be given per prompt.
     Row i draws from `fold_in(key(seed), sequence_seeds[i])` (default: i). With `segment_tokens`,
     at most that many tokens are decoded now; unfinished rows end with 'segment' and
     `result.state` continues them via `resume`, giving exactly the uninterrupted tokens.
+
+    Without `segment_tokens`, the decode pauses every `compact_every` steps; when the rows still
+    running fit a batch bucket at most half the current one, they (KV cache included) are gathered
+    into that smaller batch, so finished rows stop costing compute. Tokens are unchanged by it
+    (each row keeps its key and position); `compact_every=None` decodes in one loop.
     """
+    if compact_every is not None and compact_every < 1:
+        raise ValueError(f"compact_every: must be >= 1 or None, got {compact_every}")
     n = len(prompts)
     if n == 0:
         raise ValueError("prompts: expected at least one prompt")
@@ -235,14 +244,21 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         jnp.asarray(seeds + [0] * (batch - n), jnp.uint32))
     params = SamplingParams(greedy=temperature == 0, top_k=int(top_k), top_p=float(top_p),
                             record_routing=bool(record_routing) and bool(model.config.num_experts))
-    end = num_new if segment_tokens is None else int(segment_tokens)
+    compacting = segment_tokens is None and compact_every is not None and batch > multiple
+    end = int(segment_tokens) if segment_tokens is not None else (
+        compact_every if compacting else num_new)
     graphdef, weights = nnx.split(model)
     args = (tokens, mask, budget, stop_ids, keys)
+    temp = jnp.float32(max(temperature, 1e-6))
     with _maybe_mesh(mesh):
         if mesh is not None:
             args = tuple(_batch_on_mesh(a, mesh) for a in args)
-        state = _prefill_and_decode(graphdef, weights, *args, jnp.float32(max(temperature, 1e-6)),
-                                    jnp.int32(end), num_new=num_new, params=params)
+        state = _prefill_and_decode(graphdef, weights, *args, temp, jnp.int32(end),
+                                    num_new=num_new, params=params)
+        if compacting:
+            rows = _compacting_decode(graphdef, weights, state, temp, params, n=n,
+                                      every=compact_every, multiple=multiple)
+            return _assemble(rows, None)
     return _result(state, SegmentState(state, n, params, temperature))
 
 
@@ -275,20 +291,88 @@ def _maybe_mesh(mesh: jax.sharding.Mesh | None):
     return sharding.use_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
-def _result(state: DecodeState, segment: SegmentState) -> SampleResult:
-    n = segment.num_prompts
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One prompt's finished (or paused) decode, on the host."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    reason: str
+    experts: np.ndarray | None
+
+
+def _host_rows(state: DecodeState, rows: dict[int, int]) -> dict[int, _Row]:
+    """`{prompt index: _Row}` for `rows` = `{state row: prompt index}` (a collective on several
+    processes: every host reads the whole state)."""
     tokens, logprobs, lengths, done, hit_stop, prompt_lengths = sharding.fetch(
         (state.tokens, state.logprobs, state.lengths, state.done, state.hit_stop,
          state.prompt_lengths))
-    reasons = ["stop" if hit_stop[i] else "length" if done[i] else "segment" for i in range(n)]
-    expert_ids = None
-    if state.experts is not None:
-        experts = np.asarray(sharding.fetch(state.experts))
-        prompt_len = state.prompt_mask.shape[1]
-        expert_ids = [experts[:, i, prompt_len - prompt_lengths[i]:prompt_len + lengths[i]]
-                      for i in range(n)]
+    experts = None if state.experts is None else np.asarray(sharding.fetch(state.experts))
+    prompt_len = state.prompt_mask.shape[1]
+    out = {}
+    for i, prompt in rows.items():
+        length = lengths[i]
+        reason = "stop" if hit_stop[i] else "length" if done[i] else "segment"
+        routing = None if experts is None else \
+            experts[:, i, prompt_len - prompt_lengths[i]:prompt_len + length]
+        out[prompt] = _Row(tokens[i, :length].tolist(), logprobs[i, :length].tolist(), reason,
+                           routing)
+    return out
+
+
+def _assemble(rows: dict[int, _Row], segment: SegmentState | None) -> SampleResult:
+    ordered = [rows[i] for i in range(len(rows))]
+    reasons = [r.reason for r in ordered]
     return SampleResult(
-        tokens=[tokens[i, :lengths[i]].tolist() for i in range(n)],
-        logprobs=[logprobs[i, :lengths[i]].tolist() for i in range(n)],
-        finish_reasons=reasons, expert_ids=expert_ids,
+        tokens=[r.tokens for r in ordered], logprobs=[r.logprobs for r in ordered],
+        finish_reasons=reasons,
+        expert_ids=None if ordered[0].experts is None else [r.experts for r in ordered],
         state=segment if "segment" in reasons else None)
+
+
+def _result(state: DecodeState, segment: SegmentState) -> SampleResult:
+    return _assemble(_host_rows(state, {i: i for i in range(segment.num_prompts)}), segment)
+
+
+@jax.jit
+def _take_rows(state: DecodeState, index: jax.Array) -> DecodeState:
+    """The decode state of rows `index` (every per-row array, the KV cache included)."""
+    take = lambda x, axis=0: jnp.take(x, index, axis=axis)
+    return state.replace(
+        cache=tuple(KVCache(take(c.k), take(c.v)) for c in state.cache),
+        next_logits=take(state.next_logits), tokens=take(state.tokens),
+        logprobs=take(state.logprobs),
+        experts=None if state.experts is None else take(state.experts, 1),
+        lengths=take(state.lengths), done=take(state.done), hit_stop=take(state.hit_stop),
+        keys=take(state.keys), prompt_mask=take(state.prompt_mask),
+        prompt_lengths=take(state.prompt_lengths), max_new=take(state.max_new),
+        stop_ids=take(state.stop_ids))
+
+
+def _compacting_decode(graphdef, weights, state: DecodeState, temperature: jax.Array,
+                       params: SamplingParams, *, n: int, every: int,
+                       multiple: int) -> dict[int, _Row]:
+    """Runs `state` (already decoded `every` steps) to the end, `every` steps at a time, moving
+    the live rows into a smaller batch bucket whenever they fit one at most half as large."""
+    owner = np.arange(state.done.shape[0])           # prompt index of each state row; -1: filler
+    owner[n:] = -1
+    finished: dict[int, _Row] = {}
+    num_new = state.tokens.shape[1]
+    while True:
+        done, step = sharding.fetch((state.done, state.step))
+        step = int(step)
+        live = np.flatnonzero(~done)
+        if len(live) == 0 or step >= num_new:
+            break
+        target = -(-_bucket(len(live), 1) // multiple) * multiple
+        if target <= len(owner) // 2:
+            leaving = {int(i): int(owner[i]) for i in np.flatnonzero(done) if owner[i] >= 0}
+            finished.update(_host_rows(state, leaving))
+            filler = np.full(target - len(live), np.flatnonzero(done)[0])
+            keep = np.concatenate([live, filler])
+            state = _take_rows(state, jnp.asarray(keep, jnp.int32))
+            owner = np.concatenate([owner[live], np.full(len(filler), -1)])
+        state = _continue_decode(graphdef, weights, state, temperature,
+                                 jnp.int32(step + every), params=params)
+    finished.update(_host_rows(state, {int(i): int(p) for i, p in enumerate(owner) if p >= 0}))
+    return finished

@@ -8,7 +8,7 @@ import transformers
 
 from mars_jax import sharding
 from mars_jax.models import from_pretrained
-from mars_jax.sampling import generate, resume
+from mars_jax.sampling import generate, resume, sampler
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42]]
 
@@ -93,12 +93,41 @@ def test_8_device_mesh_gives_same_tokens(hf_moe_dir, model):
     assert result.tokens == expected.tokens
 
 
+@pytest.mark.parametrize("mesh_axes", [None, {"data": 2, "fsdp": 2, "tensor": 1, "expert": 2}])
+def test_dropping_finished_rows_changes_nothing(hf_moe_dir, model, mesh_axes, monkeypatch):
+    """Long-tailed budgets: the batch shrinks 16 -> 8 -> 4 -> 2 -> 1 rows between 4-step chunks (16 -> 8
+    on the mesh, whose batch axes span 8 devices); every row's tokens, log-probabilities and
+    recorded routing equal the one-loop decode's."""
+    shapes = []
+    take_rows = sampler._take_rows
+    monkeypatch.setattr(sampler, "_take_rows",
+                        lambda state, index: shapes.append(len(index)) or take_rows(state, index))
+    mesh = None if mesh_axes is None else sharding.make_mesh(mesh_axes)
+    if mesh is not None:
+        model = from_pretrained(hf_moe_dir, mesh=mesh)
+    prompts = [PROMPTS[i % 4] for i in range(10)]
+    budgets = [3, 5, 40, 2, 7, 33, 4, 1, 9, 12]
+    kwargs = dict(max_new_tokens=budgets, temperature=1.0, seed=3, record_routing=True,
+                  mesh=mesh)
+    one_loop = generate(model, prompts, compact_every=None, **kwargs)
+    compacted = generate(model, prompts, compact_every=4, **kwargs)
+    assert [len(t) for t in one_loop.tokens] == budgets  # no stop token: every row runs out
+    assert shapes == ([8, 4, 2, 1] if mesh is None else [8])
+    assert compacted.tokens == one_loop.tokens
+    assert compacted.finish_reasons == one_loop.finish_reasons == ["length"] * 10
+    for a, b in zip(compacted.logprobs, one_loop.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for a, b in zip(compacted.expert_ids, one_loop.expert_ids):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompts=[]), "at least one prompt"),
     (dict(prompts=[[]]), "at least one token"),
     (dict(prompts=[[1000]]), "token ids must be in"),
     (dict(prompts=[[1]], top_p=0.0), "0 < top_p"),
     (dict(prompts=[[1], [2]], max_new_tokens=[3]), "max_new_tokens: expected one entry"),
+    (dict(prompts=[[1]], compact_every=0), "compact_every"),
 ])
 def test_bad_arguments_name_the_field(model, kwargs, message):
     kwargs.setdefault("max_new_tokens", 4)
