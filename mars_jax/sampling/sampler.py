@@ -5,12 +5,14 @@ S = P + N (N = bucketed new-token budget) and decodes with a `lax.while_loop`, a
 program; `resume` continues a segmented decode with a decode-only program. Each row draws from its
 own PRNG key, `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's tokens do not
 depend on the rest of the batch. Rows stop on their own stop tokens or length budget; the loop ends
-when every row has stopped or the segment budget is spent (finished rows then cost no more steps).
+when every row has stopped or the segment budget is spent. Within a fixed-shape batch a finished
+row still costs compute, so a full decode pauses every `COMPACT_EVERY` steps and, once the live
+rows fit a batch bucket half as large, continues with just them (their KV cache gathered).
 
 KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
 bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 98,304 bytes
-per token of context per sequence (196,608 in float32). No `[length, vocab]` buffer is kept: only the next-token logits
-`[batch, vocab]` live across steps. Log-probabilities follow `mars_jax.sampling.processors`.
+per token of context per sequence (196,608 in float32). No `[length, vocab]` buffer is kept:
+only the next-token logits `[batch, vocab]` live across steps. Log-probabilities follow `mars_jax.sampling.processors`.
 """
 from __future__ import annotations
 
