@@ -12,7 +12,8 @@ rows fit a batch bucket half as large, continues with just them (their KV cache 
 KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
 bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 98,304 bytes
 per token of context per sequence (196,608 in float32). No `[length, vocab]` buffer is kept:
-only the next-token logits `[batch, vocab]` live across steps. Log-probabilities follow `mars_jax.sampling.processors`.
+only the next-token logits `[batch, vocab]` live across steps. Log-probabilities follow
+`mars_jax.sampling.processors`.
 """
 from __future__ import annotations
 
