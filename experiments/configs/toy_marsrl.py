@@ -4,6 +4,9 @@ r"""Toy MarsRL and its ablations on `arith`, warm-started from the `toy_sft.py` 
   python experiments/run.py --config=experiments/configs/toy_marsrl.py:marsrl_s  --workdir=/tmp/mars_toy/marsrl_s
   python experiments/run.py --config=experiments/configs/toy_marsrl.py:marsrl_vc --workdir=/tmp/mars_toy/marsrl_vc
 
+Run 2 of `experiments/RESULTS.md` adds `--config.optimizer.learning_rate=5e-5
+--config.loss.kl_coef=0.05 --config.rollout.selection=balanced` to each command.
+
 `marsrl` trains on the samples of all three agents, `marsrl_s` on Solver samples only (its
 rollouts stop after the Solver), `marsrl_vc` on Verifier and Corrector samples only. The SFT
 model is read from `/tmp/mars_toy/sft/model` (`--config.model.checkpoint=...` to move it). The
