@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -113,7 +112,8 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
         names = [None] * len(shape)
         names[batch_axis] = "batch"
         target = sharding.named_sharding(mesh, names, shape)
-        split = np.prod([mesh.shape[a] for a in _axes(target.spec[batch_axis])], dtype=int)
+        split = np.prod([mesh.shape[a] for a in sharding.spec_axes(target.spec[batch_axis])],
+                        dtype=int)
         if split % procs:
             raise ValueError(f"learner.micro_batch_size: {shape[batch_axis]} rows per micro-batch "
                              f"cannot be split over the mesh's batch axes across {procs} processes")
@@ -128,10 +128,6 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
                       advantages=to_global(local.advantages, 1, None),
                       sampler_logprobs=to_global(local.sampler_logprobs, 1, 2),
                       expert_ids=experts)
-
-
-def _axes(entry) -> Sequence[str]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def allgather_json(value) -> list:

@@ -171,6 +171,11 @@ def use_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
         _ACTIVE.rules = previous
 
 
+def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (a name, a tuple of names, or None)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once."""
     table = dict(_ACTIVE.rules if rules is None else rules)
@@ -178,8 +183,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None) -> 
     spec = []
     for name in names:
         target = table.get(name) if name is not None else None
-        axes = (target,) if isinstance(target, str) else tuple(target or ())
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in spec_axes(target) if a not in used)
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*spec)
@@ -197,9 +201,8 @@ def _fit(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
     """Drops mesh axes that do not divide the dimension they would shard."""
     fitted = []
     for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         kept, size = [], 1
-        for axis in axes:
+        for axis in spec_axes(entry):
             if dim % (size * mesh.shape[axis]) == 0:
                 kept.append(axis)
                 size *= mesh.shape[axis]

@@ -43,7 +43,7 @@ def rollout_step(engine: AgenticRollouts, problems: Iterator[dict], generate: Ge
     batches: list[collections.Counter] = []
     tokens = 0
     while any_process(bool(engine.pending)):
-        batch, requests = engine.take_requests(version) if engine.pending else ([], [])
+        batch, requests = engine.take_requests(version)  # empty on a host without work
         outputs = generate(requests)
         if batch:
             batches.append(collections.Counter(r.stage for r in batch))

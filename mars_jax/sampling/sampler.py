@@ -175,9 +175,13 @@ def _continue_decode(graphdef, weights, state, temperature, end_step, *, params:
 def _batch_multiple(mesh: jax.sharding.Mesh | None) -> int:
     if mesh is None:
         return 1
-    spec = sharding.logical_to_spec(("batch",))[0]
-    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    axes = sharding.spec_axes(sharding.logical_to_spec(("batch",))[0])
     return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _batch_bucket(rows: int, multiple: int) -> int:
+    """Rows of a decode batch holding `rows` sequences: a power of two, rounded up to `multiple`."""
+    return -(-_bucket(rows, 1) // multiple) * multiple
 
 
 def _per_row(value, n: int, name: str) -> list:
@@ -227,7 +231,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise ValueError(f"sequence_seeds: expected {n} entries, got {len(seeds)}")
 
     multiple = _batch_multiple(mesh)
-    batch = -(-_bucket(n, 1) // multiple) * multiple
+    batch = _batch_bucket(n, multiple)
     prompt_len = prompt_bucket(max(len(p) for p in prompts))
     num_new = _bucket(max(max_new), MIN_NEW_BUCKET)
     tokens = np.zeros((batch, prompt_len), np.int32)
@@ -367,7 +371,7 @@ def _compacting_decode(graphdef, weights, state: DecodeState, temperature: jax.A
         live = np.flatnonzero(~done)
         if len(live) == 0 or step >= num_new:
             break
-        target = -(-_bucket(len(live), 1) // multiple) * multiple
+        target = _batch_bucket(len(live), multiple)
         if target <= len(owner) // 2:
             leaving = {int(i): int(owner[i]) for i in np.flatnonzero(done) if owner[i] >= 0}
             finished.update(_host_rows(state, leaving))
