@@ -93,16 +93,12 @@ def load_mars_jax(path: Path, bf16: bool, moe_impl: str):
 def mars_jax_engine(path: Path, args, bf16: bool):
     import jax.numpy as jnp
 
-    from mars_jax.models.qwen3 import causal_visibility, positions_from_mask
     from mars_jax.sampling import generate
 
     model = load_mars_jax(path, bf16, args.moe_impl)
 
     def logits(ids):
-        mask = jnp.ones(ids.shape, jnp.int32)
-        out = model.forward(jnp.asarray(ids), positions=positions_from_mask(mask),
-                            visible=causal_visibility(mask))
-        return np.asarray(model.logits(out.hidden))
+        return np.asarray(model(jnp.asarray(ids)))
 
     def run(prompts):
         result = generate(model, prompts.tolist(), max_new_tokens=args.new_tokens, temperature=0.0)

@@ -194,7 +194,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, _fit(logical_to_spec(names), x.shape, mesh))
+    return jax.lax.with_sharding_constraint(x, fitted_spec(names, x.shape, mesh))
+
+
+def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
+                rules: Rules | None = None) -> PartitionSpec:
+    """The PartitionSpec of logical `names` for an array of `shape` on `mesh`."""
+    return _fit(logical_to_spec(names, rules), shape, mesh)
 
 
 def _fit(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
@@ -213,7 +219,7 @@ def _fit(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
 def named_sharding(mesh: Mesh, names: Sequence[str | None], shape: Sequence[int],
                    rules: Rules | None = None) -> NamedSharding:
     """The NamedSharding for an array of `shape` with logical axis `names`."""
-    return NamedSharding(mesh, _fit(logical_to_spec(names, rules), shape, mesh))
+    return NamedSharding(mesh, fitted_spec(names, shape, mesh, rules))
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:

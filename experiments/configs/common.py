@@ -24,7 +24,9 @@ def base_config() -> ConfigDict:
 
     c.model = ConfigDict(dict(preset="tiny", checkpoint="", dtype="", param_dtype="",
                               moe_impl="", moe_block_size=config_dict.placeholder(int),
-                              moe_dense_max_tokens=config_dict.placeholder(int)))
+                              moe_dense_max_tokens=config_dict.placeholder(int),
+                              attention_impl="", attention_block=config_dict.placeholder(int),
+                              remat=config_dict.placeholder(bool)))
 
     c.rollout = ConfigDict(dict(
         mode="pipeline",            # 'pipeline' | 'sequential'

@@ -67,6 +67,8 @@ def get_config(arg: str | None = None):
     c.model.checkpoint = options.get("ckpt", "")
     c.tokenizer = options.get("ckpt") or "qwen3"
     c.model.dtype = c.model.param_dtype = "bfloat16"
+    # Blockwise attention (no [T, S] scores) and per-layer rematerialisation in the update.
+    c.model.attention_impl, c.model.attention_block, c.model.remat = "flash", 512, True
     # One FSDP axis over every chip: parameters, optimizer state and the batch are all split.
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, -1, 1, 1
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).

@@ -1,4 +1,10 @@
-"""Grouped-query attention with per-head q/k RMSNorm, RoPE and an optional KV cache."""
+"""Grouped-query attention with per-head q/k RMSNorm, RoPE and an optional KV cache.
+
+Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_attention` forms the
+`[B, heads, T, S]` scores at once (fast for short sequences and one-token decode steps);
+`flash_attention` works block by block in memory linear in the length. `impl='auto'` picks flash
+when the queries span more than one block.
+"""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -8,14 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mars_jax import sharding
+from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.embeddings import apply_rope
+from mars_jax.layers.flash_attention import MASK_VALUE, flash_attention
 from mars_jax.layers.normalization import RMSNorm
 from mars_jax.layers.params import constant_param, normal_param
-
-# Added to the scores of masked keys. Finite, so a query row with no visible key (a left-padding
-# position) yields a uniform average instead of NaNs that would poison gradients.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
 
 class KVCache(NamedTuple):
     """One layer's cache: keys and values `[batch, cache_length, kv_heads, head_dim]`."""
@@ -24,9 +27,11 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                           scale: float) -> jax.Array:
-    """softmax(q k^T * scale) v with GQA. q `[B,T,N,D]`, k/v `[B,S,K,D]`, allowed `[B,T,S]`."""
+    """softmax(q k^T * scale) v with GQA. q `[B,T,N,D]`, k/v `[B,S,K,D]`. Masked scores get a
+    finite `MASK_VALUE`, so a query with no visible key (left padding) averages instead of NaN."""
+    allowed = mask.dense()
     b, t, n, d = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, n // kv_heads, d)
@@ -41,8 +46,10 @@ class Attention(nnx.Module):
     """Qwen3 self-attention: q/k/v projections, q/k RMSNorm per head, RoPE, GQA, output projection."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
-                 eps: float, rngs: nnx.Rngs, param_dtype: jnp.dtype, stddev: float):
+                 eps: float, rngs: nnx.Rngs, param_dtype: jnp.dtype, stddev: float,
+                 impl: str = "auto", block: int = 512):
         self.head_dim = head_dim
+        self.impl, self.block = impl, block
         self.q_proj = normal_param(rngs, (hidden, heads, head_dim), ("embed", "heads", "head_dim"),
                                    param_dtype, stddev)
         self.k_proj = normal_param(rngs, (hidden, kv_heads, head_dim),
@@ -66,11 +73,11 @@ class Attention(nnx.Module):
             y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
         return y
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, allowed: jax.Array,
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                  cache: KVCache | None = None, cache_index: jax.Array | int = 0,
                  ) -> tuple[jax.Array, KVCache | None]:
-        """x `[B,T,H]`; `allowed [B,T,S]` says which keys each query sees (S = T, or the cache
-        length when `cache` is given, in which case the new keys are written at `cache_index`)."""
+        """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
+        `cache` is given, in which case the new keys are written at `cache_index`)."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
@@ -80,7 +87,11 @@ class Attention(nnx.Module):
             cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
                             jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
             k, v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
-        out = dot_product_attention(q, k, v, allowed, self.head_dim ** -0.5)
+        scale = self.head_dim ** -0.5
+        if self.impl == "flash" or (self.impl == "auto" and q.shape[1] > self.block):
+            out = flash_attention(q, k, v, mask, scale, block_q=self.block, block_k=self.block)
+        else:
+            out = dot_product_attention(q, k, v, mask, scale)
         out = jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(x.dtype))
         if self.bias:
             out = out + self.o_bias[...].astype(x.dtype)

@@ -13,15 +13,22 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
   ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls (TPU/GPU).
   capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
            dropped. Chosen whenever `capacity_factor` is set.
+
+Under a mesh, `sorted` and `ragged` run on each batch shard's own tokens (`jax.shard_map` over the
+mesh axes that split the batch, expert weights gathered as FSDP gathers any weight): a sort over
+the global token axis could not be partitioned and would replicate every token on every chip.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
+from mars_jax import sharding
 from mars_jax.layers.params import normal_param
 
 # 'auto' on CPU computes all experts densely when a layer's experts hold at most this many
@@ -73,21 +80,22 @@ class MoE(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x `[..., H]`; `expert_ids [..., k]` replays a recorded routing instead of top-k."""
         lead, hidden = x.shape[:-1], x.shape[-1]
-        xf = x.reshape(-1, hidden)
         ids_in = None if expert_ids is None else expert_ids.reshape(-1, self.top_k)
-        logits, ids, weights = self.route(xf, ids_in)
+        logits, ids, weights = self.route(x.reshape(-1, hidden), ids_in)
+        backend = self.backend(logits.shape[0])
         fn = {"dense": self._dense, "sorted": self._sorted, "ragged": self._ragged,
-              "capacity": self._capacity}[self.backend(xf.shape[0])]
-        out = fn(xf, ids, weights)
-        return (out.reshape(*lead, hidden), logits.reshape(*lead, self.num_experts),
-                ids.reshape(*lead, self.top_k))
+              "capacity": self._capacity}[backend]
+        wi, wo = self.wi[...].astype(x.dtype), self.wo[...].astype(x.dtype)
+        ids, weights = ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+        if backend in ("sorted", "ragged") and x.ndim > 2:
+            out = _per_batch_shard(fn, x, ids, weights, wi, wo)
+        else:
+            out = _flat(fn, x, ids, weights, wi, wo)
+        return out, logits.reshape(*lead, self.num_experts), ids
 
-    def _weights(self, dtype):
-        return self.wi[...].astype(dtype), self.wo[...].astype(dtype)
-
-    def _dense(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    def _dense(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
+               wo: jax.Array) -> jax.Array:
         n, e = x.shape[0], self.num_experts
-        wi, wo = self._weights(x.dtype)
         _, _, inter, hidden = wi.shape
         combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=x.dtype) * weights[..., None], axis=1)
         h = (x @ wi.reshape(e * 2 * inter, hidden).T).reshape(n, e, 2, inter)
@@ -105,7 +113,8 @@ class MoE(nnx.Module):
         rank = jnp.arange(flat_e.shape[0]) - starts[sorted_e]
         return tokens, sorted_e, weights.reshape(-1)[order], rank, counts
 
-    def _sorted(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    def _sorted(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
+                wo: jax.Array) -> jax.Array:
         n, hidden = x.shape
         assignments, bs, e = n * self.top_k, self.block_size, self.num_experts
         tokens, sorted_e, sorted_w, rank, counts = self._sort(ids, weights)
@@ -117,14 +126,13 @@ class MoE(nnx.Module):
         block_expert = jnp.minimum(
             jnp.searchsorted(padded_end, jnp.arange(num_blocks) * bs, side="right"), e - 1)
         used = jnp.arange(num_blocks) < padded_end[-1] // bs
-        wi, wo = self._weights(x.dtype)
         ys = _expert_blocks(buf.reshape(num_blocks, bs, hidden), block_expert, used, wi, wo)
         ys = ys.reshape(num_blocks * bs, hidden)[dest] * sorted_w[:, None]
         return jnp.zeros_like(x).at[tokens].add(ys)
 
-    def _ragged(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    def _ragged(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
+                wo: jax.Array) -> jax.Array:
         tokens, _, sorted_w, _, counts = self._sort(ids, weights)
-        wi, wo = self._weights(x.dtype)
         e, _, inter, hidden = wi.shape
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((1,), (2,)), ((), ())),
@@ -134,7 +142,8 @@ class MoE(nnx.Module):
         ys = jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], wo, counts) * sorted_w[:, None]
         return jnp.zeros_like(x).at[tokens].add(ys)
 
-    def _capacity(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    def _capacity(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
+                  wo: jax.Array) -> jax.Array:
         n, hidden = x.shape
         e = self.num_experts
         capacity = max(1, math.ceil(n * self.top_k / e * self.capacity_factor))
@@ -142,11 +151,34 @@ class MoE(nnx.Module):
         keep = rank < capacity
         dest = jnp.where(keep, sorted_e * capacity + rank, e * capacity)  # dropped -> spare row
         buf = jnp.zeros((e * capacity + 1, hidden), x.dtype).at[dest].set(x[tokens])
-        wi, wo = self._weights(x.dtype)
         h = jnp.einsum("ech,ejih->ecji", buf[:-1].reshape(e, capacity, hidden), wi)
         ys = jnp.einsum("eci,eih->ech", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], wo)
         ys = jnp.concatenate([ys.reshape(e * capacity, hidden), jnp.zeros((1, hidden), x.dtype)])
         return jnp.zeros_like(x).at[tokens].add(ys[dest] * (sorted_w * keep)[:, None])
+
+
+def _flat(fn, x, ids, weights, wi, wo):
+    """`fn` over all tokens of `x [..., H]` at once."""
+    hidden, k = x.shape[-1], ids.shape[-1]
+    out = fn(x.reshape(-1, hidden), ids.reshape(-1, k), weights.reshape(-1, k), wi, wo)
+    return out.reshape(x.shape)
+
+
+def _per_batch_shard(fn, x, ids, weights, wi, wo):
+    """`_flat` on each batch shard's tokens: `x [B, ..., H]` split over the mesh axes that shard
+    "batch" (and divide B); expert weights enter whole (gathered), their gradients summed."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return _flat(fn, x, ids, weights, wi, wo)
+    axes = sharding.spec_axes(sharding.fitted_spec(("batch",), x.shape[:1], mesh)[0])
+    if not axes:
+        return _flat(fn, x, ids, weights, wi, wo)
+    rows = PartitionSpec(axes)
+    return jax.shard_map(functools.partial(_flat, fn), mesh=mesh, axis_names=set(axes),
+                         in_specs=(rows, rows, rows, PartitionSpec(), PartitionSpec()),
+                         # check_vma off: the expert-block VJP starts its weight gradients
+                         # from replicated zeros and adds per-shard terms.
+                         out_specs=rows, check_vma=False)(x, ids, weights, wi, wo)
 
 
 def _block_forward(xb, wi_e, wo_e):

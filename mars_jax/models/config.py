@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 MOE_IMPLS = ("auto", "dense", "sorted", "ragged")
+ATTENTION_IMPLS = ("auto", "dense", "flash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +44,18 @@ class Qwen3Config:
     moe_block_size: int = 64        # rows per expert block in the 'sorted' CPU dispatch
     moe_dense_max_tokens: int = 64  # 'auto' on CPU: all-experts fused matmuls up to this many tokens
     capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped
+    attention_impl: str = "auto"    # 'dense' [T, S] scores | 'flash' blockwise | 'auto': flash
+    attention_block: int = 512      # when the queries span more than one block of this size
+    remat: bool = False             # recompute each layer's activations in the backward pass
 
     def __post_init__(self):
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl: {self.moe_impl!r} is not one of {MOE_IMPLS}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl: {self.attention_impl!r} is not one of "
+                             f"{ATTENTION_IMPLS}")
+        if self.attention_block < 1:
+            raise ValueError(f"attention_block must be >= 1, got {self.attention_block}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads, got "
                              f"{self.num_attention_heads} and {self.num_key_value_heads}")

@@ -9,6 +9,7 @@ from flax import nnx, struct
 
 from mars_jax import sharding
 from mars_jax.layers.attention import Attention, KVCache
+from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.embeddings import Embed, rope_cos_sin
 from mars_jax.layers.mlp import MLP
 from mars_jax.layers.moe import MoE
@@ -33,13 +34,6 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def causal_visibility(mask: jax.Array) -> jax.Array:
-    """`[B,T,T]` booleans: query t sees key s iff s <= t and key s is a real token."""
-    t = mask.shape[-1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return causal[None] & mask.astype(bool)[:, None, :]
-
-
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) with a dense or MoE MLP."""
 
@@ -49,7 +43,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(
             hidden=config.hidden_size, heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            bias=config.attention_bias, eps=eps, rngs=rngs, param_dtype=pd, stddev=std)
+            bias=config.attention_bias, eps=eps, rngs=rngs, param_dtype=pd, stddev=std,
+            impl=config.attention_impl, block=config.attention_block)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
         self.is_moe = config.is_moe_layer(layer)
         if self.is_moe:
@@ -63,8 +58,8 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, param_dtype=pd,
                            stddev=std)
 
-    def __call__(self, x, cos, sin, visible, cache, cache_index, expert_ids):
-        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, cache_index)
+    def __call__(self, x, cos, sin, mask, cache, cache_index, expert_ids):
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
         x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
@@ -73,6 +68,13 @@ class DecoderLayer(nnx.Module):
             h, logits, expert_ids = self.mlp(h), None, None
         x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
         return x, cache, logits, expert_ids
+
+
+def _call(layer: DecoderLayer, *args):
+    return layer(*args)
+
+
+_remat_call = nnx.remat(_call)
 
 
 class Qwen3(nnx.Module):
@@ -99,14 +101,15 @@ class Qwen3(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         out = self.forward(input_ids, positions=positions_from_mask(attention_mask),
-                           visible=causal_visibility(attention_mask))
+                           mask=AttentionMask.causal(attention_mask))
         return self.logits(out.hidden)
 
-    def forward(self, input_ids: jax.Array, *, positions: jax.Array, visible: jax.Array,
+    def forward(self, input_ids: jax.Array, *, positions: jax.Array, mask: AttentionMask,
                 cache: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
                 expert_ids: jax.Array | None = None) -> ModelOutput:
-        """The decoder stack. `visible [B,T,S]` says which keys each query attends to (S = T, or the
-        cache length when `cache` is given); `expert_ids [L_moe,B,T,k]` replays recorded routing."""
+        """The decoder stack. `mask` says which keys each query attends to (S = T, or the cache
+        length when `cache` is given); `expert_ids [L_moe,B,T,k]` replays recorded routing. With
+        `config.remat` (and no cache) each layer is recomputed in the backward pass."""
         cfg = self.config
         x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
                                ("batch", "length", "act_embed"))
@@ -117,9 +120,10 @@ class Qwen3(nnx.Module):
             replay = None
             if layer.is_moe and expert_ids is not None:
                 replay = expert_ids[moe_index]
-            x, layer_cache, logits, ids = layer(x, cos, sin, visible,
-                                                None if cache is None else cache[i], cache_index,
-                                                replay)
+            run = _remat_call if cfg.remat and cache is None else _call
+            x, layer_cache, logits, ids = run(layer, x, cos, sin, mask,
+                                              None if cache is None else cache[i], cache_index,
+                                              replay)
             new_cache.append(layer_cache)
             if layer.is_moe:
                 all_logits.append(logits)

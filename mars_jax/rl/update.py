@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from mars_jax.models.qwen3 import Qwen3, causal_visibility, positions_from_mask
+from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.models.qwen3 import Qwen3, positions_from_mask
 from mars_jax.rl.losses import LossConfig, policy_loss
 
 
@@ -85,7 +86,7 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, attention_mask: jax.Array, *
                    ) -> tuple[jax.Array, jax.Array]:
     """log p(tokens[t] | tokens[<t]) / T-scaled, and the token entropy, both `[B, L]` (0 at t=0)."""
     out = model.forward(tokens, positions=positions_from_mask(attention_mask),
-                        visible=causal_visibility(attention_mask), expert_ids=expert_ids)
+                        mask=AttentionMask.causal(attention_mask), expert_ids=expert_ids)
     hidden, targets = out.hidden[:, :-1], tokens[:, 1:]
     batch, length = targets.shape
     chunk = min(chunk, length)

@@ -29,7 +29,8 @@ from flax import nnx, struct
 
 from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
-from mars_jax.models.qwen3 import Qwen3, causal_visibility, positions_from_mask
+from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.models.qwen3 import Qwen3, positions_from_mask
 from mars_jax.sampling.processors import choose_tokens
 
 MIN_PROMPT_BUCKET = 16
@@ -99,15 +100,6 @@ def prompt_bucket(prompt_len: int) -> int:
     return _bucket(prompt_len, MIN_PROMPT_BUCKET)
 
 
-def _visible_for_step(state: DecodeState, num_new: int) -> jax.Array:
-    """`[B, 1, P + N]`: prompt slots that hold real tokens, plus generated slots up to this step."""
-    prompt_len = state.prompt_mask.shape[1]
-    slots = jnp.arange(prompt_len + num_new)
-    generated = (slots >= prompt_len) & (slots <= prompt_len + state.step)
-    prompt = jnp.pad(state.prompt_mask, ((0, 0), (0, num_new)))
-    return (prompt | generated[None, :])[:, None, :]
-
-
 def _decode_loop(model: Qwen3, state: DecodeState, end_step: jax.Array, temperature: jax.Array,
                  params: SamplingParams) -> DecodeState:
     num_new = state.tokens.shape[1]
@@ -129,7 +121,8 @@ def _decode_loop(model: Qwen3, state: DecodeState, end_step: jax.Array, temperat
         lengths = s.lengths + active
         done = s.done | is_stop | (lengths >= s.max_new)
         out = model.forward(token[:, None], positions=(s.prompt_lengths + s.step)[:, None],
-                            visible=_visible_for_step(s, num_new), cache=s.cache,
+                            mask=AttentionMask.decode_step(s.prompt_mask, num_new,
+                                                           prompt_len + s.step), cache=s.cache,
                             cache_index=prompt_len + s.step)
         experts = s.experts
         if params.record_routing:
@@ -150,8 +143,8 @@ def _prefill_and_decode(graphdef, weights, prompt_tokens, prompt_mask, max_new, 
                         temperature, end_step, *, num_new: int, params: SamplingParams):
     model = nnx.merge(graphdef, weights)
     batch, prompt_len = prompt_tokens.shape
-    visible = jnp.pad(causal_visibility(prompt_mask), ((0, 0), (0, 0), (0, num_new)))
-    out = model.forward(prompt_tokens, positions=positions_from_mask(prompt_mask), visible=visible,
+    mask = AttentionMask.causal(prompt_mask, num_extra_keys=num_new)
+    out = model.forward(prompt_tokens, positions=positions_from_mask(prompt_mask), mask=mask,
                         cache=model.init_cache(batch, prompt_len + num_new), cache_index=0)
     experts = None
     if params.record_routing:

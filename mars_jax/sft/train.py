@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from mars_jax.data.tokenizer import IM_END, encode_chat
+from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sft.traces import Example, make_examples
 
@@ -114,10 +115,8 @@ def _empty(rows: int, row_tokens: int) -> PackedBatch:
 def loss_terms(model: Qwen3, batch: PackedBatch) -> dict[str, jax.Array]:
     """Summed reply-token negative log-likelihood and token count, overall and per role."""
     tokens, segments = jnp.asarray(batch.tokens), jnp.asarray(batch.segments)
-    length = tokens.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    visible = causal[None] & (segments[:, :, None] == segments[:, None, :])
-    hidden = model.forward(tokens, positions=jnp.asarray(batch.positions), visible=visible).hidden
+    hidden = model.forward(tokens, positions=jnp.asarray(batch.positions),
+                           mask=AttentionMask.packed(segments)).hidden
     logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     roles = jnp.asarray(batch.roles)[:, 1:]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mars_jax import sharding
 from mars_jax.layers.moe import MoE
 
 
@@ -28,6 +29,22 @@ def test_dropless_matches_dense_reference(impl, norm):
     x = jax.random.normal(jax.random.key(1), (3, 40, 24))
     (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense", norm=norm), x)
     (loss, (gm, gx)) = _loss_and_grads(_moe(impl, norm=norm), x)
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+
+
+@pytest.mark.parametrize("impl", ["sorted", "ragged"])
+def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl):
+    """On a data x fsdp = 4 x 2 mesh each batch shard sorts its own tokens (shard_map); values and
+    gradients (expert weights summed over shards) equal the unsharded dense reference."""
+    x = jax.random.normal(jax.random.key(2), (8, 12, 24))
+    (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense"), x)
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1, "expert": 1})
+    with sharding.use_mesh(mesh):
+        xs = jax.device_put(x, sharding.named_sharding(mesh, ("batch", None, None), x.shape))
+        (loss, (gm, gx)) = nnx.jit(_loss_and_grads)(_moe(impl), xs)
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
     for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):

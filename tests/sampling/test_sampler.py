@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from mars_jax import sharding
+from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models import from_pretrained
 from mars_jax.sampling import generate, resume, sampler
 
@@ -32,7 +33,7 @@ def _forward_logprobs(model, prompt, tokens, expert_ids=None):
     ids = jnp.asarray([prompt + tokens], jnp.int32)
     length = ids.shape[1]
     out = model.forward(ids, positions=jnp.arange(length)[None],
-                        visible=jnp.tril(jnp.ones((1, length, length), bool)),
+                        mask=AttentionMask.causal(jnp.ones((1, length), jnp.int32)),
                         expert_ids=None if expert_ids is None else jnp.asarray(expert_ids)[:, None])
     logprobs = jax.nn.log_softmax(model.logits(out.hidden)[0], axis=-1)
     positions = np.arange(len(prompt) - 1, length - 1)

@@ -1,0 +1,64 @@
+"""Which keys each query may see, described without a `[batch, queries, keys]` array.
+
+Query `t` of a row sits at key slot `t + offset` and sees key slot `s` iff `s <= t + offset` and
+the two carry the same segment id (`q_segments[b, t] == kv_segments[b, s]`). Segment 0 marks
+padding keys (and empty cache slots); real queries have a segment >= 1. This covers every use:
+
+* a full sequence with padding: `offset = 0`, query segments 1, key segments = the 0/1 mask;
+* packed sequences (SFT): `offset = 0`, segments numbered per packed example;
+* prefill into a KV cache of length `S`: `offset = 0`, key segments = prompt mask + ones for the
+  slots the decode will fill (causality hides them until written);
+* one decode step: `offset` = the cache slot being written.
+
+Blockwise kernels (`flash_attention`) read the mask block by block from these vectors, so the
+attention's memory stays linear in the sequence length.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class AttentionMask:
+    """Causal-with-offset, segment-matched visibility (see the module docstring)."""
+
+    q_segments: jax.Array   # [B, T] int32, >= 1 for real queries
+    kv_segments: jax.Array  # [B, S] int32, 0 for padding / empty cache slots
+    offset: jax.Array       # () int32: key slot of query 0
+
+    @classmethod
+    def causal(cls, mask: jax.Array, *, num_extra_keys: int = 0) -> "AttentionMask":
+        """Causal attention over a `[B, T]` 0/1 padding mask (left or right padding); with
+        `num_extra_keys`, that many cache slots follow the sequence (visible once written)."""
+        return cls(q_segments=jnp.ones(mask.shape, jnp.int32),
+                   kv_segments=_cache_segments(mask, num_extra_keys),
+                   offset=jnp.zeros((), jnp.int32))
+
+    @classmethod
+    def decode_step(cls, prompt_mask: jax.Array, num_new: int, slot: jax.Array | int
+                    ) -> "AttentionMask":
+        """One new query per row, written at cache slot `slot` of a cache holding the `[B, P]`
+        left-padded prompt followed by `num_new` generated slots."""
+        return cls(q_segments=jnp.ones((prompt_mask.shape[0], 1), jnp.int32),
+                   kv_segments=_cache_segments(prompt_mask, num_new),
+                   offset=jnp.asarray(slot, jnp.int32))
+
+    @classmethod
+    def packed(cls, segments: jax.Array) -> "AttentionMask":
+        """Causal attention within each packed example: `segments [B, T]`, 0 for padding."""
+        segments = segments.astype(jnp.int32)
+        return cls(q_segments=segments, kv_segments=segments, offset=jnp.zeros((), jnp.int32))
+
+    def dense(self) -> jax.Array:
+        """The `[B, T, S]` boolean array these vectors describe (for the reference kernel)."""
+        t, s = self.q_segments.shape[1], self.kv_segments.shape[1]
+        causal = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + self.offset
+        same = self.q_segments[:, :, None] == self.kv_segments[:, None, :]
+        return causal[None] & same
+
+
+def _cache_segments(mask: jax.Array, num_extra_keys: int) -> jax.Array:
+    kv = mask.astype(jnp.int32)
+    return jnp.pad(kv, ((0, 0), (0, num_extra_keys)), constant_values=1) if num_extra_keys else kv
