@@ -48,7 +48,7 @@ from mars_jax.layers.attention import KVCache  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optimizer,  # noqa: E402
-                                token_logprobs, train_step)
+                                opt_state_shardings, token_logprobs, train_step)
 from mars_jax.sampling import sampler  # noqa: E402
 
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
@@ -176,16 +176,19 @@ def model_config(config: ConfigDict, num_layers: int = 0) -> Qwen3Config:
 
 
 def step_shapes(config: ConfigDict) -> Shapes:
-    """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows, the longest
-    prompt and output budget, and training rows of prompt + output."""
+    """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows (at most
+    `max_decode_rows`), the longest prompt and output budget, and training rows of prompt +
+    output."""
     r = config.rollout
     decode_batch = r.prompts_per_step * r.group_size
+    if r.get("max_decode_rows"):
+        decode_batch = min(decode_batch, r.max_decode_rows)
     prompt_len = _pow2(r.max_prompt_tokens, sampler.MIN_PROMPT_BUCKET)
     new_tokens = _pow2(max(r.max_new_tokens.values()), sampler.MIN_NEW_BUCKET)
     micro = config.learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
                   segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,
-                  num_micro=_pow2(-(-decode_batch // micro), 1),
+                  num_micro=_pow2(-(-r.prompts_per_step * r.group_size // micro), 1),
                   train_len=_pow2(r.max_prompt_tokens + max(r.max_new_tokens.values()), 32))
 
 
@@ -220,6 +223,9 @@ class StepPrograms:
         self.update_config = UpdateConfig(
             loss=trainer.loss_config(config), temperature=config.rollout.temperature,
             logits_chunk=config.learner.logits_chunk, routing_replay=config.learner.routing_replay)
+        self.optimizer = make_optimizer(**dict(config.optimizer))
+        # Outside `use_mesh`: optax builds a placeholder state eagerly, on the default device.
+        self.opt_shardings = opt_state_shardings(self.optimizer, self.weights)
 
     def lower(self, program: str) -> jax.stages.Lowered:
         with sharding.use_mesh(self.mesh):
@@ -268,7 +274,7 @@ class StepPrograms:
 
     def _train_rows(self, *lead: int, dtype=jnp.int32):
         s = self.shapes
-        names = (None,) * (len(lead) - 1) + ("batch", None)
+        names = (None,) * len(lead) + ("batch", None)
         return _sharded(self.mesh, (*lead, s.micro_batch, s.train_len), dtype, names)
 
     def _logprobs(self) -> jax.stages.Lowered:
@@ -284,10 +290,10 @@ class StepPrograms:
 
     def _update(self) -> jax.stages.Lowered:
         s, mesh = self.shapes, self.mesh
-        optimizer = make_optimizer(**dict(self.config.optimizer))
+        optimizer = self.optimizer
         opt_shapes = jax.eval_shape(optimizer.init, self.weights)
-        opt_shardings = jax.jit(optimizer.init).lower(self.weights).compile().output_shardings
-        state = TrainState(params=self.weights, opt_state=_abstract(opt_shapes, opt_shardings),
+        state = TrainState(params=self.weights,
+                           opt_state=_abstract(opt_shapes, self.opt_shardings),
                            step=_scalar(mesh, jnp.int32))
         m = s.num_micro
         experts = None

@@ -72,7 +72,7 @@ AT_LEAST: dict[str, float] = {
     "total_steps": 1, "max_nonfinite_updates": 1,
     "rollout.prompts_per_step": 1, "rollout.fan_out": 1, "rollout.max_stages": 1,
     **{f"rollout.max_new_tokens.{role}": 1 for role in ("solver", "verifier", "corrector")},
-    "rollout.segment_tokens": 0, "rollout.staleness_bound": 0, "rollout.max_prompt_tokens": 1,
+    "rollout.segment_tokens": 0, "rollout.max_decode_rows": 0, "rollout.staleness_bound": 0, "rollout.max_prompt_tokens": 1,
     "rollout.top_k": 0,
     "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
     "optimizer.learning_rate": 0, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0,

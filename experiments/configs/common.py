@@ -25,6 +25,7 @@ def base_config() -> ConfigDict:
     c.model = ConfigDict(dict(preset="tiny", checkpoint="", dtype="", param_dtype="",
                               moe_impl="", moe_block_size=config_dict.placeholder(int),
                               moe_dense_max_tokens=config_dict.placeholder(int),
+                              moe_chunk_tokens=config_dict.placeholder(int),
                               attention_impl="", attention_block=config_dict.placeholder(int),
                               remat=config_dict.placeholder(bool)))
 
@@ -35,6 +36,7 @@ def base_config() -> ConfigDict:
         max_stages=5, roles_trained="all",  # 'all' (MarsRL) | 'solver' (-S) | 'vc' (-VC)
         max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
         segment_tokens=0,           # 0 = decode each output in one go
+        max_decode_rows=0,          # rows per decode call (KV-cache memory); 0 = all at once
         staleness_bound=1, max_prompt_tokens=1024,
         temperature=1.0, top_p=1.0, top_k=0, enable_thinking=False,
         prompt_style="full",        # 'full' | 'compact' (tiny models, byte-level tokenizer)

@@ -67,8 +67,10 @@ def get_config(arg: str | None = None):
     c.model.checkpoint = options.get("ckpt", "")
     c.tokenizer = options.get("ckpt") or "qwen3"
     c.model.dtype = c.model.param_dtype = "bfloat16"
-    # Blockwise attention (no [T, S] scores) and per-layer rematerialisation in the update.
+    # Blockwise attention (no [T, S] scores), per-layer rematerialisation in the update, and the
+    # MoE dispatch of a chip's 131k tokens in chunks of 16k (one chunk's buffers live at a time).
     c.model.attention_impl, c.model.attention_block, c.model.remat = "flash", 512, True
+    c.model.moe_chunk_tokens = 16 * 1024
     # One FSDP axis over every chip: parameters, optimizer state and the batch are all split.
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, -1, 1, 1
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).

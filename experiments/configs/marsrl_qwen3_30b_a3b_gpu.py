@@ -38,4 +38,5 @@ def get_config(arg: str | None = None):
     c = marsrl_qwen3_30b_a3b.get_config(arg)
     if "runlocal" not in marsrl_qwen3_30b_a3b.parse_arg(arg):
         c.learner.micro_batch_size = 8  # one row per GPU per micro-batch
+        c.rollout.max_decode_rows = 40  # 5 rows per H200 (H100: --config.rollout.max_decode_rows=16)
     return c

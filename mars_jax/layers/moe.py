@@ -42,10 +42,10 @@ class MoE(nnx.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool, impl: str, block_size: int, dense_max_tokens: int,
                  capacity_factor: float | None, rngs: nnx.Rngs, param_dtype: jnp.dtype,
-                 stddev: float):
+                 stddev: float, chunk_tokens: int = 0):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.impl, self.block_size, self.dense_max_tokens = impl, block_size, dense_max_tokens
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.chunk_tokens = capacity_factor, chunk_tokens
         self.router = normal_param(rngs, (hidden, num_experts), ("embed", None), param_dtype, stddev)
         self.wi = normal_param(rngs, (num_experts, 2, intermediate, hidden),
                                ("expert", None, "mlp", "embed"), param_dtype, stddev)
@@ -87,8 +87,9 @@ class MoE(nnx.Module):
               "capacity": self._capacity}[backend]
         wi, wo = self.wi[...].astype(x.dtype), self.wo[...].astype(x.dtype)
         ids, weights = ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
-        if backend in ("sorted", "ragged") and x.ndim > 2:
-            out = _per_batch_shard(fn, x, ids, weights, wi, wo)
+        if backend in ("sorted", "ragged"):
+            weight_axes = tuple(p.get_metadata()["logical_axes"] for p in (self.wi, self.wo))
+            out = _per_batch_shard(fn, x, ids, weights, wi, wo, weight_axes, self.chunk_tokens)
         else:
             out = _flat(fn, x, ids, weights, wi, wo)
         return out, logits.reshape(*lead, self.num_experts), ids
@@ -157,28 +158,54 @@ class MoE(nnx.Module):
         return jnp.zeros_like(x).at[tokens].add(ys[dest] * (sorted_w * keep)[:, None])
 
 
-def _flat(fn, x, ids, weights, wi, wo):
-    """`fn` over all tokens of `x [..., H]` at once."""
+def _flat(fn, x, ids, weights, wi, wo, chunk: int = 0):
+    """`fn` over the tokens of `x [..., H]`: all at once, or `chunk` tokens at a time (a
+    rematerialised `lax.map`, so only one chunk's dispatch buffers are live, forward or backward)."""
     hidden, k = x.shape[-1], ids.shape[-1]
-    out = fn(x.reshape(-1, hidden), ids.reshape(-1, k), weights.reshape(-1, k), wi, wo)
-    return out.reshape(x.shape)
+    x2, ids2, w2 = x.reshape(-1, hidden), ids.reshape(-1, k), weights.reshape(-1, k)
+    n = x2.shape[0]
+    if not chunk or n <= chunk:
+        return fn(x2, ids2, w2, wi, wo).reshape(x.shape)
+    pad = -n % chunk  # padding tokens carry weight 0, so they add nothing
+    blocks = [jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, chunk, a.shape[1]) for a in (x2, ids2, w2)]
+    one = jax.checkpoint(lambda xc, ic, wc: fn(xc, ic, wc, wi, wo))
+    out = jax.lax.map(lambda args: one(*args), tuple(blocks))
+    return out.reshape(-1, hidden)[:n].reshape(x.shape)
 
 
-def _per_batch_shard(fn, x, ids, weights, wi, wo):
+def _per_batch_shard(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0):
     """`_flat` on each batch shard's tokens: `x [B, ..., H]` split over the mesh axes that shard
-    "batch" (and divide B); expert weights enter whole (gathered), their gradients summed."""
+    "batch" (and divide B). Expert weights (logical `weight_axes`) enter in their own sharding and
+    are all-gathered inside, so their gradients leave reduce-scattered, never whole on a chip."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return _flat(fn, x, ids, weights, wi, wo)
+        return _flat(fn, x, ids, weights, wi, wo, chunk)
     axes = sharding.spec_axes(sharding.fitted_spec(("batch",), x.shape[:1], mesh)[0])
     if not axes:
-        return _flat(fn, x, ids, weights, wi, wo)
+        return _flat(fn, x, ids, weights, wi, wo, chunk)
     rows = PartitionSpec(axes)
-    return jax.shard_map(functools.partial(_flat, fn), mesh=mesh, axis_names=set(axes),
-                         in_specs=(rows, rows, rows, PartitionSpec(), PartitionSpec()),
+    # Each weight dimension's manual (batch) mesh axes: split on entry, gathered inside.
+    weight_specs = [PartitionSpec(*(tuple(a for a in sharding.spec_axes(entry) if a in axes)
+                                    or None for entry in sharding.fitted_spec(names, w.shape, mesh)))
+                    for names, w in zip(weight_axes, (wi, wo))]
+
+    def local(x, ids, weights, wi, wo):
+        wi, wo = (_all_gather(w, spec) for w, spec in zip((wi, wo), weight_specs))
+        return _flat(fn, x, ids, weights, wi, wo, chunk)
+
+    return jax.shard_map(local, mesh=mesh, axis_names=set(axes),
+                         in_specs=(rows, rows, rows, *weight_specs),
                          # check_vma off: the expert-block VJP starts its weight gradients
                          # from replicated zeros and adds per-shard terms.
                          out_specs=rows, check_vma=False)(x, ids, weights, wi, wo)
+
+
+def _all_gather(w: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """The whole of `w` from its shards over the (manual) mesh axes named in `spec`."""
+    for dim, entry in enumerate(spec):
+        if entry:
+            w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
+    return w
 
 
 def _block_forward(xb, wi_e, wo_e):

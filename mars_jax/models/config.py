@@ -44,6 +44,7 @@ class Qwen3Config:
     moe_block_size: int = 64        # rows per expert block in the 'sorted' CPU dispatch
     moe_dense_max_tokens: int = 64  # 'auto' on CPU: all-experts fused matmuls up to this many tokens
     capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped
+    moe_chunk_tokens: int = 0       # dropless dispatch this many tokens at a time (0 = all)
     attention_impl: str = "auto"    # 'dense' [T, S] scores | 'flash' blockwise | 'auto': flash
     attention_block: int = 512      # when the queries span more than one block of this size
     remat: bool = False             # recompute each layer's activations in the backward pass

@@ -53,7 +53,8 @@ class DecoderLayer(nnx.Module):
                 config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                 impl=config.moe_impl, block_size=config.moe_block_size,
                 dense_max_tokens=config.moe_dense_max_tokens,
-                capacity_factor=config.capacity_factor, rngs=rngs, param_dtype=pd, stddev=std)
+                capacity_factor=config.capacity_factor, rngs=rngs, param_dtype=pd, stddev=std,
+                chunk_tokens=config.moe_chunk_tokens)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, rngs=rngs, param_dtype=pd,
                            stddev=std)

@@ -63,13 +63,15 @@ class SamplerGenerator:
     A pipeline step mixes short Solver prompts with long Verifier/Corrector prompts. `generate`
     left-pads every row to the batch's prompt bucket, so requests are decoded in one call per
     prompt-length bucket (`sampling.prompt_bucket`): no Solver row pays for a 512-token prefill.
+    `max_rows` caps the rows of one call (a decode's KV cache grows with its rows).
     With several processes a call is a collective: every host's requests are gathered and decoded
     together (same buckets, same calls on every host), and each host gets its own outputs back.
     """
 
     def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
-                 top_k: int, seed: int, record_routing: bool, mesh=None):
+                 top_k: int, seed: int, record_routing: bool, mesh=None, max_rows: int = 0):
         self.model, self.eos, self.seed, self.mesh = model, tuple(eos), seed, mesh
+        self.max_rows = max_rows
         self.kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                            record_routing=record_routing)
         self.calls = 0
@@ -92,8 +94,11 @@ class SamplerGenerator:
         outputs: list[GenerationOutput | None] = [None] * len(requests)
         for bucket in sorted(by_bucket):
             indices = by_bucket[bucket]
-            for index, output in zip(indices, self._decode([requests[i] for i in indices])):
-                outputs[index] = output
+            size = self.max_rows or len(indices)
+            for start in range(0, len(indices), size):
+                chunk = indices[start:start + size]
+                for index, output in zip(chunk, self._decode([requests[i] for i in chunk])):
+                    outputs[index] = output
         return outputs
 
     def _decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
@@ -247,7 +252,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             generator = SamplerGenerator(
                 model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                 top_k=config.rollout.top_k, seed=config.seed * 1_000_003 + step * 1_009,
-                record_routing=config.learner.routing_replay, mesh=mesh)
+                record_routing=config.learner.routing_replay, mesh=mesh,
+                max_rows=config.rollout.max_decode_rows)
             t0 = time.perf_counter()
             with sharding.use_mesh(mesh):
                 rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,

@@ -109,6 +109,16 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, attention_mask: jax.Array, *
     return unchunk(chosen), unchunk(entropy)
 
 
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """The shardings of `optimizer.init(params)` for sharded (or abstract, sharded) `params`:
+    per-parameter moments shard like their parameter, counters and the like are replicated.
+    (A jitted `optimizer.init` without them is free to replicate the moments.)"""
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    return optax.tree_map_params(
+        optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
+        transform_non_params=lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def init_train_state(model: Qwen3, optimizer: optax.GradientTransformation) -> TrainState:
     """Train state over the model's own parameter arrays (no copy)."""
     params = nnx.state(model, nnx.Param)

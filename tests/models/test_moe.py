@@ -9,10 +9,10 @@ from mars_jax import sharding
 from mars_jax.layers.moe import MoE
 
 
-def _moe(impl, capacity_factor=None, block_size=8, norm=True):
+def _moe(impl, capacity_factor=None, block_size=8, norm=True, chunk_tokens=0):
     return MoE(24, 16, 6, 2, norm_topk_prob=norm, impl=impl, block_size=block_size,
                dense_max_tokens=0, capacity_factor=capacity_factor, rngs=nnx.Rngs(0),
-               param_dtype=jnp.float32, stddev=0.1)
+               param_dtype=jnp.float32, stddev=0.1, chunk_tokens=chunk_tokens)
 
 
 def _loss_and_grads(moe, x):
@@ -25,10 +25,11 @@ def _loss_and_grads(moe, x):
 
 @pytest.mark.parametrize("impl", ["sorted", "ragged"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_dropless_matches_dense_reference(impl, norm):
+@pytest.mark.parametrize("chunk", [0, 16])  # 16: 120 tokens in 8 chunks, the last one padded
+def test_dropless_matches_dense_reference(impl, norm, chunk):
     x = jax.random.normal(jax.random.key(1), (3, 40, 24))
     (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense", norm=norm), x)
-    (loss, (gm, gx)) = _loss_and_grads(_moe(impl, norm=norm), x)
+    (loss, (gm, gx)) = _loss_and_grads(_moe(impl, norm=norm, chunk_tokens=chunk), x)
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
     for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
@@ -36,7 +37,8 @@ def test_dropless_matches_dense_reference(impl, norm):
 
 
 @pytest.mark.parametrize("impl", ["sorted", "ragged"])
-def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl):
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl, chunk):
     """On a data x fsdp = 4 x 2 mesh each batch shard sorts its own tokens (shard_map); values and
     gradients (expert weights summed over shards) equal the unsharded dense reference."""
     x = jax.random.normal(jax.random.key(2), (8, 12, 24))
@@ -44,7 +46,7 @@ def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl):
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1, "expert": 1})
     with sharding.use_mesh(mesh):
         xs = jax.device_put(x, sharding.named_sharding(mesh, ("batch", None, None), x.shape))
-        (loss, (gm, gx)) = nnx.jit(_loss_and_grads)(_moe(impl), xs)
+        (loss, (gm, gx)) = nnx.jit(_loss_and_grads)(_moe(impl, chunk_tokens=chunk), xs)
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
     for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):

@@ -33,6 +33,16 @@ def test_moe_backends_match_hf(hf_moe_dir, impl):
     assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4
 
 
+@pytest.mark.parametrize("fixture", ["hf_dense_dir", "hf_moe_dir"])
+def test_flash_attention_matches_hf(fixture, request):
+    """Blockwise attention with 4-token blocks (3 x 3 tiles per row, padding on both sides)."""
+    path = request.getfixturevalue(fixture)
+    ids, mask = hf_fixtures.padded_batch(vocab=96, seed=2)
+    ref = hf_fixtures.hf_logits(path, ids, mask)
+    ours = _ours(path, ids, mask, attention_impl="flash", attention_block=4)
+    assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4
+
+
 def test_bench_preset_matches_hf(tmp_path):
     config = get_preset("bench")
     torch.manual_seed(0)

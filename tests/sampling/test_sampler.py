@@ -19,7 +19,10 @@ def model(hf_moe_dir):
     return from_pretrained(hf_moe_dir)
 
 
-def test_greedy_matches_transformers_generate(model, hf_moe_dir):
+@pytest.mark.parametrize("attention", ["dense", "flash"])
+def test_greedy_matches_transformers_generate(model, hf_moe_dir, attention):
+    if attention == "flash":  # blockwise prefill: 16-token prompt bucket in 4 x 4 tiles
+        model = from_pretrained(hf_moe_dir, attention_impl="flash", attention_block=4)
     ours = generate(model, PROMPTS, max_new_tokens=32, temperature=0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_moe_dir).eval()
     for prompt, tokens, reason in zip(PROMPTS, ours.tokens, ours.finish_reasons):
