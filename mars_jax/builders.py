@@ -18,7 +18,7 @@ def build_mesh(config: ConfigDict) -> jax.sharding.Mesh:
 def model_overrides(config: ConfigDict) -> dict:
     """Run-time model fields set in `config.model` (dtypes, MoE dispatch, attention, remat)."""
     keys = ("dtype", "param_dtype", "moe_impl", "moe_block_size", "moe_dense_max_tokens",
-            "moe_chunk_tokens", "attention_impl", "attention_block", "remat")
+            "moe_chunk_tokens", "attention_impl", "attention_block", "remat", "scan_layers")
     return {k: config.model[k] for k in keys if config.model.get(k) not in (None, "")}
 
 

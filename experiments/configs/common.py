@@ -27,7 +27,8 @@ def base_config() -> ConfigDict:
                               moe_dense_max_tokens=config_dict.placeholder(int),
                               moe_chunk_tokens=config_dict.placeholder(int),
                               attention_impl="", attention_block=config_dict.placeholder(int),
-                              remat=config_dict.placeholder(bool)))
+                              remat=config_dict.placeholder(bool),
+                              scan_layers=config_dict.placeholder(bool)))
 
     c.rollout = ConfigDict(dict(
         mode="pipeline",            # 'pipeline' | 'sequential'

@@ -25,17 +25,16 @@ Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128,
                                   and the decode loop holds a second copy: ~19.3 GB per row
     128 x 8 = 1,024 rows          19.8 TB: more than a v5p-128 (64 chips x 95 GiB = 6.5 TB) holds;
                                   a v5p-512 (256 chips) holds it at 4 rows (77 GB) per chip
-  attention scores, f32 (dense `[T, S]` per head; no flash attention in mars_jax today)
-    prefill, one row, one layer   32 heads x 32,768 x 98,304 x 4 B = 412 GB
-    update, one row (L = 131,072) 32 heads x 131,072^2 x 4 B = 2.2 TB
-  So at these lengths prefill, log-probabilities and update fit no slice until attention is
-  blockwise (splash / flash) and layers are rematerialised.
+  attention: blockwise (flash), never a [T, S] score array; one 512 x 512 tile per kv head
+    group, f32: 4 rows x 4 x 8 x 512 x 512 x 4 B = 134 MB live at a time in prefill
+  update, one 131,072-token row per chip: layer inputs kept for the backward (remat)
+    48 x 131,072 x 2,048 x 2 B = 25.8 GB, plus one layer recomputed; MoE dispatch 16k tokens at a
+    time (16,384 x 8 assignments x 2,048 x 2 B = 0.5 GB per buffer)
 
 AOT result (`aot_compile.py`, libtpu 0.0.42.1, all 48 layers; GiB per chip, HBM 95.74):
-  v5p:8x8x4  prefill  no  (XLA: > 1.55 TiB of temporaries)
-             decode   yes (args 36.2 + temps 40.1 = 76.7; 0.35 TFLOPs per token step)
-             logprobs no  (> 2.02 TiB)      update  no  (> 113.7 GiB)
-  v5p:4x4x4  nothing fits (decode > 291 GiB: 16 rows per chip)
+  v5p:8x8x4  update   yes (57.9: temps 57.0)     logprobs yes (9.3)
+             prefill  yes (60.4: KV cache out 36.0 + temps 22.9)
+             decode   yes (78.1: args 36.2 + temps 41.6; 4 rows per chip)
 """
 import os
 import sys
@@ -71,6 +70,7 @@ def get_config(arg: str | None = None):
     # MoE dispatch of a chip's 131k tokens in chunks of 16k (one chunk's buffers live at a time).
     c.model.attention_impl, c.model.attention_block, c.model.remat = "flash", 512, True
     c.model.moe_chunk_tokens = 16 * 1024
+    c.model.scan_layers = True  # one compiled layer: minutes instead of an hour to compile
     # One FSDP axis over every chip: parameters, optimizer state and the batch are all split.
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, -1, 1, 1
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).

@@ -48,6 +48,7 @@ class Qwen3Config:
     attention_impl: str = "auto"    # 'dense' [T, S] scores | 'flash' blockwise | 'auto': flash
     attention_block: int = 512      # when the queries span more than one block of this size
     remat: bool = False             # recompute each layer's activations in the backward pass
+    scan_layers: bool = False       # run the layers as one lax.scan (compiles one layer)
 
     def __post_init__(self):
         if self.moe_impl not in MOE_IMPLS:

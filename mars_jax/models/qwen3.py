@@ -110,11 +110,16 @@ class Qwen3(nnx.Module):
                 expert_ids: jax.Array | None = None) -> ModelOutput:
         """The decoder stack. `mask` says which keys each query attends to (S = T, or the cache
         length when `cache` is given); `expert_ids [L_moe,B,T,k]` replays recorded routing. With
-        `config.remat` (and no cache) each layer is recomputed in the backward pass."""
+        `config.remat` (and no cache) each layer is recomputed in the backward pass; with
+        `config.scan_layers` (no cache, all layers alike) the layers run as one `lax.scan`."""
         cfg = self.config
         x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
                                ("batch", "length", "act_embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        if cfg.scan_layers and cache is None and len({l.is_moe for l in self.layers}) == 1:
+            x, logits, ids = self._scan_layers(x, cos, sin, mask, expert_ids)
+            return ModelOutput(hidden=self.norm(x), router_logits=logits, expert_ids=ids,
+                               cache=None)
         new_cache, all_logits, all_ids = [], [], []
         moe_index = 0
         for i, layer in enumerate(self.layers):
@@ -135,6 +140,26 @@ class Qwen3(nnx.Module):
             router_logits=jnp.stack(all_logits) if all_logits else None,
             expert_ids=jnp.stack(all_ids) if all_ids else None,
             cache=None if cache is None else tuple(new_cache))
+
+    def _scan_layers(self, x, cos, sin, mask, expert_ids):
+        """All layers as one `lax.scan` over their parameters stacked on a leading axis (the
+        program holds one layer: XLA compiles it once). The stacking is a copy of the layer
+        weights per call; the parameter tree itself stays one module per layer."""
+        graphdef = nnx.graphdef(self.layers[0])
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
+                               *[nnx.state(layer) for layer in self.layers])
+        is_moe = self.layers[0].is_moe
+
+        def body(x, inputs):
+            state, replay = inputs
+            x, _, logits, ids = nnx.merge(graphdef, state)(x, cos, sin, mask, None, 0, replay)
+            return x, (logits, ids) if is_moe else None
+
+        if self.config.remat:
+            body = jax.checkpoint(body)
+        x, routing = jax.lax.scan(body, x, (stacked, expert_ids))
+        logits, ids = routing if is_moe else (None, None)
+        return x, logits, ids
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Output projection of final hidden states (tied or untied), in float32."""
