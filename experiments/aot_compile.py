@@ -180,15 +180,14 @@ def step_shapes(config: ConfigDict) -> Shapes:
     `max_decode_rows`), the longest prompt and output budget, and training rows of prompt +
     output."""
     r = config.rollout
-    decode_batch = r.prompts_per_step * r.group_size
-    if r.get("max_decode_rows"):
-        decode_batch = min(decode_batch, r.max_decode_rows)
+    rows = r.prompts_per_step * r.group_size
+    decode_batch = min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows
     prompt_len = _pow2(r.max_prompt_tokens, sampler.MIN_PROMPT_BUCKET)
     new_tokens = _pow2(max(r.max_new_tokens.values()), sampler.MIN_NEW_BUCKET)
     micro = config.learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
                   segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,
-                  num_micro=_pow2(-(-r.prompts_per_step * r.group_size // micro), 1),
+                  num_micro=_pow2(-(-rows // micro), 1),
                   train_len=_pow2(r.max_prompt_tokens + max(r.max_new_tokens.values()), 32))
 
 

@@ -45,14 +45,19 @@ def _scores(qb, kb, scale):
     return jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
 
 
-def _last_key_block(i, offset, block_q, block_k):
-    """One past the last key block that query block `i` can see."""
-    return jnp.clip((i + 1) * block_q - 1 + offset, -1, None) // block_k + 1
+def _last_key_block(i, offset, block_q, block_k, num_k):
+    """One past the last key block that query block `i` can see (at most `num_k`)."""
+    return jnp.minimum(jnp.clip((i + 1) * block_q - 1 + offset, -1, None) // block_k + 1, num_k)
 
 
-def _first_query_block(j, offset, block_q, block_k):
-    """The first query block that can see key block `j`."""
-    return jnp.maximum((j * block_k - offset) // block_q, 0)
+def _first_query_block(j, offset, block_q, block_k, num_q):
+    """The first query block that can see key block `j` (`num_q` when none can)."""
+    return jnp.clip((j * block_k - offset) // block_q, 0, num_q)
+
+
+def _block(x, index, size, axis=1):
+    """Block `index` (of `size` elements) along `axis` of `x`."""
+    return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
 def _blocks(x, axis, size):
@@ -79,12 +84,9 @@ def _forward(q, k, v, q_seg, kv_seg, offset, scale, block_q, block_k):
 
         def key_block(j, carry):
             m, l, acc = carry
-            k_start = j * block_k
-            kb = jax.lax.dynamic_slice_in_dim(k, k_start, block_k, axis=1)
-            vb = jax.lax.dynamic_slice_in_dim(v, k_start, block_k, axis=1)
-            kv_seg_b = jax.lax.dynamic_slice_in_dim(kv_seg, k_start, block_k, axis=1)
+            kb, vb, kv_seg_b = (_block(x, j, block_k) for x in (k, v, kv_seg))
             s = _scores(qb, kb, scale)
-            s = jnp.where(_tile_mask(q_seg_b, kv_seg_b, offset, i * block_q, k_start), s,
+            s = jnp.where(_tile_mask(q_seg_b, kv_seg_b, offset, i * block_q, j * block_k), s,
                           MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
@@ -97,7 +99,7 @@ def _forward(q, k, v, q_seg, kv_seg, offset, scale, block_q, block_k):
         shape = (b, kv_heads, groups, block_q)
         init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(shape + (d,), jnp.float32))
-        hi = jnp.minimum(_last_key_block(i, offset, block_q, block_k), num_k)
+        hi = _last_key_block(i, offset, block_q, block_k, num_k)
         m, l, acc = jax.lax.fori_loop(0, hi, key_block, init)
         l = jnp.maximum(l, jnp.finfo(jnp.float32).tiny)
         out = jnp.einsum("bkgqd->bqkgd", acc / l[..., None]).astype(q.dtype)
@@ -123,42 +125,37 @@ def _backward(q, k, v, q_seg, kv_seg, offset, out, lse, dout, scale, block_q, bl
         ds = jnp.where(allowed, p * (dp - delta_b[..., None]), 0.0) * scale
         return p, ds
 
-    def q_slice(x, i, axis=1):
-        return jax.lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=axis)
-
-    def k_slice(x, j):
-        return jax.lax.dynamic_slice_in_dim(x, j * block_k, block_k, axis=1)
-
     def key_block(args):
         j, kb, vb, kv_seg_b = args
 
         def query_block(i, carry):
             dk, dv = carry
-            dob = q_slice(dout, i)
-            p, ds = tile(q_slice(q, i), kb, vb, dob, q_slice(lse, i, 3), q_slice(delta, i, 3),
-                         q_slice(q_seg, i), kv_seg_b, i * block_q, j * block_k)
+            qb, dob = _block(q, i, block_q), _block(dout, i, block_q)
+            p, ds = tile(qb, kb, vb, dob, _block(lse, i, block_q, 3),
+                         _block(delta, i, block_q, 3), _block(q_seg, i, block_q), kv_seg_b,
+                         i * block_q, j * block_k)
             dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dout.dtype), dob,
                                  preferred_element_type=jnp.float32)
-            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q_slice(q, i),
+            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), qb,
                                  preferred_element_type=jnp.float32)
             return dk, dv
 
         zeros = jnp.zeros(kb.shape, jnp.float32)
-        lo = _first_query_block(j, offset, block_q, block_k)
-        dk, dv = jax.lax.fori_loop(jnp.minimum(lo, num_q), num_q, query_block, (zeros, zeros))
+        lo = _first_query_block(j, offset, block_q, block_k, num_q)
+        dk, dv = jax.lax.fori_loop(lo, num_q, query_block, (zeros, zeros))
         return dk.astype(k.dtype), dv.astype(v.dtype)
 
     def query_block(args):
         i, qb, dob, lse_b, delta_b, q_seg_b = args
 
         def key_block(j, dq):
-            kb, vb = k_slice(k, j), k_slice(v, j)
-            _, ds = tile(qb, kb, vb, dob, lse_b, delta_b, q_seg_b, k_slice(kv_seg, j),
+            kb, vb = _block(k, j, block_k), _block(v, j, block_k)
+            _, ds = tile(qb, kb, vb, dob, lse_b, delta_b, q_seg_b, _block(kv_seg, j, block_k),
                          i * block_q, j * block_k)
             return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), kb,
                                    preferred_element_type=jnp.float32)
 
-        hi = jnp.minimum(_last_key_block(i, offset, block_q, block_k), num_k)
+        hi = _last_key_block(i, offset, block_q, block_k, num_k)
         dq = jax.lax.fori_loop(0, hi, key_block, jnp.zeros(qb.shape, jnp.float32))
         return dq.astype(q.dtype)
 

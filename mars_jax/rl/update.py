@@ -113,10 +113,11 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) ->
     """The shardings of `optimizer.init(params)` for sharded (or abstract, sharded) `params`:
     per-parameter moments shard like their parameter, counters and the like are replicated.
     (A jitted `optimizer.init` without them is free to replicate the moments.)"""
-    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    replicated = jax.sharding.NamedSharding(jax.tree.leaves(params)[0].sharding.mesh,
+                                            jax.sharding.PartitionSpec())
     return optax.tree_map_params(
         optimizer, lambda _, p: p.sharding, jax.eval_shape(optimizer.init, params), params,
-        transform_non_params=lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        transform_non_params=lambda _: replicated)
 
 
 def init_train_state(model: Qwen3, optimizer: optax.GradientTransformation) -> TrainState:
