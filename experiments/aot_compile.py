@@ -44,7 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding  # noqa: E402
-from mars_jax.layers.attention import KVCache  # noqa: E402
+from mars_jax.layers.attention import (  # noqa: E402
+    KEY_CACHE_AXES, VALUE_CACHE_AXES, KVCache, cache_shapes)
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optimizer,  # noqa: E402
@@ -247,9 +248,10 @@ class StepPrograms:
         """The abstract state `_continue_decode` resumes, sharded by the logical rules."""
         s, mesh, cfg = self.shapes, self.mesh, self.cfg
         b, p, n = s.decode_batch, s.prompt_len, s.new_tokens
-        cache_shape = (b, p + n, cfg.num_key_value_heads, cfg.head_dim)
-        cache_names = ("batch", "cache_length", "act_kv_heads", None)
-        kv = lambda: _sharded(mesh, cache_shape, cfg.compute_dtype, cache_names)
+        key_shape, value_shape = cache_shapes(b, p + n, cfg.num_key_value_heads, cfg.head_dim)
+        layer_cache = lambda: KVCache(
+            _sharded(mesh, key_shape, cfg.compute_dtype, KEY_CACHE_AXES),
+            _sharded(mesh, value_shape, cfg.compute_dtype, VALUE_CACHE_AXES))
         keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
         experts = None
         if self.sampling.record_routing:
@@ -258,7 +260,7 @@ class StepPrograms:
         rows = lambda *tail, dtype=jnp.int32: _sharded(mesh, (b, *tail), dtype,
                                                        ("batch",) + (None,) * len(tail))
         return sampler.DecodeState(
-            cache=tuple(KVCache(kv(), kv()) for _ in range(cfg.num_hidden_layers)),
+            cache=tuple(layer_cache() for _ in range(cfg.num_hidden_layers)),
             next_logits=_sharded(mesh, (b, cfg.vocab_size), jnp.float32, ("batch", "act_vocab")),
             tokens=rows(n), logprobs=rows(n, dtype=jnp.float32), experts=experts,
             step=_scalar(mesh, jnp.int32), lengths=rows(), done=rows(dtype=jnp.bool_),

@@ -21,25 +21,53 @@ from mars_jax.layers.normalization import RMSNorm
 from mars_jax.layers.params import constant_param, normal_param
 
 class KVCache(NamedTuple):
-    """One layer's cache: keys and values `[batch, cache_length, kv_heads, head_dim]`."""
+    """One layer's cache, in the layouts a decode step's two matmuls read as they are: keys
+    transposed, `k [batch, kv_heads, head_dim, length]`, values `v [batch, kv_heads, length,
+    head_dim]`. (A `[batch, length, kv_heads, head_dim]` cache was copied into these layouts by
+    XLA:CPU at every step: 7% of a `bench` decode step.)"""
 
     k: jax.Array
     v: jax.Array
+
+
+KEY_CACHE_AXES = ("batch", "act_kv_heads", None, "cache_length")
+VALUE_CACHE_AXES = ("batch", "act_kv_heads", "cache_length", None)
+
+
+def cache_shapes(batch: int, length: int, kv_heads: int, head_dim: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's key and value cache (see `KVCache`)."""
+    return (batch, kv_heads, head_dim, length), (batch, kv_heads, length, head_dim)
+
+
+def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array | int) -> KVCache:
+    """`cache` with new keys and values `[B, T, K, D]` written at positions index.. index+T."""
+    k = jnp.transpose(k, (0, 2, 3, 1)).astype(cache.k.dtype)
+    v = jnp.swapaxes(v, 1, 2).astype(cache.v.dtype)
+    return KVCache(jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, index)),
+                   jax.lax.dynamic_update_slice(cache.v, v, (0, 0, index, 0)))
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                           scale: float) -> jax.Array:
     """softmax(q k^T * scale) v with GQA. q `[B,T,N,D]`, k/v `[B,S,K,D]`. Masked scores get a
     finite `MASK_VALUE`, so a query with no visible key (left padding) averages instead of NaN."""
+    return _cached_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), mask, scale)
+
+
+def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
+                      scale: float) -> jax.Array:
+    """`dot_product_attention` on keys and values in the cache's layouts (`KVCache`). Both
+    matmuls are plain [rows, D] x [D, S] and [rows, S] x [S, D] products batched over (B, K)."""
     allowed = mask.dense()
     b, t, n, d = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    kv_heads, groups = k.shape[1], n // k.shape[1]
+    q = jnp.transpose(q.reshape(b, t, kv_heads, groups, d), (0, 2, 3, 1, 4))  # [B, K, G, T, D]
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, n, d)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, d)
 
 
 class Attention(nnx.Module):
@@ -82,17 +110,23 @@ class Attention(nnx.Module):
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            start = (0, cache_index, 0, 0)
-            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-                            jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
-            k, v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
         scale = self.head_dim ** -0.5
-        if self.impl == "flash" or (self.impl == "auto" and q.shape[1] > self.block):
-            out = flash_attention(q, k, v, mask, scale, block_q=self.block, block_k=self.block)
+        flash = self.impl == "flash" or (self.impl == "auto" and q.shape[1] > self.block)
+        if cache is None:
+            kernel = flash_attention if flash else dot_product_attention
+            out = kernel(q, k, v, mask, scale, **({"block_q": self.block, "block_k": self.block} if flash else {}))
         else:
-            out = dot_product_attention(q, k, v, mask, scale)
-        out = jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(x.dtype))
+            cache = _write_cache(cache, k, v, cache_index)
+            ck, cv = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
+            if flash:
+                out = flash_attention(q, jnp.transpose(ck, (0, 3, 1, 2)), jnp.swapaxes(cv, 1, 2),
+                                      mask, scale, block_q=self.block, block_k=self.block)
+            else:
+                out = _cached_attention(q, ck, cv, mask, scale)
+        # One [B*T, N*D] x [N*D, H] matmul: an einsum over (n, d) contracts them in (d, n) order,
+        # which made XLA:CPU transpose the whole weight at every decode step.
+        o_proj = self.o_proj[...].astype(x.dtype)
+        out = out.reshape(*out.shape[:2], -1) @ o_proj.reshape(-1, o_proj.shape[-1])
         if self.bias:
             out = out + self.o_bias[...].astype(x.dtype)
         return out, cache

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mars_jax import sharding
-from mars_jax.layers.attention import Attention, KVCache
+from mars_jax.layers.attention import (KEY_CACHE_AXES, VALUE_CACHE_AXES, Attention, KVCache,
+                                        cache_shapes)
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.embeddings import Embed, rope_cos_sin
 from mars_jax.layers.mlp import MLP
@@ -171,13 +172,13 @@ class Qwen3(nnx.Module):
 
     def init_cache(self, batch: int, length: int, dtype: jnp.dtype | None = None
                    ) -> tuple[KVCache, ...]:
-        """Zeroed KV cache: per layer keys and values of `[batch, length, kv_heads, head_dim]`."""
+        """Zeroed KV cache of `length` positions per layer (layouts: `KVCache`)."""
         cfg = self.config
-        shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+        shapes = cache_shapes(batch, length, cfg.num_key_value_heads, cfg.head_dim)
         dtype = dtype or cfg.compute_dtype
-        zeros = lambda: sharding.constrain(jnp.zeros(shape, dtype),
-                                           ("batch", "cache_length", "act_kv_heads", None))
-        return tuple(KVCache(zeros(), zeros()) for _ in self.layers)
+        zeros = lambda shape, names: sharding.constrain(jnp.zeros(shape, dtype), names)
+        return tuple(KVCache(zeros(shapes[0], KEY_CACHE_AXES), zeros(shapes[1], VALUE_CACHE_AXES))
+                     for _ in self.layers)
 
 
 def create_model(config: Qwen3Config, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
