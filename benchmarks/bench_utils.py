@@ -49,6 +49,29 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup:
     return times
 
 
+def xla_matmul_rate(m: int, k: int, n: int, weight_bytes: int = 0, repeats: int = 5) -> float:
+    """FLOP/s of XLA (jitted, float32) `[m, k] @ [k, n]` products, best of `repeats`. With
+    `weight_bytes`, each call multiplies by as many distinct `[k, n]` matrices as fill that many
+    bytes, so the weights stream from memory instead of the cache (as in a decode step)."""
+    import jax
+    import jax.numpy as jnp
+
+    count = max(1, weight_bytes // (k * n * 4))
+    x = jnp.ones((m, k), jnp.float32)
+    w = [jax.random.normal(jax.random.key(i), (k, n), jnp.float32) for i in range(count)]
+    run = jax.jit(lambda x, w: [x @ wi for wi in w])
+    times = time_runs(lambda: jax.block_until_ready(run(x, w)), repeats)
+    return 2 * m * k * n * count / min(times)
+
+
+def torch_matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """FLOP/s of torch's float32 `[m, k] @ [k, n]` (its BLAS, all threads), best of `repeats`."""
+    import torch
+
+    a, b = torch.ones(m, k), torch.ones(k, n)
+    return 2 * m * k * n / min(time_runs(lambda: a @ b, repeats))
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

@@ -26,6 +26,9 @@ memory: bandwidth / bytes-per-step x batch, with the bandwidth measured here (nu
 1 GiB array, single thread and one thread per core, median of 5) and bytes-per-step = every
 parameter except the embedding table (one row per token is gathered), as the CPU decode reads all
 experts.
+The matmul-bound floor is the same with the rate at which XLA's own float32 `[batch, H] @ [H, 8192]`
+products stream uncached weights (measured here), which for small batches is far below the memory
+bandwidth.
 """
 from __future__ import annotations
 
@@ -287,6 +290,16 @@ def main() -> None:
         step = bytes_per_step(config, width)
         print(f"decode floor {name}: {best_bw / 1e9:.1f} GB/s / {step / 1e6:.0f} MB per step x "
               f"batch {args.batch} = {best_bw / step * args.batch:.0f} tokens/s")
+
+    # What XLA:CPU's matmuls allow: the rate at which `[batch, H] @ [H, 8192]` products stream
+    # weights that do not fit the cache (the shapes of a decode step's projections and experts).
+    h = config.hidden_size
+    gemm = bench_utils.xla_matmul_rate(args.batch, h, 8192, weight_bytes=256 << 20)
+    gemm_bytes = 4 * gemm / (2 * args.batch)  # a 4-byte weight is read per 2 x batch FLOPs
+    step = bytes_per_step(config, 4)
+    print(f"XLA float32 [{args.batch}, {h}] @ [{h}, 8192] over 256 MB of weights: "
+          f"{gemm / 1e9:.1f} GFLOP/s = {gemm_bytes / 1e9:.1f} GB/s of weights; matmul-bound "
+          f"float32 floor (all weights once per step): {gemm_bytes / step * args.batch:.0f} tokens/s")
 
     tokens = args.batch * args.new_tokens
     rates = {}

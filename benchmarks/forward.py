@@ -11,6 +11,9 @@ directory and read back by `transformers` and by `mars_jax.models.from_pretraine
               state), torch is `loss.backward()` + `torch.optim.AdamW.step()`.
 Each timed run is one call; engines alternate run by run after a warm-up (compile) call, and the
 median of `--repeats` runs gives tokens/s. `--quick` uses batch 2 and lengths 128 / 64.
+Achieved GFLOP/s = the FLOPs the step must do (`forward_flops`; a train step counts 3x a forward)
+over its time, printed next to the machine's ceiling: the rate of one large float32 matmul in XLA
+and in torch. An engine cannot beat another by more than ceiling / the other's achieved rate.
 """
 from __future__ import annotations
 
@@ -124,14 +127,28 @@ def torch_train_step(model) -> callable:
     return run
 
 
-def report(title: str, tokens: int, times: dict[str, list[float]]) -> dict[str, float]:
-    """Prints per-engine runs, median and tokens/s; returns tokens/s by engine."""
+def forward_flops(config, batch: int, length: int) -> float:
+    """Matmul FLOPs of one causal forward that computes only what it must: q/k/v/o projections,
+    the router and the top-k experts of every token, causal attention scores and values (each
+    query against the keys up to it) and the output projection."""
+    h, heads, kv, d = (config.hidden_size, config.num_attention_heads,
+                       config.num_key_value_heads, config.head_dim)
+    per_token = (h * d * (2 * heads + 2 * kv) + h * config.num_experts
+                 + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size)
+    attention = 2 * heads * d * (length + 1) / 2  # q.k and p.v over the visible keys
+    layers = config.num_hidden_layers * (per_token + attention)
+    return 2 * batch * length * (layers + h * config.vocab_size)
+
+
+def report(title: str, tokens: int, flops: float, times: dict[str, list[float]]
+           ) -> dict[str, float]:
+    """Prints per-engine runs, median, tokens/s and achieved GFLOP/s; returns tokens/s by engine."""
     rates = {}
     for name, runs in times.items():
         med = bench_utils.median(runs)
         rates[name] = tokens / med
         print(f"  {title:10s} {name:9s} median {med:7.3f} s  {rates[name]:8.0f} tokens/s  "
-              f"runs [{', '.join(f'{t:.3f}' for t in runs)}]")
+              f"{flops / med / 1e9:6.1f} GFLOP/s  runs [{', '.join(f'{t:.3f}' for t in runs)}]")
     if {"mars_jax", "torch"} <= set(rates):
         print(f"  {title:10s} ratio mars_jax/torch = {rates['mars_jax'] / rates['torch']:.2f}x")
     return rates
@@ -146,7 +163,8 @@ def bench_forward(args, models, ids_np) -> None:
         diff = np.abs(np.asarray(outputs["mars_jax"]) - outputs["torch"].numpy()).max()
         print(f"  logits max abs diff mars_jax vs torch: {diff:.2e}")
     del outputs
-    report("forward", ids_np.size, bench_utils.time_interleaved(fns, args.repeats, warmup=0))
+    flops = forward_flops(get_preset("bench"), *ids_np.shape)
+    report("forward", ids_np.size, flops, bench_utils.time_interleaved(fns, args.repeats, warmup=0))
 
 
 def bench_train(args, models, ids_np) -> None:
@@ -156,7 +174,9 @@ def bench_train(args, models, ids_np) -> None:
     losses = {name: steps[name](inputs[name]) for name in steps}  # compile + warm-up
     print("  first-step loss: " + ", ".join(f"{n} {v:.6f}" for n, v in losses.items()))
     fns = {name: (lambda s=steps[name], x=inputs[name]: s(x)) for name in steps}
-    report("train step", ids_np.size, bench_utils.time_interleaved(fns, args.repeats, warmup=0))
+    flops = 3 * forward_flops(get_preset("bench"), *ids_np.shape)  # forward + 2x for backward
+    report("train step", ids_np.size, flops,
+           bench_utils.time_interleaved(fns, args.repeats, warmup=0))
 
 
 def main() -> None:
@@ -167,6 +187,10 @@ def main() -> None:
     print(f"versions: {bench_utils.versions_line()}")
     print(f"bench preset, float32; mars_jax {moe_overrides(args)}; torch threads "
           f"{torch.get_num_threads()}")
+    peak = {"mars_jax (XLA)": bench_utils.xla_matmul_rate(4096, 512, 8192),
+            "torch": bench_utils.torch_matmul_rate(4096, 512, 8192)}
+    print("machine matmul ceiling, [4096, 512] @ [512, 8192] float32: " + ", ".join(
+        f"{name} {rate / 1e9:.1f} GFLOP/s" for name, rate in peak.items()))
     rng = np.random.default_rng(args.seed)
     forward_ids = rng.integers(0, config.vocab_size, (args.batch, args.forward_len))
     train_ids = rng.integers(0, config.vocab_size, (args.batch, args.train_len))

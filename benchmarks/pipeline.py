@@ -1,7 +1,7 @@
 r"""Agentic pipeline parallelism vs the sequential mode: samples trained per second, time to the
 first update.
 
-  python benchmarks/pipeline.py [--steps=8] [--seeds=2] [--segment_tokens=32]
+  python benchmarks/pipeline.py [--steps=8] [--seeds=2] [--segment_tokens=32] [--warmup_steps=8]
 
 Both modes run the same tiny Qwen3-MoE policy (real sampler, real GRPO update) on the same `arith`
 problems. Generation lengths are made long-tailed: each rollout gets a target length drawn from a
@@ -9,7 +9,10 @@ log-normal distribution (median 12 tokens, capped at the role's budget) and is s
 it had emitted its stop token, so both modes decode exactly the same lengths. The pipeline decodes
 in segments of `--segment_tokens` (the long tail resumes next step, re-prefilled) and trains each
 step on whatever groups completed; the sequential mode finishes every
-trajectory of its problems before its single update. Prints medians over seeds and the ratio.
+trajectory of its problems before its single update. Prints medians over seeds and the ratio,
+each mode's time split into generation (rollouts, sampler included) and update, the XLA
+compilation within them, and the bound Amdahl's law puts on the ratio on one device: sequential
+time per sample over the pipeline's update time per sample alone.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import hashlib
 import statistics
 import time
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -80,23 +84,39 @@ def run(mode: str, steps: int, seed: int, segment_tokens: int) -> dict:
     problems = ProblemIterator(datasets.load("arith", "train"), seed=seed)
     prompt_of: dict = {}
     trained, first_update, start = 0, None, time.perf_counter()
+    generating = updating = 0.0
+    compiling_before = COMPILE_SECONDS[0]
     for step in range(1, steps + 1):
         version = int(state.step)
         inner = SamplerGenerator(nnx.merge(graphdef, state.params), eos_token_ids(tokenizer),
                                  temperature=1.0, top_p=1.0, top_k=0, seed=seed * 1000 + step,
                                  record_routing=False)
+        began = time.perf_counter()
         out = rollout_step(engine, problems, LongTailGenerator(inner, prompt_of), mode=mode,
                            prompts_per_step=2, step=step, version=version)
         samples = training_samples(out.groups, drop_zero_variance=False, normalize_std=True)
+        generating += time.perf_counter() - began
         if samples:
+            began = time.perf_counter()
             batch = make_batch(samples, micro_batch_size=32, min_length=512)
             state, _ = train_step(state, batch, None, graphdef=graphdef, optimizer=optimizer,
                                   config=UpdateConfig())
             state.step.block_until_ready()
+            updating += time.perf_counter() - began
             trained += len(samples)
             first_update = first_update or time.perf_counter() - start
     elapsed = time.perf_counter() - start
-    return {"samples_per_s": trained / elapsed, "first_update_s": first_update, "trained": trained}
+    return {"samples_per_s": trained / elapsed, "first_update_s": first_update, "trained": trained,
+            "elapsed_s": elapsed, "generate_s": generating, "update_s": updating,
+            "compile_s": COMPILE_SECONDS[0] - compiling_before}
+
+
+COMPILE_SECONDS = [0.0]  # XLA compilation time so far (it falls in both generation and update)
+
+
+def _count_compiles(event: str, seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILE_SECONDS[0] += seconds
 
 
 def main() -> None:
@@ -104,21 +124,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--segment_tokens", type=int, default=32)
+    parser.add_argument("--warmup_steps", type=int, default=8,
+                        help="steps per mode run first (another seed) to compile most shapes")
     args = parser.parse_args()
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
     for mode in ("pipeline", "sequential"):  # warm-up: compile the shapes both modes use
-        run(mode, 2, seed=99, segment_tokens=args.segment_tokens)
+        run(mode, args.warmup_steps, seed=99, segment_tokens=args.segment_tokens)
     results = {mode: [run(mode, args.steps, seed, args.segment_tokens)
                       for seed in range(args.seeds)] for mode in ("pipeline", "sequential")}
     median = lambda mode, key: statistics.median(r[key] for r in results[mode])
     for mode in results:
         print(f"{mode:10s} samples/s {median(mode, 'samples_per_s'):7.2f}   "
               f"first update {median(mode, 'first_update_s'):6.1f} s   "
-              f"trained {median(mode, 'trained'):.0f}")
+              f"trained {median(mode, 'trained'):.0f}   of {median(mode, 'elapsed_s'):.1f} s: "
+              f"generation {median(mode, 'generate_s'):.1f}, update {median(mode, 'update_s'):.1f}"
+              f" (compilation {median(mode, 'compile_s'):.1f} s of those)")
     print(f"pipeline / sequential samples/s: "
           f"{median('pipeline', 'samples_per_s') / median('sequential', 'samples_per_s'):.2f}x; "
           f"time to first update: "
           f"{median('sequential', 'first_update_s') / median('pipeline', 'first_update_s'):.2f}x "
           f"sooner")
+    # On one device generation and update run one after the other. Both modes train the same
+    # samples, so even a pipeline whose generation cost nothing would only save its generation.
+    bound = (median("sequential", "elapsed_s") / median("sequential", "trained")) / (
+        median("pipeline", "update_s") / median("pipeline", "trained"))
+    print(f"bound on one device (pipeline generation free, same update): {bound:.2f}x")
 
 
 if __name__ == "__main__":

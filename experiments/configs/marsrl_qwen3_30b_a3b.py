@@ -22,9 +22,9 @@ Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128,
   gradients (accumulated)         61 GB   => train state ~244 GB: 0.95 GB/chip on 256 chips
   KV cache, bf16, per token       48 layers x 2 x 4 x 128 x 2 B = 98,304 B
     one row, 32k + 64k buckets    98,304 tokens x 98,304 B = 9.7 GB (allocated at full length),
-                                  and the decode loop holds a second copy: ~19.3 GB per row
-    128 x 8 = 1,024 rows          19.8 TB: more than a v5p-128 (64 chips x 95 GiB = 6.5 TB) holds;
-                                  a v5p-512 (256 chips) holds it at 4 rows (77 GB) per chip
+                                  plus ~6 GB of decode-loop temporaries (AOT below): ~15.7 GB
+    128 x 8 = 1,024 rows          16 TB: more than a v5p-128 (64 chips x 95 GiB = 6.5 TB) holds;
+                                  a v5p-512 (256 chips) holds it at 4 rows (~61 GiB) per chip
   attention: blockwise (flash), never a [T, S] score array; one 512 x 512 tile per kv head
     group, f32: 4 rows x 4 x 8 x 512 x 512 x 4 B = 134 MB live at a time in prefill
   update, one 131,072-token row per chip: layer inputs kept for the backward (remat)
@@ -33,8 +33,8 @@ Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128,
 
 AOT result (`aot_compile.py`, libtpu 0.0.42.1, all 48 layers; GiB per chip, HBM 95.74):
   v5p:8x8x4  update   yes (57.9: temps 57.0)     logprobs yes (9.3)
-             prefill  yes (60.4: KV cache out 36.0 + temps 22.9)
-             decode   yes (78.1: args 36.2 + temps 41.6; 4 rows per chip)
+             prefill  yes (51.9: KV cache out 36.0 + temps 14.5)
+             decode   yes (60.6: args 36.2 + temps 24.0; 4 rows per chip)
 """
 import os
 import sys

@@ -17,8 +17,8 @@ with the mesh and micro-batch of 8 GPUs. Memory arithmetic per GPU (H100: 80 GB,
   attention is blockwise (flash) and the update rematerialises each layer, as on TPU.
 
 AOT result (`--topology=h200:8`, deviceless CUDA plugin, all 48 layers; GiB per GPU of 141):
-  prefill  yes (117.4: KV cache out 36.0 + temps 74.3)     logprobs yes (19.5)
-  decode   yes (75.3: args 43.1 + temps 32.2)              update   yes (90.8)
+  prefill  yes (117.7: KV cache out 36.0 + temps 74.6)     logprobs yes (19.5)
+  decode   yes (92.3: args 43.1 + temps 49.2)              update   yes (90.8)
   (with moe_impl 'ragged': update 275.5 and prefill 209.0 at 40 rows: no.)
 """
 import os
