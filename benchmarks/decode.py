@@ -286,8 +286,8 @@ def main() -> None:
     for n, bw in bandwidth.items():
         print(f"memory read bandwidth ({n} thread{'s' * (n > 1)}): {bw / 1e9:.1f} GB/s")
     best_bw = max(bandwidth.values())
-    for name, width in (("float32", 4), ("bfloat16", 2)):
-        step = bytes_per_step(config, width)
+    step_bytes = {"float32": bytes_per_step(config, 4), "bfloat16": bytes_per_step(config, 2)}
+    for name, step in step_bytes.items():
         print(f"decode floor {name}: {best_bw / 1e9:.1f} GB/s / {step / 1e6:.0f} MB per step x "
               f"batch {args.batch} = {best_bw / step * args.batch:.0f} tokens/s")
 
@@ -296,7 +296,7 @@ def main() -> None:
     h = config.hidden_size
     gemm = bench_utils.xla_matmul_rate(args.batch, h, 8192, weight_bytes=256 << 20)
     gemm_bytes = 4 * gemm / (2 * args.batch)  # a 4-byte weight is read per 2 x batch FLOPs
-    step = bytes_per_step(config, 4)
+    step = step_bytes["float32"]
     print(f"XLA float32 [{args.batch}, {h}] @ [{h}, 8192] over 256 MB of weights: "
           f"{gemm / 1e9:.1f} GFLOP/s = {gemm_bytes / 1e9:.1f} GB/s of weights; matmul-bound "
           f"float32 floor (all weights once per step): {gemm_bytes / step * args.batch:.0f} tokens/s")

@@ -44,8 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding  # noqa: E402
-from mars_jax.layers.attention import (  # noqa: E402
-    KEY_CACHE_AXES, VALUE_CACHE_AXES, KVCache, cache_shapes)
+from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optimizer,  # noqa: E402
@@ -248,10 +247,9 @@ class StepPrograms:
         """The abstract state `_continue_decode` resumes, sharded by the logical rules."""
         s, mesh, cfg = self.shapes, self.mesh, self.cfg
         b, p, n = s.decode_batch, s.prompt_len, s.new_tokens
-        key_shape, value_shape = cache_shapes(b, p + n, cfg.num_key_value_heads, cfg.head_dim)
-        layer_cache = lambda: KVCache(
-            _sharded(mesh, key_shape, cfg.compute_dtype, KEY_CACHE_AXES),
-            _sharded(mesh, value_shape, cfg.compute_dtype, VALUE_CACHE_AXES))
+        layout = cache_layout(b, p + n, cfg.num_key_value_heads, cfg.head_dim)
+        layer_cache = lambda: KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
+                                        for shape, names in layout))
         keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
         experts = None
         if self.sampling.record_routing:

@@ -30,29 +30,31 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-KEY_CACHE_AXES = ("batch", "act_kv_heads", None, "cache_length")
-VALUE_CACHE_AXES = ("batch", "act_kv_heads", "cache_length", None)
+def cache_layout(batch: int, length: int, kv_heads: int, head_dim: int) -> KVCache:
+    """One layer's cache as (shape, logical axes) of its keys and of its values (see `KVCache`)."""
+    return KVCache(
+        k=((batch, kv_heads, head_dim, length), ("batch", "act_kv_heads", None, "cache_length")),
+        v=((batch, kv_heads, length, head_dim), ("batch", "act_kv_heads", "cache_length", None)))
 
 
-def cache_shapes(batch: int, length: int, kv_heads: int, head_dim: int
-                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's key and value cache (see `KVCache`)."""
-    return (batch, kv_heads, head_dim, length), (batch, kv_heads, length, head_dim)
+def _to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values `[B, S, K, D]` in the cache's layouts `[B, K, D, S]` and `[B, K, S, D]`."""
+    return jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
 
 
 def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array | int) -> KVCache:
     """`cache` with new keys and values `[B, T, K, D]` written at positions index.. index+T."""
-    k = jnp.transpose(k, (0, 2, 3, 1)).astype(cache.k.dtype)
-    v = jnp.swapaxes(v, 1, 2).astype(cache.v.dtype)
-    return KVCache(jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, index)),
-                   jax.lax.dynamic_update_slice(cache.v, v, (0, 0, index, 0)))
+    k, v = _to_cache_layout(k, v)
+    return KVCache(
+        jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, index)),
+        jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, index, 0)))
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                           scale: float) -> jax.Array:
     """softmax(q k^T * scale) v with GQA. q `[B,T,N,D]`, k/v `[B,S,K,D]`. Masked scores get a
     finite `MASK_VALUE`, so a query with no visible key (left padding) averages instead of NaN."""
-    return _cached_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2), mask, scale)
+    return _cached_attention(q, *_to_cache_layout(k, v), mask, scale)
 
 
 def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
@@ -111,18 +113,18 @@ class Attention(nnx.Module):
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = self.head_dim ** -0.5
-        flash = self.impl == "flash" or (self.impl == "auto" and q.shape[1] > self.block)
-        if cache is None:
-            kernel = flash_attention if flash else dot_product_attention
-            out = kernel(q, k, v, mask, scale, **({"block_q": self.block, "block_k": self.block} if flash else {}))
-        else:
+        if cache is not None:
             cache = _write_cache(cache, k, v, cache_index)
-            ck, cv = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
-            if flash:
-                out = flash_attention(q, jnp.transpose(ck, (0, 3, 1, 2)), jnp.swapaxes(cv, 1, 2),
-                                      mask, scale, block_q=self.block, block_k=self.block)
-            else:
-                out = _cached_attention(q, ck, cv, mask, scale)
+        if self.impl == "flash" or (self.impl == "auto" and q.shape[1] > self.block):
+            if cache is not None:  # back to [B, S, K, D]
+                k, v = jnp.transpose(cache.k, (0, 3, 1, 2)), jnp.swapaxes(cache.v, 1, 2)
+            out = flash_attention(q, k.astype(x.dtype), v.astype(x.dtype), mask, scale,
+                                  block_q=self.block, block_k=self.block)
+        elif cache is not None:
+            out = _cached_attention(q, cache.k.astype(x.dtype), cache.v.astype(x.dtype), mask,
+                                    scale)
+        else:
+            out = dot_product_attention(q, k, v, mask, scale)
         # One [B*T, N*D] x [N*D, H] matmul: an einsum over (n, d) contracts them in (d, n) order,
         # which made XLA:CPU transpose the whole weight at every decode step.
         o_proj = self.o_proj[...].astype(x.dtype)

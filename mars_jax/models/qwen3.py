@@ -8,8 +8,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mars_jax import sharding
-from mars_jax.layers.attention import (KEY_CACHE_AXES, VALUE_CACHE_AXES, Attention, KVCache,
-                                        cache_shapes)
+from mars_jax.layers.attention import Attention, KVCache, cache_layout
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.embeddings import Embed, rope_cos_sin
 from mars_jax.layers.mlp import MLP
@@ -174,11 +173,10 @@ class Qwen3(nnx.Module):
                    ) -> tuple[KVCache, ...]:
         """Zeroed KV cache of `length` positions per layer (layouts: `KVCache`)."""
         cfg = self.config
-        shapes = cache_shapes(batch, length, cfg.num_key_value_heads, cfg.head_dim)
+        layout = cache_layout(batch, length, cfg.num_key_value_heads, cfg.head_dim)
         dtype = dtype or cfg.compute_dtype
-        zeros = lambda shape, names: sharding.constrain(jnp.zeros(shape, dtype), names)
-        return tuple(KVCache(zeros(shapes[0], KEY_CACHE_AXES), zeros(shapes[1], VALUE_CACHE_AXES))
-                     for _ in self.layers)
+        return tuple(KVCache(*(sharding.constrain(jnp.zeros(shape, dtype), names)
+                               for shape, names in layout)) for _ in self.layers)
 
 
 def create_model(config: Qwen3Config, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
