@@ -8,7 +8,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                (an int field takes int, a float field int or float, a placeholder also None);
   choices      enumerated strings (job, rollout.mode, rollout.selection, ...);
   ranges       counts and sizes that must be positive or at least some minimum;
-  consistency  GRPO group size >= 2, fan_out <= group_size, the mesh fits the devices, the segment
+  consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
+               constant divisor, the mesh fits the devices, the segment
                budget fits every role's max_new_tokens, the job's dataset can be found (manual dir
                or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for eval_system),
                an HTTP evaluation has a server URL and model name.
@@ -27,6 +28,7 @@ from ml_collections import ConfigDict, FieldReference
 
 from mars_jax import sharding
 from mars_jax.agents.prompts import STYLES
+from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES
 from mars_jax.rl.rollout import STAGE_ROLES
@@ -66,6 +68,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.schedule": ("constant", "cosine"),
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.aggregation": AGGREGATIONS,
+    "loss.pi_old": PI_OLD,
     "eval.policy": ("sampler", "http"),
 }
 AT_LEAST: dict[str, float] = {
@@ -76,6 +79,8 @@ AT_LEAST: dict[str, float] = {
     "rollout.max_prompt_tokens": 1,
     "rollout.top_k": 0,
     "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
+    "learner.ppo_epochs": 1, "learner.mini_batches": 1, "loss.max_response_len": 0,
+    "loss.behaviour_weight_cap": 0,
     "optimizer.learning_rate": 0, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0,
     "optimizer.max_grad_norm": 0,
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
@@ -212,6 +217,15 @@ def _sampling(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     if not 0 < r.top_p <= 1:
         yield Problem("rollout.top_p", f"{r.top_p!r} is not in (0, 1]", "set it to 1.0 (off) or "
                       "a fraction like 0.95")
+
+
+@_rule("loss.aggregation", "loss.max_response_len")
+def _sum_norm(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    if config.loss.aggregation == "seq-mean-token-sum-norm" and not config.loss.max_response_len:
+        yield Problem("loss.max_response_len", "0 with loss.aggregation='seq-mean-token-sum-norm', "
+                      "which divides each sequence's token sum by this constant",
+                      "set it to the longest response budget (e.g. the largest "
+                      "rollout.max_new_tokens)")
 
 
 @_rule("mesh")

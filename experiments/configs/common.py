@@ -41,20 +41,28 @@ def base_config() -> ConfigDict:
         staleness_bound=1, max_prompt_tokens=1024,
         temperature=1.0, top_p=1.0, top_k=0, enable_thinking=False,
         prompt_style="full",        # 'full' | 'compact' (tiny models, byte-level tokenizer)
-        drop_zero_variance=False, normalize_std=True))
+        # Zero-variance groups: dropped, or (False) kept in the batch with a zero loss mask.
+        drop_zero_variance=True, normalize_std=True))
 
-    # 0 switches an optional loss term off (clip_c, tis_cap, mastered_mask_prob, ...).
+    # 0 switches an optional loss term off (clip_c, behaviour_weight_cap, mastered_mask_prob, ...).
+    # pi_old: 'sampler' (the sampler's log-probabilities) | 'recompute' (one forward at the start
+    # of the step; the sampler's then weight each token, min(pi_old / pi_sampler, cap)).
+    # aggregation: 'seq-mean-token-mean' (the paper's Eq. 2) | 'token-mean' (DAPO) |
+    # 'seq-mean-token-sum-norm' (divides by max_response_len). kl_estimator 'k3+': k3's value,
+    # the reverse KL's gradient. mask_truncated: outputs that ended by length stay out of the loss.
     c.loss = ConfigDict(dict(clip_low=0.2, clip_high=0.28, clip_c=0.0, kl_coef=0.0,
-                             kl_estimator="k3", aggregation="token-mean", max_response_len=0,
-                             tis_cap=2.0, mastered_mask_prob=0.0, target_entropy=0.0,
+                             kl_estimator="k3+", aggregation="seq-mean-token-mean",
+                             max_response_len=0, pi_old="sampler", behaviour_weight_cap=2.0,
+                             mask_truncated=False, mastered_mask_prob=0.0, target_entropy=0.0,
                              entropy_coef=0.0))
 
     c.optimizer = ConfigDict(dict(learning_rate=1e-6, schedule="constant", warmup_steps=0,
                                   decay_steps=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0))
 
-    c.learner = ConfigDict(dict(micro_batch_size=8, min_length=32, logits_chunk=256,
-                                routing_replay=False))
+    # A step makes ppo_epochs x mini_batches optimizer updates on its samples (mars_jax.rl.learner).
+    c.learner = ConfigDict(dict(ppo_epochs=1, mini_batches=1, micro_batch_size=8, min_length=32,
+                                logits_chunk=256, routing_replay=False))
 
     c.checkpoint = ConfigDict(dict(every_steps=1, keep=3, async_save=True))
 

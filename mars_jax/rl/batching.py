@@ -1,8 +1,9 @@
 """Finished samples -> a padded, micro-batched `TrainBatch` with bucketed shapes.
 
 Lengths round up to powers of two (at least `min_length`) and the number of micro-batches to a
-power of two, so the update program recompiles only when a bucket changes. Padding rows have an
-all-zero loss mask and contribute nothing.
+power of two, so the update program recompiles only when a bucket changes. Padding rows, and
+samples left out of the loss, have an all-zero loss mask: they add nothing to the loss nor to
+its normalisation (`losses.token_weights`).
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from mars_jax.rl.update import TrainBatch
 
 @dataclasses.dataclass(frozen=True)
 class TrainSample:
-    """One response to train on. `expert_ids [L_moe, len(prompt) + len(response), k]` optional."""
+    """One response to train on. `in_loss=False` keeps the row in the batch with a zero loss mask.
+    `expert_ids [L_moe, len(prompt) + len(response), k]` optional (routing replay)."""
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     sampler_logprobs: Sequence[float]
     advantage: float
     expert_ids: np.ndarray | None = None
+    in_loss: bool = True
 
 
 def _pow2(n: int, minimum: int) -> int:
@@ -45,7 +48,7 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
     loss_mask = np.zeros((rows, length), np.float32)
     logprobs = np.zeros((rows, length), np.float32)
     advantages = np.zeros((rows,), np.float32)
-    with_experts = samples[0].expert_ids is not None
+    with_experts = _all_or_none(samples, "expert_ids")
     experts = None
     if with_experts:
         layers, _, k = samples[0].expert_ids.shape
@@ -56,7 +59,7 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
             raise ValueError(f"sample {i}: {len(s.sampler_logprobs)} logprobs for {r} tokens")
         tokens[i, :p + r] = list(s.prompt_ids) + list(s.response_ids)
         attention[i, :p + r] = 1
-        loss_mask[i, p:p + r] = 1
+        loss_mask[i, p:p + r] = float(s.in_loss)
         logprobs[i, p:p + r] = s.sampler_logprobs
         advantages[i] = s.advantage
         if with_experts:
@@ -68,6 +71,15 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
         advantages=split(advantages), sampler_logprobs=split(logprobs),
         expert_ids=None if experts is None else
         experts.reshape(experts.shape[0], num_micro, micro_batch_size, length, -1).swapaxes(0, 1))
+
+
+def _all_or_none(samples: Sequence[TrainSample], field: str) -> bool:
+    """Whether every sample has `field` (True) or none has (False); a mix is an error."""
+    missing = [i for i, s in enumerate(samples) if getattr(s, field) is None]
+    if missing and len(missing) < len(samples):
+        raise ValueError(f"make_batch: samples {missing[:8]} have no {field} while others do "
+                         f"({len(missing)} of {len(samples)}); every sample of a batch needs it")
+    return not missing
 
 
 def empty_batch(*, micro_batch_size: int, length: int,

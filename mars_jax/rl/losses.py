@@ -1,10 +1,22 @@
-"""Pure, jittable policy-loss functions for the MarsRL GRPO-style update.
+"""Pure, jittable policy-loss functions for the MarsRL GRPO update (the paper's Eq. 2).
 
 All per-token arrays are ``[B, T]`` (batch, response position) and ``mask`` is a
 0/1 array of the same shape marking response tokens. ``policy_loss`` is the
 entry point; pass ``config`` as a static argument, e.g.
 ``jax.jit(policy_loss, static_argnames="config")`` (``LossConfig`` is frozen,
 hence hashable).
+
+Normalisation: the loss is ``sum(token_weights * per_token_loss)``. ``token_weights``
+builds the weights of one aggregation over a whole mini-batch; an update that splits
+the mini-batch into micro-batches passes each micro-batch its slice of those weights,
+so the summed gradient is that of the whole mini-batch's loss, whatever the
+micro-batch size or padding.
+
+Policies: ``old_logprobs`` is pi_old, fixed for the whole RL step (the ratio's
+denominator, the centre of the clip). With the decoupled objective (AReaL) pi_old
+is the proximal policy recomputed at the start of the step and
+``behaviour_logprobs`` those of the sampler that decoded the tokens; each token is
+then weighted by ``min(pi_prox / pi_behav, behaviour_weight_cap)``.
 
 Reference model: when ``LossConfig.kl_coef == 0`` the KL term is not built and
 ``ref_logprobs`` may be ``None``, so the caller should skip the reference-model
@@ -19,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Log-ratios are clamped to this magnitude before ``exp`` for numerical safety.
@@ -32,11 +44,13 @@ class LossConfig:
 
     clip_low / clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
     clip_c: dual-clip constant (> 1) bounding the loss of negative advantages.
-    kl_coef / kl_estimator: beta and estimator of the KL to the reference model.
-    aggregation: one of ``AGGREGATIONS``.
-    max_response_len: constant divisor of ``seq-mean-token-sum-norm``
-        (defaults to the padded length ``T`` of the batch).
-    tis_cap: truncated-importance-sampling cap; ``None`` disables TIS.
+    kl_coef / kl_estimator: beta and estimator of the KL to the reference model
+        (see ``kl_penalty`` for the gradient each one gives).
+    aggregation: one of ``AGGREGATIONS`` (see ``token_weights``).
+    max_response_len: the constant divisor of ``seq-mean-token-sum-norm`` (required there).
+    behaviour_weight_cap: cap of the decoupled objective's behaviour weight
+        ``min(pi_old / pi_behav, cap)``; applies when ``behaviour_logprobs`` are given
+        (``loss.pi_old = 'recompute'``); ``None`` disables the weight.
     mastered_mask_prob: probability threshold tau of the mastered-token mask;
         ``None`` disables it.
     target_entropy: the mastered-token mask is active only while the batch
@@ -51,7 +65,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     aggregation: str = "token-mean"
     max_response_len: int | None = None
-    tis_cap: float | None = None
+    behaviour_weight_cap: float | None = None
     mastered_mask_prob: float | None = None
     target_entropy: float | None = None
     entropy_coef: float = 0.0
@@ -69,8 +83,10 @@ class LossConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.max_response_len is not None and self.max_response_len <= 0:
             raise ValueError(f"max_response_len must be > 0, got {self.max_response_len}")
-        if self.tis_cap is not None and self.tis_cap <= 0.0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.aggregation == "seq-mean-token-sum-norm" and self.max_response_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_len (a constant divisor)")
+        if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 0.0:
+            raise ValueError(f"behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
         if self.mastered_mask_prob is not None and not 0.0 < self.mastered_mask_prob < 1.0:
             raise ValueError(f"mastered_mask_prob must be in (0, 1), got {self.mastered_mask_prob}")
 
@@ -141,9 +157,16 @@ def clipped_surrogate(
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
-    With ``log_r = ref_logprobs - logprobs``: ``k1 = -log_r``,
-    ``k2 = log_r**2 / 2``, ``k3 = exp(log_r) - 1 - log_r`` (Schulman's unbiased,
-    low-variance, non-negative estimator).
+    With ``log_r = ref_logprobs - logprobs``: ``k1 = -log_r``, ``k2 = log_r**2 / 2``,
+    ``k3 = exp(log_r) - 1 - log_r`` (Schulman's unbiased, low-variance, non-negative
+    estimator of the value). As a loss term differentiated through ``logprobs``, on
+    tokens sampled from pi, their expected gradients differ:
+
+    * k1: zero (``E_pi[grad log pi] = 0``); it penalises nothing on-policy.
+    * k2: the gradient of the reverse KL(pi || pi_ref).
+    * k3: the gradient of the forward KL(pi_ref || pi).
+    * k3+: the value of k3 with the gradient of k2 (straight-through; verl's
+      ``low_var_kl+``): a low-variance value and the reverse KL's gradient.
     """
     log_r = _log_ratio(ref_logprobs, logprobs)
     if estimator == "k1":
@@ -152,38 +175,49 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
         return 0.5 * jnp.square(log_r)
     if estimator == "k3":
         return jnp.expm1(log_r) - log_r
+    if estimator == "k3+":
+        k2 = 0.5 * jnp.square(log_r)
+        return jax.lax.stop_gradient(jnp.expm1(log_r) - log_r - k2) + k2
     raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def token_weights(mask: jax.Array, mode: str, max_response_len: int | None = None) -> jax.Array:
+    """Per-token weights (same shape as ``mask``, ``[..., T]``, leading axes = rows) of one
+    aggregation over every row of ``mask``; the loss is ``sum(weights * per_token)``.
+
+    token-mean: ``1 / (response tokens of all rows)``.
+    seq-mean-token-mean (the paper's Eq. 2): ``1 / (|o_i| * non-empty rows)``: each
+        sequence's token mean, averaged over sequences.
+    seq-mean-token-sum-norm (Dr.GRPO): ``1 / (max_response_len * non-empty rows)``.
+    Rows whose mask is all zero (padding, filtered samples) get weight 0 and are not
+    counted in any denominator.
+    """
+    mask = mask.astype(jnp.promote_types(mask.dtype, jnp.float32))
+    lengths = jnp.sum(mask, axis=-1, keepdims=True)
+    rows = jnp.maximum(jnp.sum(lengths > 0), 1).astype(mask.dtype)
+    if mode == "token-mean":
+        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    if mode == "seq-mean-token-mean":
+        return mask / (jnp.maximum(lengths, 1.0) * rows)
+    if mode == "seq-mean-token-sum-norm":
+        if max_response_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_len")
+        return mask / (max_response_len * rows)
+    raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
 
 
 def aggregate_loss(
     per_token: jax.Array, mask: jax.Array, mode: str, max_response_len: int | None = None
 ) -> jax.Array:
-    """Reduce a ``[B, T]`` per-token loss to a scalar.
-
-    token-mean: sum over all response tokens / number of response tokens.
-    seq-mean-token-mean: per-sequence token mean, averaged over non-empty sequences.
-    seq-mean-token-sum-norm (Dr.GRPO): per-sequence token sum / ``max_response_len``
-        (default ``T``), averaged over all ``B`` sequences, i.e. a constant divisor.
-    """
-    if mode == "token-mean":
-        return masked_mean(per_token, mask)
-    if mode == "seq-mean-token-mean":
-        lengths = jnp.sum(mask, axis=-1)
-        seq_means = jnp.sum(per_token * mask, axis=-1) / jnp.maximum(lengths, 1.0)
-        return masked_mean(seq_means, (lengths > 0).astype(per_token.dtype))
-    if mode == "seq-mean-token-sum-norm":
-        norm = per_token.shape[-1] if max_response_len is None else max_response_len
-        return jnp.sum(per_token * mask) / (per_token.shape[0] * norm)
-    raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
+    """A ``[B, T]`` per-token loss reduced to a scalar in one piece (``token_weights``)."""
+    return jnp.sum(per_token * token_weights(mask, mode, max_response_len))
 
 
-def tis_weights(old_logprobs: jax.Array, sampler_logprobs: jax.Array, cap: float) -> jax.Array:
-    """Truncated importance weights ``min(exp(old - sampler), cap)``, gradient-free.
-
-    Corrects the mismatch between the sampler (inference engine) and the trainer's
-    logprobs of the same behaviour policy; multiplies the per-token policy loss.
-    """
-    weights = jnp.minimum(jnp.exp(_log_ratio(old_logprobs, sampler_logprobs)), cap)
+def behaviour_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array,
+                      cap: float) -> jax.Array:
+    """The decoupled objective's ``min(exp(old - behaviour), cap)``, gradient-free: corrects
+    for tokens decoded by a policy (the sampler, possibly versions ago) other than pi_old."""
+    weights = jnp.minimum(jnp.exp(_log_ratio(old_logprobs, behaviour_logprobs)), cap)
     return jax.lax.stop_gradient(weights)
 
 
@@ -214,21 +248,6 @@ def mastered_token_mask(
     return new_mask, masked_mean(mastered.astype(mask.dtype), mask)
 
 
-def token_entropy(logits: jax.Array) -> jax.Array:
-    """Entropy ``[...]`` of the softmax over the last axis of ``logits`` ``[..., V]``.
-
-    Uses ``H = sum(p * (lse - z))`` with ``p = exp(z - lse)`` (non-negative terms,
-    no cancellation), in at least float32. Under ``jit`` the elementwise work is
-    fused into the two vocabulary reductions, so for float32 logits no
-    ``[B, T, V]`` temporary is materialised (checked on XLA:CPU). Caveats: the
-    CPU backend has no native bfloat16 arithmetic and adds one float32 copy of
-    bfloat16 logits; a backward pass (``entropy_coef > 0``) needs the softmax.
-    """
-    z = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    neg_logp = jax.nn.logsumexp(z, axis=-1, keepdims=True) - z
-    return jnp.sum(jnp.exp(-neg_logp) * neg_logp, axis=-1)
-
-
 def policy_loss(
     logprobs: jax.Array,
     old_logprobs: jax.Array,
@@ -236,35 +255,39 @@ def policy_loss(
     mask: jax.Array,
     config: LossConfig,
     *,
+    weights: jax.Array | None = None,
     ref_logprobs: jax.Array | None = None,
-    sampler_logprobs: jax.Array | None = None,
+    behaviour_logprobs: jax.Array | None = None,
     entropy: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Total loss ``agg(tis * pg + kl_coef * kl - entropy_coef * entropy)`` and metrics.
+    """Loss ``sum(weights * (bw * pg + kl_coef * kl - entropy_coef * entropy))`` and metrics.
 
     logprobs: current policy logprobs of the response tokens (differentiated).
-    old_logprobs: trainer logprobs at rollout time (behaviour policy).
+    old_logprobs: pi_old, fixed for the RL step (the sampler's, or recomputed).
     advantages: ``[B]`` or ``[B, T]``; positive-advantage samples (reward 1 under
         0/1 rewards) are the "positive" samples of the mastered-token mask.
+    weights: per-token weights of ``config.aggregation`` over the whole mini-batch
+        (``token_weights``); default: those of this batch alone.
     ref_logprobs: reference-model logprobs, required iff ``config.kl_coef > 0``.
-    sampler_logprobs: inference-engine logprobs, required iff ``config.tis_cap``.
-    entropy: per-token entropy (e.g. ``token_entropy(logits)``), required iff
-        ``config.needs_entropy``; otherwise optional and only reported.
+    behaviour_logprobs: the sampler's logprobs when they are not pi_old (decoupled
+        objective); with ``config.behaviour_weight_cap`` they give ``bw``, else ``bw = 1``.
+    entropy: per-token entropy, required iff ``config.needs_entropy``; otherwise
+        optional and only reported.
 
-    The mastered-token mask (if enabled) removes tokens from every loss term;
-    metrics are averaged over the original ``mask``. Metric keys: ``loss``,
-    ``pg_loss``, ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``,
-    ``ratio_mean``, ``approx_kl`` (k3 estimate of KL(old || new)) and
-    ``masked_frac``, plus ``kl`` when ``kl_coef > 0``, ``tis_weight_mean`` with
-    TIS, and ``entropy`` when ``entropy`` is given.
+    The mastered-token mask (if enabled) zeroes the weight of its tokens in every loss
+    term; metrics are means over ``mask``. Metric keys: ``loss``, ``pg_loss``,
+    ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``,
+    ``approx_kl`` (k3 estimate of KL(old || new)) and ``masked_frac``, plus ``kl`` when
+    ``kl_coef > 0``, ``behaviour_weight_mean`` with behaviour weights, and ``entropy``
+    when ``entropy`` is given.
     """
     if config.needs_ref_logprobs and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_coef > 0")
-    if config.tis_cap is not None and sampler_logprobs is None:
-        raise ValueError("sampler_logprobs is required when tis_cap is set")
     if config.needs_entropy and entropy is None:
         raise ValueError("entropy is required when entropy_coef > 0 or target_entropy is set")
     mask = mask.astype(logprobs.dtype)
+    if weights is None:
+        weights = token_weights(mask, config.aggregation, config.max_response_len)
     metrics: dict[str, jax.Array] = {}
 
     sur = clipped_surrogate(
@@ -272,10 +295,10 @@ def policy_loss(
         clip_low=config.clip_low, clip_high=config.clip_high, clip_c=config.clip_c,
     )
     per_token = sur.loss
-    if config.tis_cap is not None:
-        weights = tis_weights(old_logprobs, sampler_logprobs, config.tis_cap)
-        per_token = per_token * weights
-        metrics["tis_weight_mean"] = masked_mean(weights, mask)
+    if behaviour_logprobs is not None and config.behaviour_weight_cap is not None:
+        bw = behaviour_weights(old_logprobs, behaviour_logprobs, config.behaviour_weight_cap)
+        per_token = per_token * bw
+        metrics["behaviour_weight_mean"] = masked_mean(bw, mask)
     pg_per_token = per_token
 
     if config.needs_ref_logprobs:
@@ -289,20 +312,19 @@ def policy_loss(
         if config.entropy_coef > 0.0:
             per_token = per_token - config.entropy_coef * entropy
 
-    loss_mask = mask
     masked_frac = jnp.zeros((), logprobs.dtype)
     if config.mastered_mask_prob is not None:
-        loss_mask, masked_frac = mastered_token_mask(
+        kept, masked_frac = mastered_token_mask(
             logprobs, mask, advantages > 0, config.mastered_mask_prob,
             batch_entropy, config.target_entropy,
         )
-
-    loss = aggregate_loss(per_token, loss_mask, config.aggregation, config.max_response_len)
+        weights = weights * kept
     stats = jax.lax.stop_gradient
+    loss = jnp.sum(per_token * weights)
     log_ratio = stats(_log_ratio(logprobs, old_logprobs))
     metrics.update(
         loss=stats(loss),
-        pg_loss=stats(aggregate_loss(pg_per_token, loss_mask, config.aggregation, config.max_response_len)),
+        pg_loss=stats(jnp.sum(pg_per_token * weights)),
         clip_frac_low=masked_mean(sur.clipped_low.astype(mask.dtype), mask),
         clip_frac_high=masked_mean(sur.clipped_high.astype(mask.dtype), mask),
         dual_clip_frac=masked_mean(sur.dual_clipped.astype(mask.dtype), mask),

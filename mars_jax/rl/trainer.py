@@ -2,7 +2,9 @@
 
 Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the current
 parameters, train on the groups that completed, write metrics, checkpoint. Sampler and update
-share the same parameter arrays; the policy version is the number of applied updates.
+share the same parameter arrays; the policy version is the number of steps whose update changed
+the parameters (a step makes `learner.ppo_epochs * learner.mini_batches` optimizer updates,
+`mars_jax.rl.learner`).
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
@@ -34,12 +36,12 @@ from mars_jax.metrics import MetricsWriter
 from mars_jax.rewards.agent_rewards import parse_verdict
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
+from mars_jax.rl.learner import LearnerConfig, ppo_update, summarize_updates
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import rollout_step, trainable
 from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
                                  RolloutConfig, Rollout)
-from mars_jax.rl.update import (TrainBatch, UpdateConfig, init_train_state, make_optimizer,
-                                train_step)
+from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer
 from mars_jax.sampling import generate, prompt_bucket
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
@@ -123,11 +125,22 @@ def rollout_config(config: ConfigDict) -> RolloutConfig:
         enable_thinking=r.enable_thinking, prompt_style=r.prompt_style)
 
 
+# Fields of config.loss that are not `LossConfig` fields (they act outside the loss function).
+_LOSS_OUTSIDE = ("pi_old", "mask_truncated")
+_OPTIONAL_LOSS = ("clip_c", "behaviour_weight_cap", "mastered_mask_prob", "target_entropy",
+                  "max_response_len")
+
+
 def loss_config(config: ConfigDict) -> LossConfig:
-    fields = {k: (None if v in ("", 0) and k in ("clip_c", "tis_cap", "mastered_mask_prob",
-                                                   "target_entropy", "max_response_len") else v)
-              for k, v in config.loss.items()}
+    """config.loss as a `LossConfig`; 0 (or '') switches an optional term off (None)."""
+    fields = {k: (None if v in ("", 0) and k in _OPTIONAL_LOSS else v)
+              for k, v in config.loss.items() if k not in _LOSS_OUTSIDE}
     return LossConfig(**fields)
+
+
+def learner_config(config: ConfigDict) -> LearnerConfig:
+    return LearnerConfig(ppo_epochs=config.learner.ppo_epochs,
+                         mini_batches=config.learner.mini_batches, pi_old=config.loss.pi_old)
 
 
 def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
@@ -147,17 +160,24 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
 
 
 def training_samples(groups: Sequence[list[Rollout]], *, drop_zero_variance: bool,
-                     normalize_std: bool) -> list[TrainSample]:
-    """GRPO advantages within each (problem, role, parent) group, then one TrainSample each."""
+                     normalize_std: bool, mask_truncated: bool = False) -> list[TrainSample]:
+    """GRPO advantages within each (problem, role, parent) group, then one TrainSample each.
+
+    Samples of zero-variance groups (advantage 0) are dropped, or with `drop_zero_variance=False`
+    kept with a zero loss mask (same gradient, fixed batch shapes); either way they add nothing
+    to the loss's normalisation. With `mask_truncated` an output that ended by length is left
+    out of the batch (DAPO's overlong filtering) after it took part in its group's advantages."""
     if not groups:
         return []
     members = [r for g in groups for r in g]
     ids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     result = group_advantages_np(np.array([r.reward for r in members], np.float32), ids,
                                  normalize_std=normalize_std)
-    return [TrainSample(r.prompt_ids, r.response_ids, r.logprobs, float(a), r.expert_ids)
+    return [TrainSample(r.prompt_ids, r.response_ids, r.logprobs, float(a), r.expert_ids,
+                        in_loss=not zero)
             for r, a, zero in zip(members, result.advantages, result.zero_variance)
-            if not (drop_zero_variance and zero)]
+            if not (drop_zero_variance and zero)
+            and not (mask_truncated and r.finish_reason == "length")]
 
 
 def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_config,
@@ -229,7 +249,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     engine = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed, encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save)
-    start, nonfinite_streak = 0, 0
+    learner = learner_config(config)
+    start, nonfinite_streak, version = 0, 0, 0
     restored = checkpointer.restore_latest(state)
     if restored is not None:
         start, state, saved = restored
@@ -237,6 +258,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
         problems.set_state(meta["data"])
         engine.load_state_dict(meta["rollouts"])
         nonfinite_streak = meta["nonfinite_streak"]
+        version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
         logging.info("resumed from step %d", start)
     # Rollout metrics are this host's; host 0 writes workdir/metrics.jsonl, host i workdir/host{i}/.
     host = jax.process_index()
@@ -247,7 +269,6 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
-            version = int(state.step)
             model = nnx.merge(graphdef, state.params)
             generator = SamplerGenerator(
                 model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
@@ -263,7 +284,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             t1 = time.perf_counter()
             groups = trainable(rollouts.groups, config.rollout.roles_trained)
             samples = training_samples(groups, drop_zero_variance=config.rollout.drop_zero_variance,
-                                       normalize_std=config.rollout.normalize_std)
+                                       normalize_std=config.rollout.normalize_std,
+                                       mask_truncated=config.loss.mask_truncated)
             metrics = role_metrics(rollouts.groups)
             metrics.update({
                 "tokens_per_second": rollouts.generated_tokens / max(t1 - t0, 1e-9),
@@ -278,11 +300,16 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             for stage in range(5):
                 metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
             if distributed.any_process(bool(samples)):
-                batch = _global_batch(samples, config, model.config, mesh)
                 with sharding.use_mesh(mesh):
-                    state, update_metrics = train_step(state, batch, ref_params, graphdef=graphdef,
-                                                       optimizer=optimizer, config=update_config)
-                metrics.update({f"update/{k}": float(v) for k, v in update_metrics.items()})
+                    state, history = ppo_update(
+                        state, samples,
+                        build_batch=lambda part: _global_batch(part, config, model.config, mesh),
+                        ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
+                        update_config=update_config, learner=learner,
+                        rng=np.random.default_rng([config.seed, step]))
+                update_metrics = summarize_updates(history)
+                metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
+                version += int(update_metrics["optimizer_steps"] > 0)
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
                 if not finite:
@@ -290,7 +317,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                                     "row)", step, nonfinite_streak)
             metrics["update/nonfinite_streak"] = nonfinite_streak
             metrics["time/update"] = time.perf_counter() - t1
-            metrics["policy_version"] = int(state.step)
+            metrics["policy_version"] = version
             writer.write(step, metrics)
             bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/solver", "reward/verifier")
                              if np.isfinite(metrics[k])})
@@ -302,7 +329,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                                           or step == config.total_steps or preempted):
                 checkpointer.save(step, state, distributed.gather_process_meta({
                     "data": problems.get_state(), "rollouts": engine.state_dict(),
-                    "nonfinite_streak": nonfinite_streak}))
+                    "nonfinite_streak": nonfinite_streak, "policy_version": version}))
             if preempted and step < config.total_steps:
                 checkpointer.wait()
                 raise Preempted(f"SIGTERM at step {step}; " + (

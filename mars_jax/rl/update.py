@@ -1,11 +1,12 @@
-"""The policy update: one jitted, sharded step with gradient accumulation over micro-batches.
+"""The policy update: one jitted, sharded optimizer step over a mini-batch, with gradient
+accumulation over its micro-batches, and the forward-only log-probabilities of pi_old.
 
-Log-probabilities are recomputed by the trainer on the same parameter arrays the sampler used,
-at the sampling temperature (`log_softmax(logits / T)`, the sampler's convention). With one
-optimizer step per rollout batch the behaviour policy *is* the current parameters, so
-`old_logprobs = stop_gradient(logprobs)`; the sampler's own log-probabilities enter only through
-truncated importance sampling (`LossConfig.tis_cap`), correcting sampler/trainer mismatch and
-the staleness of segments resumed across policy versions.
+Log-probabilities are computed at the sampling temperature (`log_softmax(logits / T)`, the
+sampler's convention). The ratio's denominator is `TrainBatch.old_logprobs` (pi_old, fixed for
+the RL step: the sampler's, or `policy_logprobs` under the parameters at the start of the step);
+when it is absent the sampler's log-probabilities are pi_old. The loss of a mini-batch is one
+aggregation over all its rows and tokens (`losses.token_weights` over the whole `[M, b, L]`
+batch): the gradient does not depend on the micro-batch size nor on padding micro-batches.
 
 Logits are formed chunk by chunk along the sequence under `jax.checkpoint`, so no
 `[batch, length, vocab]` array is ever materialised, forward or backward.
@@ -24,7 +25,7 @@ from flax import nnx, struct
 
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3, positions_from_mask
-from mars_jax.rl.losses import LossConfig, policy_loss
+from mars_jax.rl.losses import LossConfig, policy_loss, token_weights
 
 
 @struct.dataclass
@@ -36,7 +37,8 @@ class TrainBatch:
     attention_mask: jax.Array    # [M, b, L] 1 on real tokens
     loss_mask: jax.Array         # [M, b, L] 1 on response tokens
     advantages: jax.Array        # [M, b]
-    sampler_logprobs: jax.Array  # [M, b, L]
+    sampler_logprobs: jax.Array  # [M, b, L] the behaviour policy (the sampler's)
+    old_logprobs: jax.Array | None = None  # [M, b, L] pi_old when not the sampler's
     expert_ids: jax.Array | None = None  # [M, L_moe, b, L, k] routing replay
 
 
@@ -126,29 +128,52 @@ def init_train_state(model: Qwen3, optimizer: optax.GradientTransformation) -> T
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
 
 
-def _micro_loss(params, graphdef, batch: TrainBatch, ref_params, config: UpdateConfig):
+def _micro_loss(params, graphdef, micro: TrainBatch, weights: jax.Array, ref_params,
+                config: UpdateConfig):
     model = nnx.merge(graphdef, params)
-    replay = batch.expert_ids if config.routing_replay else None
-    logprobs, entropy = token_logprobs(model, batch.tokens, batch.attention_mask,
+    replay = micro.expert_ids if config.routing_replay else None
+    logprobs, entropy = token_logprobs(model, micro.tokens, micro.attention_mask,
                                        temperature=config.temperature, chunk=config.logits_chunk,
                                        expert_ids=replay)
     ref_logprobs = None
     if config.loss.needs_ref_logprobs:
         ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref_params))
-        ref_logprobs, _ = token_logprobs(ref_model, batch.tokens, batch.attention_mask,
+        ref_logprobs, _ = token_logprobs(ref_model, micro.tokens, micro.attention_mask,
                                          temperature=config.temperature,
                                          chunk=config.logits_chunk, expert_ids=replay)
-    mask = batch.loss_mask.astype(jnp.float32)
+    mask = micro.loss_mask.astype(jnp.float32)
+    decoupled = micro.old_logprobs is not None
+    old = micro.old_logprobs if decoupled else micro.sampler_logprobs
     loss, metrics = policy_loss(
-        logprobs, jax.lax.stop_gradient(logprobs), batch.advantages, mask, config.loss,
-        ref_logprobs=ref_logprobs,
-        sampler_logprobs=batch.sampler_logprobs if config.loss.tis_cap else None,
+        logprobs, old, micro.advantages, mask, config.loss, weights=weights,
+        ref_logprobs=ref_logprobs, behaviour_logprobs=micro.sampler_logprobs if decoupled else None,
         entropy=entropy if config.loss.needs_entropy else jax.lax.stop_gradient(entropy))
     metrics = dict(metrics, tokens=jnp.sum(mask))
-    metrics.setdefault("entropy", jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0))
-    metrics["sampler_logprob_diff"] = (jnp.sum(jnp.abs(batch.sampler_logprobs - logprobs) * mask)
+    metrics["sampler_logprob_diff"] = (jnp.sum(jnp.abs(micro.sampler_logprobs - logprobs) * mask)
                                        / jnp.maximum(jnp.sum(mask), 1.0))
     return loss, metrics
+
+
+def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
+                    config: UpdateConfig) -> tuple[Any, dict[str, jax.Array]]:
+    """Gradient of the whole mini-batch's loss (one aggregation over every row and token of
+    `batch`), accumulated micro-batch by micro-batch; metrics are token-weighted means except
+    `loss` (the mini-batch's loss) and `tokens` (its response tokens)."""
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    weights = token_weights(batch.loss_mask, config.loss.aggregation, config.loss.max_response_len)
+
+    def accumulate(grads, inputs):
+        micro, micro_weights = inputs
+        (loss, metrics), g = grad_fn(params, graphdef, micro, micro_weights, ref_params, config)
+        return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics = jax.lax.scan(accumulate, zeros, (batch, weights))
+    tokens = jnp.maximum(jnp.sum(metrics["tokens"]), 1.0)
+    summary = {k: jnp.sum(v * metrics["tokens"]) / tokens for k, v in metrics.items()
+               if k not in ("tokens", "loss")}
+    summary.update(loss=jnp.sum(metrics["loss"]), tokens=jnp.sum(metrics["tokens"]))
+    return grads, summary
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "config"),
@@ -156,27 +181,34 @@ def _micro_loss(params, graphdef, batch: TrainBatch, ref_params, config: UpdateC
 def train_step(state: TrainState, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, config: UpdateConfig
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update over all micro-batches of `batch` (losses averaged over micro-batches).
-    `ref_params` is only read when the loss has a KL term (pass None otherwise)."""
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
-
-    def accumulate(grads, micro):
-        (loss, metrics), g = grad_fn(state.params, graphdef, micro, ref_params, config)
-        return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
-
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, metrics = jax.lax.scan(accumulate, zeros, batch)
-    num_micro = batch.tokens.shape[0]
-    grads = jax.tree.map(lambda g: g / num_micro, grads)
+    """One optimizer update on the mini-batch `batch` (see `batch_gradients`). `ref_params` is
+    only read when the loss has a KL term (pass None otherwise)."""
+    grads, summary = batch_gradients(state.params, batch, ref_params, graphdef=graphdef,
+                                     config=config)
     grad_norm = optax.global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    finite = (jnp.isfinite(grad_norm) & jnp.all(jnp.isfinite(metrics["loss"]))
+    finite = (jnp.isfinite(grad_norm) & jnp.isfinite(summary["loss"])
               & jnp.isfinite(optax.global_norm(updates)))
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    tokens = jnp.maximum(jnp.sum(metrics["tokens"]), 1.0)
-    summary = {k: jnp.sum(v * metrics["tokens"]) / tokens for k, v in metrics.items() if k != "tokens"}
-    summary.update(grad_norm=grad_norm, finite=finite.astype(jnp.float32), tokens=tokens)
+    summary.update(grad_norm=grad_norm, finite=finite.astype(jnp.float32))
     new_state = TrainState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
                            step=state.step + finite.astype(jnp.int32))
     return new_state, summary
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
+                    config: UpdateConfig) -> jax.Array:
+    """Forward-only `[M, b, L]` log-probabilities of `batch`'s tokens under `params` (pi_old
+    recomputed at the start of a step; verl's `old_log_prob`)."""
+    model = nnx.merge(graphdef, params)
+
+    def one(micro: TrainBatch) -> jax.Array:
+        replay = micro.expert_ids if config.routing_replay else None
+        logprobs, _ = token_logprobs(model, micro.tokens, micro.attention_mask,
+                                     temperature=config.temperature, chunk=config.logits_chunk,
+                                     expert_ids=replay)
+        return logprobs * micro.loss_mask
+
+    return jax.lax.map(one, batch)

@@ -43,23 +43,20 @@ def np_surrogate(new, old, adv, lo, hi, c=None):
 
 def np_kl(new, ref, kind):
     d = new - ref  # log p - log p_ref
-    return {"k1": d, "k2": 0.5 * d**2, "k3": np.exp(-d) + d - 1.0}[kind]
+    k3 = np.exp(-d) + d - 1.0
+    return {"k1": d, "k2": 0.5 * d**2, "k3": k3, "k3+": k3}[kind]
 
 
-def np_aggregate(x, mask, mode, max_len=None):
+def np_aggregate(x, mask, mode, max_len=None, kept=None):
+    """One aggregation of x over mask; `kept` (default mask) zeroes tokens in the numerator only."""
+    kept = mask if kept is None else kept
     if mode == "token-mean":
-        return (x * mask).sum() / mask.sum()
-    rows = [(x[b] * mask[b]).sum() for b in range(len(x))]
+        return (x * kept).sum() / mask.sum()
+    rows = [(x[b] * kept[b]).sum() for b in range(len(x))]
+    nonempty = [b for b in range(len(x)) if mask[b].sum() > 0]
     if mode == "seq-mean-token-mean":
-        means = [rows[b] / mask[b].sum() for b in range(len(x)) if mask[b].sum() > 0]
-        return sum(means) / len(means)
-    return sum(rows) / len(rows) / (max_len or x.shape[1])
-
-
-def np_entropy(logits):
-    z = logits - logits.max(-1, keepdims=True)
-    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
-    return -(p * np.log(p)).sum(-1)
+        return sum(rows[b] / mask[b].sum() for b in nonempty) / len(nonempty)
+    return sum(rows) / len(nonempty) / max_len
 
 
 # ---------------------------------------------------------------- surrogate
@@ -148,10 +145,30 @@ def test_kl_unknown_estimator():
         L.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k4")
 
 
+@pytest.mark.parametrize("kind", L.KL_ESTIMATORS)
+def test_kl_estimator_expected_gradients(x64, kind):
+    """E_{a~pi}[d k(a) / d theta] for a categorical pi = softmax(theta), enumerated exactly,
+    against the hand-derived gradients: k1 -> 0, k2 and k3+ -> grad KL(pi||ref), k3 -> grad
+    KL(ref||pi) (d/dtheta KL(pi||ref) = pi (log pi - log ref - KL); KL(ref||pi) -> pi - ref)."""
+    rng = np.random.default_rng(21)
+    theta, ref_logits = rng.normal(0, 1.0, 6), rng.normal(0, 1.0, 6)
+    log_ref = ref_logits - np.log(np.exp(ref_logits).sum())
+
+    def expected(th):
+        logp = jax.nn.log_softmax(th)
+        per_action = L.kl_penalty(logp, jnp.array(log_ref), kind)  # k(a) for every action a
+        return jnp.sum(jax.lax.stop_gradient(jnp.exp(logp)) * per_action)
+
+    got = np.asarray(jax.grad(expected)(jnp.array(theta)))
+    pi = np.exp(theta - np.log(np.exp(theta).sum()))
+    reverse = pi * (np.log(pi) - log_ref - np.sum(pi * (np.log(pi) - log_ref)))
+    want = {"k1": np.zeros(6), "k2": reverse, "k3+": reverse, "k3": pi - np.exp(log_ref)}[kind]
+    np.testing.assert_allclose(got, want, atol=1e-12)
+
+
 # ---------------------------------------------------------------- aggregation
 
 @pytest.mark.parametrize("mode,max_len", [("token-mean", None), ("seq-mean-token-mean", None),
-                                          ("seq-mean-token-sum-norm", None),
                                           ("seq-mean-token-sum-norm", 32)])
 def test_aggregation_modes(x64, mode, max_len):
     x, _, _, mask = _batch(9)
@@ -165,21 +182,75 @@ def test_aggregation_modes_differ_by_hand():
     m = jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
     assert float(L.aggregate_loss(x, m, "token-mean")) == pytest.approx(8 / 5)
     assert float(L.aggregate_loss(x, m, "seq-mean-token-mean")) == pytest.approx((1 + 4) / 2)
-    assert float(L.aggregate_loss(x, m, "seq-mean-token-sum-norm")) == pytest.approx((4 + 4) / 2 / 4)
     assert float(L.aggregate_loss(x, m, "seq-mean-token-sum-norm", 8)) == pytest.approx((4 + 4) / 2 / 8)
+    with pytest.raises(ValueError, match="max_response_len"):  # never the padded length
+        L.aggregate_loss(x, m, "seq-mean-token-sum-norm")
 
 
-# ---------------------------------------------------------------- TIS
+def test_token_weights_ignore_empty_rows_and_sum_to_one_by_hand():
+    m = jnp.array([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # row 1: padding
+    np.testing.assert_allclose(L.token_weights(m, "token-mean"), m / 3)
+    np.testing.assert_allclose(L.token_weights(m, "seq-mean-token-mean"),
+                               [[0.25, 0.25, 0], [0, 0, 0], [0.5, 0, 0]])
+    np.testing.assert_allclose(L.token_weights(m, "seq-mean-token-sum-norm", 4),
+                               np.asarray(m) / 8)
+    # Leading axes are rows too: [M, b, T] gives the same weights as the flat [M * b, T].
+    stacked = jnp.stack([m, m])
+    np.testing.assert_allclose(L.token_weights(stacked, "seq-mean-token-mean").reshape(6, 3),
+                               L.token_weights(stacked.reshape(6, 3), "seq-mean-token-mean"))
 
-def test_tis_weights_truncate_and_stop_gradient(x64):
+
+# ---------------------------------------------------------------- behaviour weights
+
+def test_behaviour_weights_truncate_and_stop_gradient(x64):
     new, old, _, _ = _batch(10, spread=1.0)
     sampler = old + np.random.default_rng(11).normal(0, 0.5, (B, T))
-    w = L.tis_weights(jnp.array(old), jnp.array(sampler), 1.5)
+    w = L.behaviour_weights(jnp.array(old), jnp.array(sampler), 1.5)
     np.testing.assert_allclose(w, np.minimum(np.exp(old - sampler), 1.5), rtol=1e-12)
     assert np.any(np.asarray(w) == 1.5) and np.any(np.asarray(w) < 1.0)
-    g_old, g_s = jax.grad(lambda o, s: jnp.sum(L.tis_weights(o, s, 1.5)), argnums=(0, 1))(
+    g_old, g_s = jax.grad(lambda o, s: jnp.sum(L.behaviour_weights(o, s, 1.5)), argnums=(0, 1))(
         jnp.array(old), jnp.array(sampler))
     assert not np.any(np.asarray(g_old)) and not np.any(np.asarray(g_s))
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_ppo_surrogate_on_a_categorical_policy_matches_numpy(x64, decoupled):
+    """A tiny categorical policy (hand-set logits per position): per-token losses, clip masks and
+    the gradient w.r.t. the logits against a float64 numpy derivation:
+    d loss / d theta_t = w_t bw_t (-A r_t) (onehot(a_t) - pi_t) where no clip acts, else 0."""
+    theta = np.array([[2.5, 0.0, -1.0], [0.5, 0.5, 0.0], [-1.0, 1.0, 0.2], [0.0, 0.3, 0.0]])
+    theta_old = np.array([[1.0, 0.0, -1.0], [0.5, 0.9, 0.0], [-1.0, 0.2, 0.2], [0.0, 0.3, 0.4]])
+    theta_behav = theta_old + np.array([[0.3, 0, 0], [0, -0.4, 0], [0, 0, 0.5], [0.2, 0, 0]])
+    actions = np.array([0, 1, 1, 2])
+    adv = np.array([1.0, -1.0])  # row 0: positions 0, 1; row 1: positions 2, 3
+    rows = lambda x: x.reshape(2, 2)  # noqa: E731
+    logsm = lambda z: z - np.log(np.exp(z).sum(-1, keepdims=True))  # noqa: E731
+    pick = lambda z: logsm(z)[np.arange(4), actions]  # noqa: E731
+    old, behav = pick(theta_old), pick(theta_behav)
+    cfg = L.LossConfig(clip_low=0.2, clip_high=0.28, aggregation="seq-mean-token-mean",
+                       behaviour_weight_cap=1.2 if decoupled else None)
+    mask = np.ones((2, 2))
+
+    def loss_fn(th):
+        logp = jnp.take_along_axis(jax.nn.log_softmax(th), jnp.array(actions)[:, None], 1)[:, 0]
+        return L.policy_loss(rows(logp), jnp.array(rows(old)), jnp.array(adv), jnp.array(mask),
+                             cfg, behaviour_logprobs=jnp.array(rows(behav)) if decoupled else None)
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.array(theta))
+    r = np.exp(pick(theta) - old)
+    a = np.repeat(adv, 2)
+    bw = np.minimum(np.exp(old - behav), 1.2) if decoupled else np.ones(4)
+    clipped = ((a > 0) & (r > 1.28)) | ((a < 0) & (r < 0.8))
+    assert clipped.any() and not clipped.all()  # the hand-set logits reach both regimes
+    per_token = bw * np.maximum(-a * r, -a * np.clip(r, 0.8, 1.28))
+    w = np.full(4, 0.25)  # seq-mean-token-mean: 2 rows of 2 tokens
+    np.testing.assert_allclose(loss, np.sum(w * per_token), rtol=1e-12)
+    pi = np.exp(logsm(theta))
+    want = (w * bw * -a * r * ~clipped)[:, None] * (np.eye(3)[actions] - pi)
+    np.testing.assert_allclose(grad, want, atol=1e-12)
+    np.testing.assert_allclose(metrics["clip_frac_high"], np.mean((a > 0) & (r > 1.28)))
+    np.testing.assert_allclose(metrics["clip_frac_low"], np.mean((a < 0) & (r < 0.8)))
+    np.testing.assert_allclose(metrics["ratio_mean"], r.mean(), rtol=1e-12)
 
 
 # ---------------------------------------------------------------- mastered-token mask
@@ -212,24 +283,12 @@ def test_mastered_mask_without_target_is_always_on(x64):
                               target_entropy=0.5)
 
 
-# ---------------------------------------------------------------- entropy
-
-def test_token_entropy_matches_numpy(x64):
-    logits = np.random.default_rng(12).normal(0, 3.0, (B, T, 50))
-    np.testing.assert_allclose(L.token_entropy(jnp.array(logits)), np_entropy(logits), rtol=1e-6)
-    got32 = L.token_entropy(jnp.array(logits, jnp.bfloat16))
-    assert got32.dtype == jnp.float32
-    np.testing.assert_allclose(got32, np_entropy(np.asarray(jnp.array(logits, jnp.bfloat16), np.float64)),
-                               rtol=1e-5)
-    assert float(L.token_entropy(jnp.zeros((1, 50)))[0]) == pytest.approx(np.log(50))
-
-
 # ---------------------------------------------------------------- policy_loss
 
-def np_policy_loss(new, old, adv, mask, cfg, ref=None, sampler=None, entropy=None, logits_ent_mean=None):
+def np_policy_loss(new, old, adv, mask, cfg, ref=None, sampler=None, entropy=None):
     per = np_surrogate(new, old, adv, cfg.clip_low, cfg.clip_high, cfg.clip_c)
-    if cfg.tis_cap is not None:
-        per = per * np.minimum(np.exp(old - sampler), cfg.tis_cap)
+    if cfg.behaviour_weight_cap is not None:
+        per = per * np.minimum(np.exp(old - sampler), cfg.behaviour_weight_cap)
     pg = per
     if cfg.kl_coef > 0:
         per = per + cfg.kl_coef * np_kl(new, ref, cfg.kl_estimator)
@@ -241,8 +300,8 @@ def np_policy_loss(new, old, adv, mask, cfg, ref=None, sampler=None, entropy=Non
         if cfg.target_entropy is None or ent < cfg.target_entropy:
             pos = (adv > 0)[:, None] & (np.exp(new) > cfg.mastered_mask_prob)
             loss_mask = np.where(pos, 0.0, mask)
-    return (np_aggregate(per, loss_mask, cfg.aggregation, cfg.max_response_len),
-            np_aggregate(pg, loss_mask, cfg.aggregation, cfg.max_response_len), loss_mask)
+    return (np_aggregate(per, mask, cfg.aggregation, cfg.max_response_len, loss_mask),
+            np_aggregate(pg, mask, cfg.aggregation, cfg.max_response_len, loss_mask), loss_mask)
 
 
 def _full_inputs(seed=13):
@@ -261,17 +320,18 @@ def _full_inputs(seed=13):
     L.LossConfig(),
     L.LossConfig(clip_c=3.0, kl_coef=0.05, kl_estimator="k1", aggregation="seq-mean-token-mean"),
     L.LossConfig(kl_coef=0.1, kl_estimator="k2", aggregation="seq-mean-token-sum-norm",
-                 max_response_len=16, tis_cap=2.0),
-    L.LossConfig(kl_coef=0.1, tis_cap=1.2, mastered_mask_prob=0.99, target_entropy=5.0,
+                 max_response_len=16, behaviour_weight_cap=2.0),
+    L.LossConfig(kl_coef=0.1, kl_estimator="k3+", behaviour_weight_cap=1.2,
+                 mastered_mask_prob=0.99, target_entropy=5.0,
                  entropy_coef=0.01),
     L.LossConfig(mastered_mask_prob=0.99, target_entropy=0.01),  # entropy above target: off
-], ids=["default", "dual-k1-seqmean", "k2-sumnorm-tis", "all-on", "mask-gated-off"])
+], ids=["default", "dual-k1-seqmean", "k2-sumnorm-decoupled", "all-on", "mask-gated-off"])
 def test_policy_loss_matches_numpy(x64, cfg):
     new, old, adv, mask, ref, sampler, entropy = _full_inputs()
     fn = jax.jit(L.policy_loss, static_argnames="config")
     loss, metrics = fn(jnp.array(new), jnp.array(old), jnp.array(adv), jnp.array(mask), cfg,
                        ref_logprobs=jnp.array(ref) if cfg.kl_coef else None,
-                       sampler_logprobs=jnp.array(sampler), entropy=jnp.array(entropy))
+                       behaviour_logprobs=jnp.array(sampler), entropy=jnp.array(entropy))
     want, want_pg, loss_mask = np_policy_loss(new, old, adv, mask, cfg, ref, sampler, entropy)
     np.testing.assert_allclose(loss, want, rtol=1e-12)
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-12)
@@ -287,7 +347,7 @@ def test_policy_loss_matches_numpy(x64, cfg):
     np.testing.assert_allclose(metrics["entropy"], mean(entropy), rtol=1e-12)
     np.testing.assert_allclose(metrics["masked_frac"], (mask - loss_mask).sum() / n, rtol=1e-12)
     assert ("kl" in metrics) == (cfg.kl_coef > 0)
-    assert ("tis_weight_mean" in metrics) == (cfg.tis_cap is not None)
+    assert ("behaviour_weight_mean" in metrics) == (cfg.behaviour_weight_cap is not None)
     if cfg.mastered_mask_prob is not None and cfg.target_entropy > 1.0:
         assert float(metrics["masked_frac"]) > 0
     if cfg.kl_coef:
@@ -310,22 +370,12 @@ def test_policy_loss_requires_inputs_and_validates_config():
     adv = jnp.ones(2)
     with pytest.raises(ValueError, match="ref_logprobs"):
         L.policy_loss(z, z, adv, z, L.LossConfig(kl_coef=0.1))
-    with pytest.raises(ValueError, match="sampler_logprobs"):
-        L.policy_loss(z, z, adv, z, L.LossConfig(tis_cap=2.0))
     with pytest.raises(ValueError, match="entropy"):
         L.policy_loss(z, z, adv, z, L.LossConfig(mastered_mask_prob=0.9, target_entropy=0.3))
-    for bad in [dict(kl_estimator="k4"), dict(aggregation="sum"), dict(clip_c=0.5), dict(tis_cap=0.0)]:
+    for bad in [dict(kl_estimator="k4"), dict(aggregation="sum"), dict(clip_c=0.5),
+                dict(behaviour_weight_cap=0.0), dict(aggregation="seq-mean-token-sum-norm")]:
         with pytest.raises(ValueError):
             L.LossConfig(**bad)
     assert not L.LossConfig().needs_ref_logprobs and L.LossConfig(kl_coef=0.1).needs_ref_logprobs
     with pytest.raises(dataclasses.FrozenInstanceError):
         L.LossConfig().kl_coef = 1.0  # type: ignore[misc]
-
-
-def test_token_entropy_materialises_no_vocab_sized_temporary():
-    shape = (2, 64, 4096)
-    compiled = jax.jit(L.token_entropy).lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile()
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        pytest.skip("backend reports no memory analysis")
-    assert analysis.temp_size_in_bytes < 4 * np.prod(shape) // 100
