@@ -177,8 +177,8 @@ def model_config(config: ConfigDict, num_layers: int = 0) -> Qwen3Config:
 
 def step_shapes(config: ConfigDict) -> Shapes:
     """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows (at most
-    `max_decode_rows`), the longest prompt and output budget, and training rows of prompt +
-    output."""
+    `max_decode_rows`), the longest prompt and output budget, and one mini-batch
+    (`learner.mini_batches` per step) of training rows of prompt + output."""
     r = config.rollout
     rows = r.prompts_per_step * r.group_size
     decode_batch = min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows
@@ -187,7 +187,7 @@ def step_shapes(config: ConfigDict) -> Shapes:
     micro = config.learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
                   segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,
-                  num_micro=_pow2(-(-rows // micro), 1),
+                  num_micro=_pow2(-(-rows // (micro * config.learner.mini_batches)), 1),
                   train_len=_pow2(r.max_prompt_tokens + max(r.max_new_tokens.values()), 32))
 
 
@@ -304,7 +304,9 @@ class StepPrograms:
             tokens=self._train_rows(m), attention_mask=self._train_rows(m),
             loss_mask=self._train_rows(m, dtype=jnp.float32),
             advantages=_sharded(mesh, (m, s.micro_batch), jnp.float32, (None, "batch")),
-            sampler_logprobs=self._train_rows(m, dtype=jnp.float32), expert_ids=experts)
+            sampler_logprobs=self._train_rows(m, dtype=jnp.float32), expert_ids=experts,
+            old_logprobs=(self._train_rows(m, dtype=jnp.float32)
+                          if self.config.loss.pi_old == "recompute" else None))
         ref = self.weights if self.update_config.loss.needs_ref_logprobs else None
         return train_step.lower(state, batch, ref, graphdef=self.train_graphdef,
                                 optimizer=optimizer, config=self.update_config)

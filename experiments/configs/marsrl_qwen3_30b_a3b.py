@@ -15,6 +15,8 @@ tokenizer) and `runlocal`. `get_sweep()` is the hyper-parameter grid x seeds tha
 
 Paper settings: lr 1e-6 constant, 128 prompts x group 8, temperature 0.85, top_p 1.0, 32k input,
 64k output decoded in 4 x 16k segments, 5 stages (Solver, then Verifier/Corrector rounds), bf16.
+Update: GRPO with seq-mean-token-mean aggregation (Eq. 2), 4 mini-batches per step, pi_old
+recomputed at the start of the step (decoupled objective, behaviour weight capped at 2).
 
 Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128, vocab 151,936):
   parameters bf16                 61 GB   sharded over every chip (fsdp = all)
@@ -91,6 +93,14 @@ def get_config(arg: str | None = None):
     c.optimizer.schedule = "constant"
     c.learner.micro_batch_size = 256  # one row per chip of a 256-chip slice
     c.learner.logits_chunk = 512
+    # The update (the paper's Eq. 2): per-sequence token means averaged over the mini-batch;
+    # 4 optimizer updates per step (verl's usual train / mini-batch ratio). Without routing
+    # replay the sampler's MoE routing can differ from the trainer's, so pi_old is recomputed at
+    # the start of each step and the sampler's log-probabilities weight each token
+    # (decoupled PPO, cap 2), which also covers segments decoded under earlier versions.
+    c.loss.aggregation = "seq-mean-token-mean"
+    c.learner.mini_batches = 4
+    c.loss.pi_old, c.loss.behaviour_weight_cap = "recompute", 2.0
     c.checkpoint.every_steps = 10
     if "runlocal" in options:
         c.total_steps = 2

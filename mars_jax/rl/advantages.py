@@ -7,27 +7,22 @@ map keys to integer ids with ``group_ids_from_keys``. Within a group,
 all equal (including singletons) get ``A = 0`` exactly and are flagged in
 ``zero_variance`` so callers can drop or keep them.
 
-``group_advantages_np`` runs on the host in numpy and accepts any integer ids;
-``group_advantages`` is jittable (segment ops) and needs dense ids in
-``[0, num_groups)`` with ``num_groups`` static.
+``group_advantages_np`` runs on the host in numpy (float64) and accepts any integer ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from functools import partial
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 
 class GroupAdvantages(NamedTuple):
     """Per-sample advantages ``[N]`` and the zero-variance-group flag ``[N]`` (bool)."""
 
-    advantages: np.ndarray | jax.Array
-    zero_variance: np.ndarray | jax.Array
+    advantages: np.ndarray
+    zero_variance: np.ndarray
 
 
 def group_ids_from_keys(keys: Sequence[Hashable]) -> np.ndarray:
@@ -55,28 +50,3 @@ def group_advantages_np(
         std = np.sqrt(np.bincount(inv, weights=centered**2) / counts)
         adv = centered / np.where(zero_var, 1.0, std[inv] + eps)
     return GroupAdvantages(np.where(zero_var, 0.0, adv), zero_var)
-
-
-@partial(jax.jit, static_argnames=("num_groups", "normalize_std"))
-def group_advantages(
-    rewards: jax.Array,
-    group_ids: jax.Array,
-    num_groups: int,
-    *,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-) -> GroupAdvantages:
-    """Jittable group-normalised advantages; ``group_ids`` dense in ``[0, num_groups)``."""
-    rewards = jnp.asarray(rewards, dtype=jnp.result_type(rewards, jnp.float32))
-    seg = partial(jax.ops.segment_sum, segment_ids=group_ids, num_segments=num_groups)
-    counts = jnp.maximum(seg(jnp.ones_like(rewards)), 1.0)
-    mean = seg(rewards) / counts
-    centered = rewards - mean[group_ids]
-    gmax = jax.ops.segment_max(rewards, group_ids, num_groups)
-    gmin = jax.ops.segment_min(rewards, group_ids, num_groups)
-    zero_var = (gmax == gmin)[group_ids]
-    adv = centered
-    if normalize_std:
-        std = jnp.sqrt(seg(jnp.square(centered)) / counts)
-        adv = centered / jnp.where(zero_var, 1.0, std[group_ids] + eps)
-    return GroupAdvantages(jnp.where(zero_var, 0.0, adv), zero_var)
