@@ -28,6 +28,9 @@ def get_config():
     c.rollout.segment_tokens = 24
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
+    # A random model earns no reward, so every group has zero variance: keep those samples (with
+    # a zero loss mask) so that every step still runs the update program.
+    c.rollout.drop_zero_variance = False
     # Optimizer.
     c.optimizer.learning_rate = 1e-4
     c.learner.micro_batch_size = 16
