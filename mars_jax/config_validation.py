@@ -27,6 +27,7 @@ from ml_collections import ConfigDict, FieldReference
 
 from mars_jax import sharding
 from mars_jax.agents.prompts import STYLES
+from mars_jax.agents.system import FALLBACKS
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES
 from mars_jax.rl.rollout import STAGE_ROLES
@@ -67,6 +68,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.aggregation": AGGREGATIONS,
     "eval.policy": ("sampler", "http"),
+    "eval.fallback": FALLBACKS,
 }
 AT_LEAST: dict[str, float] = {
     "total_steps": 1, "max_nonfinite_updates": 1,
