@@ -45,7 +45,8 @@ def test_when_every_verifier_passes_the_tree_ends_without_a_corrector():
                                    max_new_tokens={"solver": 64, "verifier": 96, "corrector": 64}))
     generate = RoleScript({"solver": "2 + 3 = 5, so \\boxed{5}",
                            "verifier": "**Final Verdict:** fine.\n**List of Findings:** None\n"
-                                       "**Correctness:** Correct"})  # no corrector text: never asked
+                                       "**Correctness:** Correct",
+                           "corrector": "2 + 3 = 5, so \\boxed{5}"})
     out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=2,
                        step=1, version=0)
     # By hand: 2 problems x G Solvers; then per problem FAN_OUT parents x G Verifiers; then no
