@@ -21,18 +21,20 @@ def test_role_metrics_by_hand():
     # (judged solution correct?, verdict text, reward = verdict matches): stages 1 and 3 both count.
     verifiers = [_rollout(1, 1.0, CORRECT, True), _rollout(1, 1.0, CORRECT, True),
                  _rollout(1, 0.0, WRONG, True), _rollout(3, 1.0, WRONG, False),
-                 _rollout(3, 0.0, CORRECT, False), _rollout(3, 0.0, CUT, False)]
+                 _rollout(3, 1.0, WRONG, False), _rollout(3, 0.0, CORRECT, False),
+                 _rollout(3, 0.0, CUT, False)]
     correctors = [_rollout(2, 1.0), _rollout(4, 1.0), _rollout(4, 0.0)]
     groups = [solvers, verifiers[:3], verifiers[3:], correctors[:1], correctors[1:]]
     metrics = role_metrics(groups)
     assert metrics == {
         "reward/solver": 0.5, "samples/solver": 4,
-        "reward/verifier": 0.5, "samples/verifier": 6,
+        "reward/verifier": 4 / 7, "samples/verifier": 7,
         "reward/corrector": 2 / 3, "samples/corrector": 3,
-        # 3 of the 6 verdicts are right.
-        "verifier/accuracy": 0.5,
-        # 3 Verifiers judged a wrong solution; only one said Wrong (a cut output found nothing).
-        "verifier/recall": 1 / 3,
+        # 4 of the 7 verdicts are right.
+        "verifier/accuracy": 4 / 7,
+        # 4 Verifiers judged a wrong solution; 2 said Wrong (a cut output found nothing). Over all
+        # 7 Verifiers the Wrong verdicts would be 3 / 7.
+        "verifier/recall": 2 / 4,
     }
 
 
