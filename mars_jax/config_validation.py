@@ -28,6 +28,7 @@ from ml_collections import ConfigDict, FieldReference
 
 from mars_jax import sharding
 from mars_jax.agents.prompts import STYLES
+from mars_jax.agents.system import FALLBACKS
 from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES
@@ -70,6 +71,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.aggregation": AGGREGATIONS,
     "loss.pi_old": PI_OLD,
     "eval.policy": ("sampler", "http"),
+    "eval.fallback": FALLBACKS,
 }
 AT_LEAST: dict[str, float] = {
     "total_steps": 1, "max_nonfinite_updates": 1,

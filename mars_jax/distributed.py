@@ -88,25 +88,45 @@ def _pad(x: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
     return np.pad(x, [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)])
 
 
+def agreed_batch_shape(shapes: np.ndarray) -> tuple[int, int]:
+    """(micro-batches M, length L) every process pads its `TrainBatch` to, from each process's
+    `[M, b, L]` (one row per process): the maxima. Raises when the rows per micro-batch `b`
+    differ."""
+    shapes = np.asarray(shapes).reshape(-1, 3)
+    rows = sorted(set(shapes[:, 1].tolist()))
+    if len(rows) != 1:
+        raise ValueError(f"learner.micro_batch_size: processes built micro-batches of different "
+                         f"sizes {rows}; use the same on every host")
+    return int(shapes[:, 0].max()), int(shapes[:, 2].max())
+
+
+def pad_train_batch(batch: TrainBatch, num_micro: int, length: int) -> TrainBatch:
+    """`batch` (numpy) zero-padded to `num_micro` micro-batches of `length` positions; padding
+    rows and positions have zero masks."""
+    micro_and_length = {0: num_micro, 2: length}
+    return TrainBatch(
+        tokens=_pad(batch.tokens, micro_and_length),
+        attention_mask=_pad(batch.attention_mask, micro_and_length),
+        loss_mask=_pad(batch.loss_mask, micro_and_length),
+        advantages=_pad(batch.advantages, {0: num_micro}),
+        sampler_logprobs=_pad(batch.sampler_logprobs, micro_and_length),
+        expert_ids=None if batch.expert_ids is None else _pad(batch.expert_ids,
+                                                              {0: num_micro, 3: length}))
+
+
 def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
     """Each process's own `TrainBatch` (numpy, `[M, b, L]`, same `b` everywhere) as one global
     batch of `b x processes` rows per micro-batch, split over the mesh's batch axes.
 
-    Processes first agree on the number of micro-batches `M` and the length `L` (the maxima);
-    padding rows and positions have zero masks and change nothing. Call on every process."""
+    Processes first agree on the number of micro-batches `M` and the length `L` (the maxima,
+    `agreed_batch_shape`) and pad to them (`pad_train_batch`); padding rows and positions have
+    zero masks and change nothing. Call on every process."""
     local = jax.tree.map(np.asarray, batch)
-    num_micro, rows, length = local.tokens.shape
-    agreed = multihost_utils.process_allgather(np.asarray([num_micro, rows, length]))
-    agreed = np.asarray(agreed).reshape(-1, 3)
-    if len(set(agreed[:, 1].tolist())) != 1:
-        raise ValueError(f"learner.micro_batch_size: processes built micro-batches of different "
-                         f"sizes {sorted(set(agreed[:, 1].tolist()))}; use the same on every host")
-    num_micro, length = int(agreed[:, 0].max()), int(agreed[:, 2].max())
+    agreed = multihost_utils.process_allgather(np.asarray(local.tokens.shape))
+    local = pad_train_batch(local, *agreed_batch_shape(agreed))
     procs = jax.process_count()
 
-    def to_global(x: np.ndarray, batch_axis: int, length_axis: int | None) -> jax.Array:
-        sizes = {0: num_micro} | ({length_axis: length} if length_axis is not None else {})
-        x = _pad(x, sizes)
+    def to_global(x: np.ndarray, batch_axis: int) -> jax.Array:
         shape = list(x.shape)
         shape[batch_axis] *= procs
         names = [None] * len(shape)
@@ -119,15 +139,13 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
                              f"cannot be split over the mesh's batch axes across {procs} processes")
         return jax.make_array_from_process_local_data(target, x, tuple(shape))
 
-    experts = None
-    if local.expert_ids is not None:
-        experts = to_global(local.expert_ids, 2, 3)
-    return TrainBatch(tokens=to_global(local.tokens, 1, 2),
-                      attention_mask=to_global(local.attention_mask, 1, 2),
-                      loss_mask=to_global(local.loss_mask, 1, 2),
-                      advantages=to_global(local.advantages, 1, None),
-                      sampler_logprobs=to_global(local.sampler_logprobs, 1, 2),
-                      expert_ids=experts)
+    return TrainBatch(tokens=to_global(local.tokens, 1),
+                      attention_mask=to_global(local.attention_mask, 1),
+                      loss_mask=to_global(local.loss_mask, 1),
+                      advantages=to_global(local.advantages, 1),
+                      sampler_logprobs=to_global(local.sampler_logprobs, 1),
+                      expert_ids=None if local.expert_ids is None
+                      else to_global(local.expert_ids, 2))
 
 
 def allgather_json(value) -> list:

@@ -56,7 +56,7 @@ def run(config: ConfigDict, workdir: str) -> dict:
     e = config.eval
     loop = LoopConfig(k_accept=e.k_accept, max_iterations=e.max_iterations,
                       max_retries=e.max_retries, max_new_tokens=dict(e.max_new_tokens),
-                      prompt_style=config.rollout.prompt_style)
+                      prompt_style=config.rollout.prompt_style, fallback=e.fallback)
     bar = tqdm.tqdm(total=len(problems) * e.num_samples, desc="eval")
 
     def on_round(info) -> None:

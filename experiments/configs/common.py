@@ -68,6 +68,9 @@ def base_config() -> ConfigDict:
 
     c.eval = ConfigDict(dict(dataset="arith", split="test", num_problems=0, num_samples=1,
                              k_accept=4, max_iterations=10, max_retries=2,
+                             # 'most_passed' (the paper's words) | 'most_verified' (the released
+                             # extract_solution.py); see mars_jax.agents.system
+                             fallback="most_passed",
                              max_new_tokens=ConfigDict(dict(solver=256, verifier=256,
                                                             corrector=256)),
                              temperature=0.6, top_p=0.95, policy="sampler",

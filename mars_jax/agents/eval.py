@@ -56,8 +56,7 @@ def evaluate(
       problems: problems with unique ids.
       policy: serves every role; a `RoutedPolicy` gives the Solver its own model.
       num_samples: k of avg@k.
-      config: loop parameters (defaults to `LoopConfig()`); `max_iterations=0`
-        evaluates the Solver alone.
+      config: loop parameters (defaults to `LoopConfig()`).
       records_path: JSONL file written as pairs finish and read back to resume.
       max_in_flight, on_round: passed to `run_system`.
 
@@ -105,6 +104,7 @@ def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Reco
         "answer": result.answer,
         "correct": result.final is not None and candidates_correct[result.final],
         "iterations": result.iterations,
+        "verifications": result.verifications,
         "candidates": [
             {"source": c.source, "solution": c.solution, "answer": c.answer,
              "correct": correct, "verdicts": list(c.verdicts), "passes": c.passes}
@@ -121,7 +121,8 @@ def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Reco
 
 
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
-    """avg@k of Solver and system, outcome rates, mean iterations and tokens per agent."""
+    """avg@k of Solver and system, outcome rates, mean iterations, verifications and tokens per
+    agent."""
     by_problem: dict[str, list[Record]] = {}
     for record in records:
         by_problem.setdefault(record["problem_id"], []).append(record)
@@ -141,6 +142,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "fallback_rate": rate(FALLBACK),
         "failed_rate": rate(FAILED),
         "mean_iterations": _mean([float(r["iterations"]) for r in records]),
+        "mean_verifications": _mean([float(r["verifications"]) for r in records]),
         "mean_tokens": {role: _mean([float(r["tokens"][role]) for r in records]) for role in ROLES},
     }
 

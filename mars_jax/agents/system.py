@@ -1,24 +1,28 @@
 """The V-C reasoning system: a per-problem state machine and a round-batched driver.
 
-Rules (per problem):
-  * The Solver writes the first candidate. Each candidate is a solution.
-  * An **iteration** is one verification of the current candidate. A passing
-    verification extends the candidate's streak; when the streak reaches
-    `k_accept` consecutive passes the candidate is accepted. A failing
-    verification resets the streak and sends the candidate, with the bug report,
-    to the Corrector, whose output is the next candidate (streak 0).
-  * After `max_iterations` iterations without acceptance the loop stops (a failing
-    last verification is not corrected) and returns the **most-verified** candidate:
-    the one with the most passing verifications, ties going to the latest.
+Rules (per problem), those of the released MarsRL loop (`vc_reasoning_system.py`):
+  * The Solver writes the first candidate, which is verified once. Each candidate is a solution.
+  * Then up to `max_iterations` **iterations** follow, each: if the last verification failed,
+    the Corrector revises the candidate with that bug report (its output is the next
+    candidate); then the current candidate is verified. So a problem gets at most
+    `max_iterations + 1` verifications and `max_iterations` corrections.
+  * A passing verification extends the candidate's streak; when the streak reaches
+    `k_accept` consecutive passes the candidate is accepted. A failing verification resets
+    the streak.
+  * When the iterations run out without acceptance the loop stops (a failing last
+    verification is not corrected) and returns the `fallback` candidate:
+      'most_passed'    the most passing verdicts, ties to the latest (the paper: "the
+                       solution most frequently identified as correct");
+      'most_verified'  the most verifications that returned a verdict, ties to the earliest
+                       (the released `extract_solution.py`).
   * **Retries** (`max_retries`, per request): a Solver or Corrector output that does
     not end by itself (finish_reason 'length' or 'error') is requested again, up to
     `max_retries` more times; if still unusable, the problem is marked failed (no
     answer, `failure` says why). A Verifier output that is truncated, errored or
     whose Correctness is unparseable is likewise retried; retries are not
-    iterations. If all retries are unusable, the iteration counts as a verification
-    that did not pass (verdict None: the streak resets, there is no report to
-    correct from) and the same candidate is verified again next iteration.
-  * With `max_iterations=0` the system is the Solver alone (with retries).
+    verifications. If all retries are unusable, it counts as a verification that
+    did not pass (verdict None: the streak resets, there is no report to correct
+    from) and the same candidate is verified again in the next iteration.
 
 Rounds: `run_system` advances every problem in flight together. Each round makes
 exactly one policy call that carries the next request of every unfinished
@@ -35,6 +39,7 @@ from mars_jax.agents import stages
 from mars_jax.agents.policy import ROLES, ChatRequest, Completion, Policy, check_batch
 
 ACCEPTED, FALLBACK, FAILED = "accepted", "fallback", "failed"
+FALLBACKS = ("most_passed", "most_verified")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +52,13 @@ class LoopConfig:
     max_new_tokens: Mapping[str, int] = dataclasses.field(
         default_factory=lambda: {"solver": 8192, "verifier": 8192, "corrector": 8192})
     prompt_style: str = "full"  # see `mars_jax.agents.prompts.STYLES`
+    fallback: str = "most_passed"  # one of FALLBACKS
 
     def __post_init__(self) -> None:
         if self.k_accept < 1 or self.max_iterations < 0 or self.max_retries < 0:
             raise ValueError(f"invalid loop config: {self}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback: {self.fallback!r} is not one of {FALLBACKS}")
         missing = set(ROLES) - set(self.max_new_tokens)
         if missing:
             raise ValueError(f"max_new_tokens lacks roles {sorted(missing)}")
@@ -67,7 +75,7 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A solution under verification, and the verdict of each iteration spent on it."""
+    """A solution under verification, and the verdict of each verification it received."""
 
     source: str  # 'solver' | 'corrector'
     solution: str
@@ -77,6 +85,11 @@ class Candidate:
     @property
     def passes(self) -> int:
         return sum(v is True for v in self.verdicts)
+
+    @property
+    def verified(self) -> int:
+        """Verifications that returned a verdict (pass or fail)."""
+        return sum(v is not None for v in self.verdicts)
 
     @property
     def streak(self) -> int:
@@ -94,10 +107,10 @@ class SystemResult:
     """Outcome of the loop on one problem.
 
     Attributes:
-      status: 'accepted', 'fallback' (most-verified candidate) or 'failed'.
+      status: 'accepted', 'fallback' (the config's fallback candidate) or 'failed'.
       final: index of the chosen candidate; None when failed.
       candidates: every candidate, in order (index 0 is the Solver's).
-      iterations: number of iterations (verifications) spent.
+      verifications: number of verifications spent (retries not counted).
       steps: every policy call, in order.
       failure: why the problem failed, else None.
     """
@@ -105,9 +118,14 @@ class SystemResult:
     status: str
     final: int | None
     candidates: tuple[Candidate, ...]
-    iterations: int
+    verifications: int
     steps: tuple[Step, ...]
     failure: str | None = None
+
+    @property
+    def iterations(self) -> int:
+        """Verifications after the first one (the released loop's iteration count)."""
+        return max(self.verifications - 1, 0)
 
     @property
     def solution(self) -> str | None:
@@ -134,7 +152,7 @@ class ProblemLoop:
         self._stage = "solver"
         self._attempt = 0  # unusable outputs so far for the pending request
         self._report = ""  # bug report of the last failing verification
-        self._iterations = 0
+        self._verifications = 0
         self._candidates: list[Candidate] = []
         self._steps: list[Step] = []
         self._result: SystemResult | None = None
@@ -182,43 +200,49 @@ class ProblemLoop:
         self._attempt = 0
         self._candidates.append(Candidate(self._stage, output.solution, output.answer))
         self._stage = "verifier"
-        self._check_budget()
 
     def _on_verification(self, output: stages.VerificationOutput) -> None:
         self._steps.append(Step("verifier", output.completion, output.passed))
         if not output.usable and self._retry():
             return
         self._attempt = 0
-        self._iterations += 1
+        self._verifications += 1
         verdict = output.passed if output.usable else None
         last = self._candidates[-1]
         candidate = self._candidates[-1] = dataclasses.replace(last, verdicts=(*last.verdicts, verdict))
+        iterations_left = self.config.max_iterations - (self._verifications - 1)
         if candidate.streak >= self.config.k_accept:
             self._finish(ACCEPTED)
-        elif output.usable and not output.passed and self._iterations < self.config.max_iterations:
+        elif iterations_left <= 0:
+            self._finish(FALLBACK)
+        elif verdict is False:
             self._report = output.report
             self._stage = "corrector"
-        else:
-            self._check_budget()
 
     def _retry(self) -> bool:
         """Counts an unusable output; True if the request may be made again."""
         self._attempt += 1
         return self._attempt <= self.config.max_retries
 
-    def _check_budget(self) -> None:
-        if self._iterations >= self.config.max_iterations:
-            self._finish(FALLBACK)
-
     def _finish(self, status: str, failure: str | None = None) -> None:
         final = None
         if status == ACCEPTED:
             final = len(self._candidates) - 1
         elif status == FALLBACK:
-            most = max(c.passes for c in self._candidates)
-            final = max(i for i, c in enumerate(self._candidates) if c.passes == most)
-        self._result = SystemResult(status, final, tuple(self._candidates), self._iterations,
+            final = fallback_candidate(self._candidates, self.config.fallback)
+        self._result = SystemResult(status, final, tuple(self._candidates), self._verifications,
                                     tuple(self._steps), failure)
+
+
+def fallback_candidate(candidates: Sequence[Candidate], rule: str) -> int:
+    """Index of the candidate `rule` (one of FALLBACKS, see the module docstring) picks."""
+    if rule == "most_passed":
+        most = max(c.passes for c in candidates)
+        return max(i for i, c in enumerate(candidates) if c.passes == most)
+    if rule == "most_verified":
+        most = max(c.verified for c in candidates)
+        return min(i for i, c in enumerate(candidates) if c.verified == most)
+    raise ValueError(f"fallback: {rule!r} is not one of {FALLBACKS}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ math-verify) is not counted against the deadline.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -90,7 +91,8 @@ class GraderPool:
         self._workers.remove(worker)
         worker.proc.kill()
         worker.proc.wait()
-        worker.proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a request to a dead worker is still buffered
+            worker.proc.stdin.close()
         worker.proc.stdout.close()
 
     def _replace(self, worker: _Worker) -> None:

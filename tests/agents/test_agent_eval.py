@@ -46,7 +46,8 @@ def test_evaluate_scores_solver_and_system(tmp_path):
     assert [(r["problem_id"], r["sample"]) for r in records] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     assert len(policy.calls) == 7  # A: S V V V V; B: S V C V V V V, all four pairs together
     a, b = records[0], records[2]
-    assert (a["solver_correct"], a["correct"], a["status"], a["iterations"]) == (True, True, "accepted", 4)
+    assert (a["solver_correct"], a["correct"], a["status"], a["verifications"], a["iterations"]) == (
+        True, True, "accepted", 4, 3)
     assert (b["solver_answer"], b["solver_correct"], b["answer"], b["correct"]) == ("2", False, "7", True)
     assert [(c["source"], c["answer"], c["correct"], c["verdicts"]) for c in b["candidates"]] == [
         ("solver", "2", False, [False]), ("corrector", "7", True, [True] * 4)]
@@ -54,7 +55,8 @@ def test_evaluate_scores_solver_and_system(tmp_path):
     assert b["steps"][1]["verdict"] is False and "Correctness" not in b["steps"][1]["report"]
     assert summary == {
         "num_problems": 2, "num_records": 4, "solver_avg_at_k": 0.5, "system_avg_at_k": 1.0,
-        "accepted_rate": 1.0, "fallback_rate": 0.0, "failed_rate": 0.0, "mean_iterations": 4.5,
+        "accepted_rate": 1.0, "fallback_rate": 0.0, "failed_rate": 0.0, "mean_iterations": 3.5,
+        "mean_verifications": 4.5,
         "mean_tokens": {"solver": 10.0, "verifier": 13.5, "corrector": 3.5}}
     assert [json.loads(line) for line in path.read_text().splitlines()] == records  # JSON round trip
 

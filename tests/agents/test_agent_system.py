@@ -83,7 +83,8 @@ def C(tag, bug):
 def test_accepts_after_k_consecutive_passes():
     result, calls = run_one({"solver": [sol("s1")], "verifier": [ok()] * 4})
     assert calls == [S, V("s1"), V("s1"), V("s1"), V("s1")]
-    assert (result.status, result.final, result.iterations, result.answer) == ("accepted", 0, 4, "s1")
+    assert (result.status, result.final, result.verifications, result.answer) == ("accepted", 0, 4, "s1")
+    assert result.iterations == 3  # the first verification is not an iteration
     assert result.solution == "Solution s1. So \\boxed{s1}"
     assert result.candidates[0].verdicts == (True,) * 4
     assert result.tokens_by_role() == {"solver": 10, "verifier": 12, "corrector": 0}
@@ -93,32 +94,76 @@ def test_failed_verification_resets_the_streak_and_triggers_correction():
     result, calls = run_one({"solver": [sol("s1")], "verifier": [ok(), ok(), ok(), bad("b1")] + [ok()] * 4,
                              "corrector": [sol("s2")]})
     assert calls == [S, V("s1"), V("s1"), V("s1"), V("s1"), C("s1", "b1")] + [V("s2")] * 4
-    assert (result.status, result.final, result.iterations, result.answer) == ("accepted", 1, 8, "s2")
+    assert (result.status, result.final, result.verifications, result.answer) == ("accepted", 1, 8, "s2")
     assert [c.source for c in result.candidates] == ["solver", "corrector"]
     assert [c.verdicts for c in result.candidates] == [(True, True, True, False), (True,) * 4]
 
 
 def test_gives_up_after_max_iterations_without_correcting_the_last_failure():
-    result, calls = run_one({"solver": [sol("s1")], "verifier": [bad("b1"), bad("b2")], "corrector": [sol("s2")]},
-                            max_iterations=2)
-    assert calls == [S, V("s1"), C("s1", "b1"), V("s2")]
-    assert (result.status, result.iterations, result.failure) == ("fallback", 2, None)
-    assert result.final == 1  # no passes anywhere: the latest candidate
+    # max_iterations=2: the first verification, then 2 iterations of (correct, verify).
+    result, calls = run_one({"solver": [sol("s1")], "verifier": [bad("b1"), bad("b2"), bad("b3")],
+                             "corrector": [sol("s2"), sol("s3")]}, max_iterations=2)
+    assert calls == [S, V("s1"), C("s1", "b1"), V("s2"), C("s2", "b2"), V("s3")]
+    assert (result.status, result.verifications, result.iterations, result.failure) == ("fallback", 3, 2, None)
+    assert result.final == 2  # no passes anywhere: the latest candidate
 
 
-def test_fallback_is_the_most_verified_candidate():
-    result, calls = run_one({"solver": [sol("s1")], "verifier": [ok(), ok(), bad("b1"), ok(), bad("b2"), bad("b3")],
-                             "corrector": [sol("s2"), sol("s3")]}, max_iterations=6)
-    assert calls == [S, V("s1"), V("s1"), V("s1"), C("s1", "b1"), V("s2"), V("s2"), C("s2", "b2"), V("s3")]
-    assert [c.passes for c in result.candidates] == [2, 1, 0]
-    assert (result.status, result.final, result.answer) == ("fallback", 0, "s1")
+@pytest.mark.parametrize("max_iterations", [0, 1, 2, 3, 10])
+def test_a_verifier_that_always_fails_gets_n_plus_one_verifications_and_n_corrections(max_iterations):
+    # Hand count of the released loop: verify once after the Solver, then N x (correct, verify).
+    n = max_iterations
+    result, calls = run_one({"solver": [sol("s0")], "verifier": [bad(f"b{i}") for i in range(n + 1)],
+                             "corrector": [sol(f"s{i + 1}") for i in range(n)]}, max_iterations=n)
+    assert calls == [S, V("s0")] + [x for i in range(n) for x in (C(f"s{i}", f"b{i}"), V(f"s{i + 1}"))]
+    assert (result.status, result.verifications, result.iterations, len(result.candidates)) == (
+        "fallback", n + 1, n, n + 1)
 
 
-def test_fallback_tie_goes_to_the_latest_candidate():
-    result, _ = run_one({"solver": [sol("s1")], "verifier": [ok(), bad("b1"), ok()],
-                         "corrector": [sol("s2")]}, max_iterations=3)
-    assert [c.passes for c in result.candidates] == [1, 1]
-    assert (result.status, result.final) == ("fallback", 1)
+def test_passing_verifications_spend_iterations_without_corrections():
+    # k_accept=4 is out of reach in max_iterations=2 (3 verifications): no Corrector call.
+    result, calls = run_one({"solver": [sol("s1")], "verifier": [ok()] * 3}, max_iterations=2)
+    assert calls == [S, V("s1"), V("s1"), V("s1")]
+    assert (result.status, result.final, result.verifications) == ("fallback", 0, 3)
+
+
+def test_acceptance_on_the_last_allowed_verification():
+    # bad, then 4 passes of the correction = 5 verifications = 1 + max_iterations.
+    result, calls = run_one({"solver": [sol("s1")], "verifier": [bad("b1")] + [ok()] * 4,
+                             "corrector": [sol("s2")]}, max_iterations=4)
+    assert calls == [S, V("s1"), C("s1", "b1")] + [V("s2")] * 4
+    assert (result.status, result.final, result.verifications) == ("accepted", 1, 5)
+
+
+# Fallback rules. Candidate verdicts in each script, and the hand-picked winner of each rule:
+#   most_passed    the most True verdicts, ties to the latest;
+#   most_verified  the most verdicts that are not None, ties to the earliest.
+FALLBACK_CASES = {
+    # s1: T T F (2 passes, 3 verdicts); s2: T F (1, 2); s3: F (0, 1).
+    "clear_winner": ({"verifier": [ok(), ok(), bad("b1"), ok(), bad("b2"), bad("b3")],
+                      "corrector": [sol("s2"), sol("s3")]}, 5, {}, [2, 1, 0], [3, 2, 1], 0, 0),
+    # s1: T T F (2, 3); s2: T T T, cut by the cap (3, 3): passes favour s2, the verdict count ties.
+    "passes_vs_count": ({"verifier": [ok(), ok(), bad("b1")] + [ok()] * 3, "corrector": [sol("s2")]},
+                        5, {}, [2, 3], [3, 3], 1, 0),
+    # s1: T F (1, 2); s2: T (1, 1): a tie in passes goes to the latest, the count picks s1.
+    "tied_passes": ({"verifier": [ok(), bad("b1"), ok()], "corrector": [sol("s2")]}, 2, {},
+                    [1, 1], [2, 1], 1, 0),
+    # max_retries=0: s1: None None F (0 passes, 1 verdict); s2: T T (2, 2). A None verdict is
+    # not a verification received, so both rules pick s2 (counting None would pick s1).
+    "unusable_not_counted": ({"verifier": [garbage(), garbage(), bad("b1"), ok(), ok()],
+                              "corrector": [sol("s2")]}, 4, {"max_retries": 0}, [0, 2], [1, 2], 1, 1),
+}
+
+
+@pytest.mark.parametrize("fallback", ["most_passed", "most_verified"])
+@pytest.mark.parametrize("case", list(FALLBACK_CASES))
+def test_fallback_rules_pick_the_hand_computed_candidate(case, fallback):
+    script, n, extra, passes, verified, most_passed, most_verified = FALLBACK_CASES[case]
+    result, _ = run_one({"solver": [sol("s1")], **script}, max_iterations=n, fallback=fallback, **extra)
+    assert result.status == "fallback" and result.verifications == n + 1
+    assert [c.passes for c in result.candidates] == passes
+    assert [c.verified for c in result.candidates] == verified
+    want = most_passed if fallback == "most_passed" else most_verified
+    assert (result.final, result.answer) == (want, f"s{want + 1}")
 
 
 def test_truncated_solver_is_retried():
@@ -141,14 +186,14 @@ def test_corrector_truncated_beyond_retries_fails_the_problem():
     result, calls = run_one({"solver": [sol("s1")], "verifier": [bad("b1")],
                              "corrector": [sol("x", "length")] * 2}, max_retries=1)
     assert calls == [S, V("s1"), C("s1", "b1"), C("s1", "b1")]
-    assert (result.status, result.answer, result.iterations) == ("failed", None, 1)
+    assert (result.status, result.answer, result.verifications) == ("failed", None, 1)
     assert "corrector" in result.failure
 
 
 def test_unusable_verification_is_retried_without_counting_an_iteration():
     result, calls = run_one({"solver": [sol("s1")], "verifier": [garbage(), ok(), garbage("length"), ok(), ok(), ok()]})
     assert calls == [S] + [V("s1")] * 6
-    assert (result.status, result.iterations) == ("accepted", 4)
+    assert (result.status, result.verifications) == ("accepted", 4)  # retries are not verifications
     assert [s.verdict for s in result.steps[1:]] == [None, True, None, True, True, True]
 
 
@@ -156,14 +201,16 @@ def test_verification_unusable_beyond_retries_breaks_the_streak_and_reverifies()
     verifier = [ok(), ok()] + [garbage()] * 3 + [ok()] * 4
     result, calls = run_one({"solver": [sol("s1")], "verifier": verifier})
     assert calls == [S] + [V("s1")] * 9
-    assert (result.status, result.iterations) == ("accepted", 7)
+    assert (result.status, result.verifications) == ("accepted", 7)
     assert result.candidates[0].verdicts == (True, True, None, True, True, True, True)
 
 
-def test_zero_iterations_is_the_solver_alone():
-    result, calls = run_one({"solver": [sol("s1")]}, max_iterations=0)
-    assert calls == [S]
-    assert (result.status, result.final, result.iterations) == ("fallback", 0, 0)
+def test_zero_iterations_verifies_the_solver_once():
+    result, calls = run_one({"solver": [sol("s1")], "verifier": [bad("b1")]}, max_iterations=0)
+    assert calls == [S, V("s1")]  # the failure is not corrected
+    assert (result.status, result.final, result.verifications, result.iterations) == ("fallback", 0, 1, 0)
+    accepted, _ = run_one({"solver": [sol("s1")], "verifier": [ok()]}, max_iterations=0, k_accept=1)
+    assert (accepted.status, accepted.final) == ("accepted", 0)
 
 
 THREE = {
@@ -227,6 +274,8 @@ def test_loop_refuses_use_after_finishing():
     with pytest.raises(RuntimeError):
         loop.result()
     loop.advance(sol("s1"))
+    assert not loop.done
+    loop.advance(bad("b1"))
     assert loop.done
     with pytest.raises(RuntimeError):
         loop.next_request()
@@ -237,3 +286,5 @@ def test_config_validation():
         LoopConfig(max_new_tokens={"solver": 1})
     with pytest.raises(ValueError):
         LoopConfig(k_accept=0)
+    with pytest.raises(ValueError, match="fallback"):
+        LoopConfig(fallback="latest")

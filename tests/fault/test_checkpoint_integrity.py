@@ -154,3 +154,71 @@ def test_a_save_killed_midway_keeps_the_previous_checkpoint(tmp_path):
     checkpointer.close()
     _assert_restores(directory, 2).close()
     shutil.rmtree(directory)
+
+
+def _steps_on_disk(directory: Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_only_the_newest_keep_checkpoints_stay(tmp_path):
+    directory = tmp_path / "checkpoints"
+    checkpointer = Checkpointer(directory, keep=2)
+    for step in range(1, 6):
+        checkpointer.save(step, _state(step), {"step": step})
+    checkpointer.close()
+    assert _steps_on_disk(directory) == [4, 5]
+    # A resumed run (a new manager on the same directory) keeps pruning to `keep`.
+    checkpointer = Checkpointer(directory, keep=2)
+    checkpointer.save(6, _state(6), {"step": 6})
+    checkpointer.close()
+    assert _steps_on_disk(directory) == [5, 6]
+    checkpointer = Checkpointer(directory, keep=2)
+    step, state, meta = checkpointer.restore_latest(_state(0))
+    checkpointer.close()
+    assert (step, meta) == (6, {"step": 6})
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(_state(6)["w"]))
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_restore_latest_of_an_empty_directory_is_none(tmp_path, exists):
+    directory = tmp_path / "checkpoints"
+    if exists:
+        directory.mkdir()
+    checkpointer = Checkpointer(directory, keep=2)
+    assert checkpointer.restore_latest(_state(0)) is None
+    checkpointer.close()
+
+
+def test_restore_latest_when_every_checkpoint_is_damaged_is_none(tmp_path, caplog):
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    for step in (1, 2):
+        data = _largest_file(directory / str(step))
+        data.write_bytes(data.read_bytes()[:100])
+    checkpointer = Checkpointer(directory, keep=5)
+    with caplog.at_level(logging.WARNING):
+        assert checkpointer.restore_latest(_state(0)) is None
+    assert "step 2 is unreadable" in caplog.text and "step 1 is unreadable" in caplog.text
+    assert _steps_on_disk(directory) == []
+    assert sorted(p.name for p in (tmp_path / "checkpoints.unreadable").iterdir()) == ["1", "2"]
+    checkpointer.save(1, _state(1), {"step": 1})  # a fresh start can write step 1 again
+    checkpointer.close()
+    _assert_restores(directory, 1).close()
+
+
+def test_a_legacy_checkpoint_without_a_fingerprint_restores(tmp_path, caplog):
+    """Checkpoints written before fingerprints existed: the same items, no fingerprint in meta."""
+    directory = tmp_path / "checkpoints"
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True))
+    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(7)),
+                                            meta=ocp.args.JsonSave({"step": 7, "data": [1, 2]})))
+    manager.wait_until_finished()
+    manager.close()
+    checkpointer = Checkpointer(directory, keep=2)
+    with caplog.at_level(logging.WARNING):
+        step, state, meta = checkpointer.restore_latest(_state(0))
+    checkpointer.close()
+    assert (step, meta) == (7, {"step": 7, "data": [1, 2]})
+    for key, value in _state(7).items():
+        np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
+    assert "unreadable" not in caplog.text

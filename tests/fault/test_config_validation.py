@@ -39,6 +39,15 @@ def test_unknown_missing_and_mistyped_fields_are_named_with_the_fix():
     assert "expected bool" in problems["checkpoint.async_save"]
 
 
+def test_an_unknown_eval_fallback_is_named_with_the_choices():
+    config = eval_system.get_config()
+    config.eval.fallback = "most_verifed"
+    problems = _problems(config)
+    assert set(problems) == {"eval.fallback"}
+    assert "('most_passed', 'most_verified')" in problems["eval.fallback"]
+    assert "set it to 'most_verified'" in problems["eval.fallback"]
+
+
 def test_inconsistent_values_are_all_reported_at_once(tmp_path):
     config = smoke.get_config()
     config.rollout.group_size = 1

@@ -1,4 +1,9 @@
-"""The Flax model against HF transformers' torch model on the same checkpoints."""
+"""The Flax model against HF transformers' torch model on the same checkpoints.
+
+Logits of these random models are small (|logit| < 0.5), so errors are measured relative to the
+largest reference logit: CPU float32 gives ~3e-7 of it; the tolerance is 1e-5 of it. A long
+sequence (positions up to 383) makes RoPE errors visible: a rope_theta 1% off already misses the
+tolerance (`test_a_wrong_rope_theta_fails_the_tolerance`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +14,26 @@ import transformers
 from mars_jax.models import from_pretrained, get_preset, save_pretrained
 from tests import hf_fixtures
 
+TOLERANCE = 1e-5  # of the largest reference logit
+
 
 def _ours(path, ids, mask, **overrides):
     model = from_pretrained(path, **overrides)
     return np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask, jnp.int32)))
+
+
+def _relative_error(ours, ref, mask) -> float:
+    """Largest |ours - ref| over real tokens, as a fraction of the largest |ref| there."""
+    valid = mask.astype(bool)
+    return float(np.abs(ours - ref)[valid].max() / np.abs(ref)[valid].max())
+
+
+def _long_batch(length: int = 384):
+    """Two rows of `length` tokens, the second left-padded by 100 (positions up to length - 1)."""
+    ids = np.random.default_rng(5).integers(0, 96, (2, length))
+    mask = np.ones((2, length), np.int64)
+    mask[1, :100] = 0
+    return ids, mask
 
 
 @pytest.mark.parametrize("fixture", ["hf_dense_dir", "hf_moe_dir"])
@@ -20,9 +41,25 @@ def test_golden_logits_padded_batch(fixture, request):
     path = request.getfixturevalue(fixture)
     ids, mask = hf_fixtures.padded_batch(vocab=96)
     ref = hf_fixtures.hf_logits(path, ids, mask)
-    ours = _ours(path, ids, mask)
-    valid = mask.astype(bool)
-    assert np.abs(ours - ref)[valid].max() <= 1e-4
+    assert _relative_error(_ours(path, ids, mask), ref, mask) <= TOLERANCE
+
+
+@pytest.mark.parametrize("fixture", ["hf_dense_dir", "hf_moe_dir"])
+def test_long_sequence_matches_hf(fixture, request):
+    """Far positions: RoPE's slow frequencies and q/k norm act on every attention score."""
+    path = request.getfixturevalue(fixture)
+    ids, mask = _long_batch()
+    ref = hf_fixtures.hf_logits(path, ids, mask)
+    assert _relative_error(_ours(path, ids, mask), ref, mask) <= TOLERANCE
+
+
+@pytest.mark.parametrize("fixture, theta", [("hf_dense_dir", 1e6), ("hf_moe_dir", 1e4)])
+def test_a_wrong_rope_theta_fails_the_tolerance(fixture, theta, request):
+    """The parity check can catch a RoPE error: theta 1% off gives several times the tolerance."""
+    path = request.getfixturevalue(fixture)
+    ids, mask = _long_batch()
+    ref = hf_fixtures.hf_logits(path, ids, mask)
+    assert _relative_error(_ours(path, ids, mask, rope_theta=theta * 1.01), ref, mask) > 3 * TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["dense", "sorted", "ragged"])
@@ -30,7 +67,7 @@ def test_moe_backends_match_hf(hf_moe_dir, impl):
     ids, mask = hf_fixtures.padded_batch(vocab=96, seed=1)
     ref = hf_fixtures.hf_logits(hf_moe_dir, ids, mask)
     ours = _ours(hf_moe_dir, ids, mask, moe_impl=impl, moe_block_size=4)
-    assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4
+    assert _relative_error(ours, ref, mask) <= TOLERANCE
 
 
 @pytest.mark.parametrize("fixture", ["hf_dense_dir", "hf_moe_dir"])
@@ -40,7 +77,7 @@ def test_flash_attention_matches_hf(fixture, request):
     ids, mask = hf_fixtures.padded_batch(vocab=96, seed=2)
     ref = hf_fixtures.hf_logits(path, ids, mask)
     ours = _ours(path, ids, mask, attention_impl="flash", attention_block=4)
-    assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4
+    assert _relative_error(ours, ref, mask) <= TOLERANCE
 
 
 def test_bench_preset_matches_hf(tmp_path):
@@ -53,7 +90,7 @@ def test_bench_preset_matches_hf(tmp_path):
     mask = np.ones_like(ids)
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids)).logits.numpy()
-    assert np.abs(_ours(tmp_path, ids, mask) - ref).max() <= 1e-4
+    assert _relative_error(_ours(tmp_path, ids, mask), ref, mask) <= TOLERANCE
 
 
 @pytest.mark.parametrize("fixture", ["hf_dense_dir", "hf_moe_dir"])

@@ -41,6 +41,19 @@ def test_remat_gives_the_same_gradients_keeping_only_layer_inputs():
     assert _residual_bytes(remat, params, ids) < params_bytes + 2 * probs_bytes
 
 
+def _equations(jaxpr) -> list:
+    """Every equation of `jaxpr`, those of its sub-jaxprs (scan bodies, jit, remat) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _equations(sub)
+    return found
+
+
 def test_scanned_layers_equal_the_layer_loop():
     """`scan_layers`: one `lax.scan` over stacked layer weights gives the loop's logits, routing
     and gradients (with and without remat)."""
@@ -56,6 +69,13 @@ def test_scanned_layers_equal_the_layer_loop():
                                 mask=AttentionMask.causal(jnp.ones(ids.shape, jnp.int32)))
             return jnp.mean(jax.nn.logsumexp(model.logits(out.hidden), -1)), out
 
+        # Which path ran: the scan traces one layer body and loops it 3 times (one router top_k);
+        # the loop traces 3 layers and has no scan. Remat wraps the scanned body.
+        eqns = _equations(jax.make_jaxpr(lambda p: loss(p)[0])(params).jaxpr)
+        names = [e.primitive.name for e in eqns]
+        assert [e.params["length"] for e in eqns if e.primitive.name == "scan"] == ([3] if scan else [])
+        assert names.count("top_k") == (1 if scan else 3)
+        assert any("remat" in n or n == "checkpoint" for n in names) == remat
         (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         results.append((value, out, grads))
     (value, out, grads), others = results[0], results[1:]

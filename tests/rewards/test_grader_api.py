@@ -98,8 +98,22 @@ def test_grade_many_matches_grade_and_keeps_order():
     responses = ["\\boxed{1}", "\\boxed{2}", "no box", "\\boxed{x+1}", "\\boxed{1}"]
     golds = ["1", "3", "1", "1+x", "1"]
     assert grader.grade_many(responses, golds) == [True, False, False, True, True]
-    assert grader.grade_many(responses, golds) == [grader.grade(r, g) for r, g in zip(responses, golds)]
     assert grader.grade_many([], []) == []
+
+
+def test_grade_many_sends_each_distinct_hard_pair_to_the_workers_once_and_keeps_order():
+    # Interleaved: no box (never compared), quick verdicts (decided here), and pairs that need
+    # the workers, some repeated. Hand-checked verdicts, in order.
+    cases = [("\\boxed{x+1}", "1+x", True), ("no box at all", "1", False),
+             ("\\boxed{\\sqrt{4}}", "2", True), ("\\boxed{3}", "4", False),
+             ("\\boxed{x+1}", "1+x", True), ("\\boxed{x+2}", "1+x", False),
+             ("\\boxed{\\frac{1}{2}}", "0.5", True), ("\\boxed{\\sqrt{4}}", "3", False),
+             ("\\boxed{x+1}", "1+x", True), ("\\boxed{x^2}", "x*x", True)]
+    before = sum(grader.worker_stats().values())
+    assert grader.grade_many([c[0] for c in cases], [c[1] for c in cases]) == [c[2] for c in cases]
+    # Distinct pairs the quick rules cannot decide: (x+1, 1+x), (sqrt 4, 2), (x+2, 1+x),
+    # (sqrt 4, 3), (x^2, x*x); the two repeats of (x+1, 1+x) are not compared again.
+    assert sum(grader.worker_stats().values()) - before == 5
 
 
 def test_bad_arguments_raise():

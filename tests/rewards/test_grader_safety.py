@@ -103,6 +103,33 @@ def test_stuck_worker_is_killed_at_the_deadline_and_replaced():
         pool.close()
 
 
+def _wait_until_dead(pid: int, timeout: float = 30.0) -> None:
+    """Until `pid` has exited (a zombie until the pool reaps it)."""
+    deadline = time.monotonic() + timeout
+    while open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z":
+        assert time.monotonic() < deadline, f"worker {pid} still alive"
+        time.sleep(0.01)
+
+
+def test_a_crashed_worker_is_replaced_and_its_comparison_counts_false():
+    pool = GraderPool(1)
+    try:
+        pool.wait_ready()
+        [dead] = pool.pids
+        os.kill(dead, signal.SIGKILL)
+        _wait_until_dead(dead)
+        # One worker: the first pair goes to the dead one (False, counted as crashed); its
+        # replacement starts and answers the second.
+        assert pool.map([("\\frac{1}{2}", "0.5"), ("\\frac{2}{4}", "0.5")], BOUND_S) == [False, True]
+        assert pool.stats["crashed"] == 1 and pool.stats["killed"] == 0
+        [fresh] = pool.pids
+        assert fresh != dead
+        assert pool.map([("\\frac{1}{2}", "0.5"), ("x+1", "1+x")], BOUND_S) == [True, True]
+        assert pool.pids == [fresh] and pool.stats["crashed"] == 1
+    finally:
+        pool.close()
+
+
 def test_slow_comparison_times_out_in_the_worker():
     """Alarm path: sympy runs past the soft limit and the worker itself answers False."""
     before = grader.worker_stats().get("timeout", 0)

@@ -111,7 +111,15 @@ def test_sequential_mode_trains_only_complete_trajectories():
     assert engine.pending == [] and engine.trees == {}
     stages = collections.Counter(g[0].stage for g in out.groups)
     assert stages == {0: 2, 1: 2, 2: 2, 3: 2, 4: 2}
-    assert all(len(b) == 1 or sum(b.values()) > 0 for b in out.decode_batches)
+    # Each decode holds one stage level of both problems (2 problems x group 2 = 4 rollouts), and
+    # a stage takes one decode per 16-token segment of its text (+ EOS): no level is skipped or
+    # mixed with the next, none is decoded again once complete.
+    segments = {role: -(-(len(TOKENIZER.encode(text, add_special_tokens=False)) + 1) // 16)
+                for role, text in SCRIPT.items()}
+    assert segments == {"solver": 2, "verifier": 5, "corrector": 2}  # byte-level: 27, 79, 23 bytes + EOS
+    expected = [collections.Counter({stage: 4}) for stage, role in enumerate(
+        ("solver", "verifier", "corrector", "verifier", "corrector")) for _ in range(segments[role])]
+    assert out.decode_batches == expected
 
 
 @pytest.mark.parametrize("roles, stages", [("all", {0, 1, 2, 3, 4}), ("solver", {0}),

@@ -1,0 +1,74 @@
+"""`trainer.role_metrics` and `trainer.rollout_config`, against hand-computed expectations."""
+import math
+
+from experiments.configs import smoke
+from mars_jax.rl.rollout import Rollout
+from mars_jax.rl.trainer import role_metrics, rollout_config
+
+CORRECT = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
+WRONG = "**Final Verdict:** bad.\n**List of Findings:** Critical Error\n**Correctness:** Wrong"
+CUT = "**Final Verdict:** let me"  # truncated: no verdict
+
+
+def _rollout(stage: int, reward: float, text: str = "", judged_correct: bool | None = None):
+    return Rollout(uid=f"u{stage}-{reward}-{text[:5]}", problem_uid="p", stage=stage,
+                   parent_uid=None, prompt_ids=[1], text=text, reward=reward,
+                   judged_correct=judged_correct)
+
+
+def test_role_metrics_by_hand():
+    solvers = [_rollout(0, r) for r in (1.0, 0.0, 0.0, 1.0)]
+    # (judged solution correct?, verdict text, reward = verdict matches): stages 1 and 3 both count.
+    verifiers = [_rollout(1, 1.0, CORRECT, True), _rollout(1, 1.0, CORRECT, True),
+                 _rollout(1, 0.0, WRONG, True), _rollout(3, 1.0, WRONG, False),
+                 _rollout(3, 1.0, WRONG, False), _rollout(3, 0.0, CORRECT, False),
+                 _rollout(3, 0.0, CUT, False)]
+    correctors = [_rollout(2, 1.0), _rollout(4, 1.0), _rollout(4, 0.0)]
+    groups = [solvers, verifiers[:3], verifiers[3:], correctors[:1], correctors[1:]]
+    metrics = role_metrics(groups)
+    assert metrics == {
+        "reward/solver": 0.5, "samples/solver": 4,
+        "reward/verifier": 4 / 7, "samples/verifier": 7,
+        "reward/corrector": 2 / 3, "samples/corrector": 3,
+        # 4 of the 7 verdicts are right.
+        "verifier/accuracy": 4 / 7,
+        # 4 Verifiers judged a wrong solution; 2 said Wrong (a cut output found nothing). Over all
+        # 7 Verifiers the Wrong verdicts would be 3 / 7.
+        "verifier/recall": 2 / 4,
+    }
+
+
+def test_role_metrics_without_verifiers_or_wrong_solutions_are_nan():
+    metrics = role_metrics([[_rollout(0, 1.0), _rollout(0, 0.0)]])
+    assert (metrics["reward/solver"], metrics["samples/verifier"]) == (0.5, 0)
+    for key in ("reward/verifier", "reward/corrector", "verifier/accuracy", "verifier/recall"):
+        assert math.isnan(metrics[key]), key
+    only_correct = role_metrics([[_rollout(1, 1.0, CORRECT, True), _rollout(1, 0.0, WRONG, True)]])
+    assert only_correct["verifier/accuracy"] == 0.5
+    assert math.isnan(only_correct["verifier/recall"])  # no wrong solution to find
+    assert all(math.isnan(v) for k, v in role_metrics([]).items() if not k.startswith("samples/"))
+
+
+def test_rollout_config_maps_every_field():
+    config = smoke.get_config()
+    r = config.rollout
+    r.group_size, r.fan_out, r.selection, r.max_stages = 6, 3, "balanced", 4
+    r.segment_tokens, r.staleness_bound, r.max_prompt_tokens = 0, 2, 300
+    r.enable_thinking, r.prompt_style = True, "full"
+    r.max_new_tokens.solver, r.max_new_tokens.verifier, r.max_new_tokens.corrector = 11, 22, 33
+    out = rollout_config(config)
+    assert (out.group_size, out.fan_out, out.selection, out.max_stages) == (6, 3, "balanced", 4)
+    assert out.segment_tokens is None  # 0: each output decoded in one go
+    assert (out.staleness_bound, out.max_prompt_tokens, out.enable_thinking, out.prompt_style) == (
+        2, 300, True, "full")
+    assert out.max_new_tokens == {"solver": 11, "verifier": 22, "corrector": 33}
+    r.segment_tokens = 8
+    assert rollout_config(config).segment_tokens == 8
+
+
+def test_rollout_config_solver_only_grows_no_tree_beyond_the_solver():
+    config = smoke.get_config()
+    config.rollout.max_stages = 5
+    for roles, stages in (("solver", 1), ("all", 5), ("vc", 5)):
+        config.rollout.roles_trained = roles
+        assert rollout_config(config).max_stages == stages, roles

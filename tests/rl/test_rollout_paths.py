@@ -1,0 +1,78 @@
+"""Rollout trees that end early, with a scripted generator: every Verifier passes the solution (no
+Corrector is eligible), and `roles_trained='solver'` (the tree is the Solver group alone)."""
+import collections
+
+from experiments.configs import smoke
+from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
+from mars_jax.rl.pipeline import rollout_step
+from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, RolloutConfig
+from mars_jax.rl.trainer import rollout_config
+
+TOKENIZER = tiny_tokenizer()
+EOS = eos_token_ids(TOKENIZER)[0]
+GROUP, FAN_OUT = 3, 2
+
+
+class RoleScript:
+    """Each role's whole canned text in one decode; counts requests per role."""
+
+    def __init__(self, texts):
+        self.texts, self.requests = texts, collections.Counter()
+
+    def __call__(self, requests):
+        self.requests.update(r.role for r in requests)
+        ids = {role: tuple(TOKENIZER.encode(t, add_special_tokens=False)) + (EOS,)
+               for role, t in self.texts.items()}
+        return [GenerationOutput(ids[r.role][:r.max_new_tokens], (-0.1,) * len(ids[r.role][:r.max_new_tokens]),
+                                 "stop" if len(ids[r.role]) <= r.max_new_tokens else "length")
+                for r in requests]
+
+
+def _problems():
+    i = 0
+    while True:
+        yield {"id": f"p{i}", "problem": "What is 2 + 3?", "answer": "5"}
+        i += 1
+
+
+def _engine(config: RolloutConfig) -> AgenticRollouts:
+    return AgenticRollouts(TOKENIZER, config, seed=0, encode=encode_chat)
+
+
+def test_when_every_verifier_passes_the_tree_ends_without_a_corrector():
+    engine = _engine(RolloutConfig(group_size=GROUP, fan_out=FAN_OUT, selection="adaptive",
+                                   prompt_style="compact", max_prompt_tokens=1024,
+                                   max_new_tokens={"solver": 64, "verifier": 96, "corrector": 64}))
+    generate = RoleScript({"solver": "2 + 3 = 5, so \\boxed{5}",
+                           "verifier": "**Final Verdict:** fine.\n**List of Findings:** None\n"
+                                       "**Correctness:** Correct",
+                           "corrector": "2 + 3 = 5, so \\boxed{5}"})
+    out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=2,
+                       step=1, version=0)
+    # By hand: 2 problems x G Solvers; then per problem FAN_OUT parents x G Verifiers; then no
+    # Verifier output reports an error, so no Corrector is eligible and both trees end.
+    assert out.decode_batches == [collections.Counter({0: 2 * GROUP}),
+                                  collections.Counter({1: 2 * FAN_OUT * GROUP})]
+    assert generate.requests == {"solver": 2 * GROUP, "verifier": 2 * FAN_OUT * GROUP}
+    assert sorted((g[0].problem_uid, g[0].stage) for g in out.groups) == (
+        [("1-0", 0)] + [("1-0", 1)] * FAN_OUT + [("1-1", 0)] + [("1-1", 1)] * FAN_OUT)
+    assert all(len(g) == GROUP for g in out.groups)
+    # The solutions are right and the Verifiers say so: every reward is 1.
+    assert {r.reward for g in out.groups for r in g} == {1.0}
+    assert engine.pending == [] and engine.trees == {}  # nothing left in flight, nothing leaks
+    nxt = rollout_step(engine, _problems(), generate, mode="pipeline", prompts_per_step=1, step=2,
+                       version=1)
+    assert nxt.decode_batches == [collections.Counter({0: GROUP})]  # only the new problem's Solver
+
+
+def test_roles_trained_solver_decodes_the_solver_group_only():
+    config = smoke.get_config()
+    config.rollout.group_size, config.rollout.roles_trained = GROUP, "solver"
+    engine = _engine(rollout_config(config))
+    generate = RoleScript({"solver": "2 + 3 = 6, so \\boxed{6}"})  # wrong: a Verifier would be due
+    out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=2,
+                       step=1, version=0)
+    assert generate.requests == {"solver": 2 * GROUP}
+    assert [g[0].stage for g in out.groups] == [0, 0]
+    assert {r.reward for g in out.groups for r in g} == {0.0}
+    assert engine.pending == [] and engine.trees == {}
