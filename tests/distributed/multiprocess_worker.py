@@ -84,7 +84,7 @@ def main() -> None:
     checkpointer = Checkpointer(out / "checkpoints", keep=2, async_save=True)
     checkpointer.save(2, state, distributed.gather_process_meta({"process": pid, "rows": rows}))
     checkpointer.wait()
-    step, restored, meta = checkpointer.restore_latest(state)
+    step, restored, meta, _ = checkpointer.restore_latest(state)
     checkpointer.close()
     restored_params = multihost_utils.process_allgather(restored.params, tiled=True)
     report = {"losses": losses, "moved": moved, "restored_step": step,

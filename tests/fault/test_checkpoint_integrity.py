@@ -36,7 +36,7 @@ def _save_steps(directory: Path, steps) -> None:
 
 def _assert_restores(directory: Path, step: int) -> Checkpointer:
     checkpointer = Checkpointer(directory, keep=5)
-    restored_step, state, meta = checkpointer.restore_latest(_state(0))
+    restored_step, state, meta, _ = checkpointer.restore_latest(_state(0))
     assert (restored_step, meta) == (step, {"step": step})
     for key, value in _state(step).items():
         np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
