@@ -253,12 +253,12 @@ def _staleness(config: ConfigDict, device_count: int) -> Iterator[Problem]:
         return
     worst = max(late.values())
     longest = max(r.max_new_tokens[role] for role in late)
-    what = ", ".join(f"rollout.max_new_tokens.{role}={r.max_new_tokens[role]} needs {k}"
+    what = ", ".join(f"rollout.max_new_tokens.{role}={r.max_new_tokens[role]} needs {k} segments"
                      for role, k in late.items())
     yield Problem("rollout.staleness_bound",
                   f"{r.staleness_bound} is below {worst - 1}: at rollout.segment_tokens="
-                  f"{r.segment_tokens}, {what} segments, and pipeline mode trains an output of K "
-                  "segments K - 1 policy versions after its first segment",
+                  f"{r.segment_tokens}, {what}, and pipeline mode trains an output of K segments "
+                  "K - 1 policy versions after its first segment",
                   f"set rollout.staleness_bound >= {worst - 1}, or rollout.segment_tokens >= "
                   f"{-(-longest // (r.staleness_bound + 1))}, or lower rollout.max_new_tokens")
 

@@ -36,11 +36,6 @@ def strip_thinking(text: str, *, thinking_open: bool = False) -> str:
     return text
 
 
-def ends_in_thought(text: str) -> bool:
-    """Whether `text` ends inside a thought: its last `<think>` comes after its last `</think>`."""
-    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
-
-
 def last_boxed(text: str) -> str | None:
     """Content of the last complete `\\boxed{...}` / `\\fbox{...}` in `text`, or None.
 
