@@ -304,3 +304,17 @@ def test_with_a_template_that_opens_the_thought_only_text_after_think_close_is_r
     generate = RoundRobinGenerator({"solver": [thought, thought + "</think>So \\boxed{2}"]})
     [group] = _one_problem(engine, generate, 1)[0].groups
     assert sorted((r.finish_reason, r.reward) for r in group) == [("stop", 0.0), ("stop", 1.0)]
+
+
+@pytest.mark.parametrize("verify_truncated", [False, True])
+def test_truncated_corrector_outputs_reach_the_second_verifier_only_if_asked(verify_truncated):
+    config = RolloutConfig(group_size=2, fan_out=1, selection="random", prompt_style="compact",
+                           max_stages=4, verify_truncated=verify_truncated,
+                           max_new_tokens={"solver": 64, "verifier": 128, "corrector": 10})
+    engine = AgenticRollouts(TOKENIZER, config, seed=0, encode=encode_chat)
+    generate = RoundRobinGenerator({k: [v] for k, v in SCRIPT.items()})
+    steps = _one_problem(engine, generate, 4)
+    [corrector_group] = steps[2].groups
+    # Cut before its box: reward 0 like any truncated answer (it would have earned 1).
+    assert [(r.finish_reason, r.reward) for r in corrector_group] == [("length", 0.0)] * 2
+    assert [g[0].stage for g in steps[3].groups] == ([3] if verify_truncated else [])
