@@ -18,7 +18,7 @@ import collections
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
-from mars_jax.rl.rollout import (AgenticRollouts, Generator, Rollout, RolloutConfig,
+from mars_jax.rl.rollout import (STAGE_ROLES, AgenticRollouts, Generator, Rollout, RolloutConfig,
                                  segments_needed)
 
 MODES = ("pipeline", "sequential")
@@ -37,10 +37,10 @@ def auto_inflight_rows(config: RolloutConfig, prompts_per_step: int) -> int:
     """The default cap on pending rows: the rows pipeline mode holds in flight in steady state,
     `prompts_per_step` new problems a step, when every output takes its whole budget: the rows
     of a step's trees (per problem a Solver group plus `fan_out` groups per later stage) times
-    the segments of the longest output (each tree stage then lasts that many steps)."""
+    the segments of the longest output its stages decode (each stage then lasts that many steps)."""
     rows = prompts_per_step * config.group_size * (1 + config.fan_out * (config.max_stages - 1))
-    return rows * max(segments_needed(n, config.segment_tokens)
-                      for n in config.max_new_tokens.values())
+    return rows * max(segments_needed(config.max_new_tokens[role], config.segment_tokens)
+                      for role in STAGE_ROLES[:config.max_stages])
 
 
 def rollout_step(engine: AgenticRollouts, problems: Iterator[dict], generate: Generator, *,

@@ -1,5 +1,6 @@
 """Pipeline and sequential scheduling with a scripted generator and the real tiny tokenizer."""
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -216,6 +217,10 @@ def test_auto_inflight_rows():
                            max_new_tokens={"solver": 64, "verifier": 32, "corrector": 16})
     # 4 problems x (8 Solver rows + 2 x 8 rows in each of 4 later stages) x 4 segments.
     assert auto_inflight_rows(config, 4) == 4 * (8 + 4 * 16) * 4
+    # Solver only (16 tokens, 1 segment): the longer Verifier and Corrector budgets never decode.
+    solver_only = dataclasses.replace(config, max_stages=1,
+                                      max_new_tokens={"solver": 16, "verifier": 64, "corrector": 64})
+    assert auto_inflight_rows(solver_only, 4) == 4 * 8
 
 
 def test_routing_is_carried_across_segments_and_through_the_state_dict():
