@@ -69,3 +69,10 @@ def test_sigkill_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_pat
     for a, b in zip(params_a, params_b, strict=True):
         np.testing.assert_array_equal(a, b)
     assert harness.metrics(straight) == harness.metrics(killed)
+    # Every output takes both of its 8-token segments (a random model does not stop), one update
+    # a step from step 2 on: step 2 trains the Solver group of step 1 at version 0, steps 3 and 4
+    # train groups one version after their first segment (at step 4, 1-0's Verifier groups too).
+    rows = harness.metrics(straight)
+    assert [(r["policy_version"], r["staleness/max"]) for r in rows] == [(0, 0), (1, 0), (2, 1),
+                                                                          (3, 1)]
+    assert [r["samples/verifier"] for r in rows] == [0, 0, 0, 4]
