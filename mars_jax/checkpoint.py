@@ -10,10 +10,10 @@ Integrity rules:
     `wait` or `close`, naming the step that failed and the previous intact one; the manager is
     re-read from disk, so it never points at the failed step.
   * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
-    position-weighted sum of the bits of every array, computed on device). Restore walks back from the newest step and skips, with a
-    warning, any checkpoint that fails to read or whose fingerprint does not match (truncated or
-    corrupted files); a skipped checkpoint is moved to `<directory>.unreadable/` so that the
-    resumed run can save that step again.
+    position-weighted sum of the bits of every array, computed on device). Restore walks back
+    from the newest step and skips, with a warning, any checkpoint that fails to read or whose
+    fingerprint does not match (truncated or corrupted files); a skipped checkpoint is moved to
+    `<directory>.unreadable/` so that the resumed run can save that step again.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has 
 
 
 class Restored(NamedTuple):
+    """A checkpoint read back by `Checkpointer.restore_latest`."""
+
     step: int
     state: Any
     meta: dict

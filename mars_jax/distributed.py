@@ -186,7 +186,8 @@ def host_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict | None, jax.Array |
     names = list(arrays)
     shapes = [arrays[n].shape for n in names]
     if any(len(a) != 3 or a[::2] != shapes[0][::2] for a in shapes):
-        raise ValueError(f"host_arrays: shapes {sorted(set(shapes))} differ beyond axis 1")
+        raise ValueError(f"host_arrays: shapes {sorted(set(shapes))} are not 3-D, equal but on "
+                         "axis 1")
     if any(arrays[n].min(initial=0) < 0 for n in names):
         raise ValueError("host_arrays: negative values")
     rows = sum(a[1] for a in shapes)
@@ -196,6 +197,8 @@ def host_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict | None, jax.Array |
     layouts = [entry[1] for entry in everyone if entry[1] is not None]
     if not layouts:
         return None, None
+    if any(layout != layouts[0] for layout in layouts):
+        raise ValueError(f"host_arrays: processes hold arrays of layouts {layouts}")
     (layers, k), devices = layouts[0], jax.local_device_count()
     total = max(1, max(entry[0] for entry in everyone))
     total = -(-total // devices) * devices
