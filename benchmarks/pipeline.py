@@ -78,7 +78,7 @@ def run(mode: str, steps: int, seed: int, segment_tokens: int) -> dict:
     config = RolloutConfig(group_size=4, fan_out=2, selection="random", prompt_style="compact",
                            max_new_tokens={"solver": BUDGET, "verifier": BUDGET,
                                            "corrector": BUDGET},
-                           segment_tokens=segment_tokens if mode == "pipeline" else None, staleness_bound=4,
+                           segment_tokens=segment_tokens if mode == "pipeline" else None,
                            max_prompt_tokens=512)
     engine = AgenticRollouts(tokenizer, config, seed=seed, encode=encode_chat)
     problems = ProblemIterator(datasets.load("arith", "train"), seed=seed)

@@ -61,7 +61,7 @@ def export_final(config: ConfigDict, run_dir: Path) -> tuple[Path, int]:
         checkpointer.close()
     if restored is None:
         raise FileNotFoundError(f"no readable checkpoint under {run_dir / 'checkpoints'}")
-    step, state, _ = restored
+    step, state = restored.step, restored.state
     graphdef, _ = nnx.split(model, nnx.Param)
     save_pretrained(nnx.merge(graphdef, state.params), out)
     step_file.write_text(str(step))

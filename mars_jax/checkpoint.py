@@ -1,5 +1,6 @@
 """Orbax checkpoints of a training run: train state (params, optimizer, update count) + JSON meta
-(step, data iterator position, pipeline queues and partial segments, counters).
+(step, data iterator position, pipeline queues and partial segments, counters) + optional arrays
+(the recorded routing of queued rollouts, `distributed.host_arrays`).
 
 Integrity rules:
   * Saves are asynchronous and atomic: orbax writes to `<step>.orbax-checkpoint-tmp` and renames
@@ -8,11 +9,11 @@ Integrity rules:
   * A save that fails (disk full, I/O error) raises `CheckpointSaveError` at the next `save`,
     `wait` or `close`, naming the step that failed and the previous intact one; the manager is
     re-read from disk, so it never points at the failed step.
-  * Every checkpoint stores a fingerprint of the state (a position-weighted sum of the bits of
-    every array, computed on device). Restore walks back from the newest step and skips, with a
-    warning, any checkpoint that fails to read or whose fingerprint does not match (truncated or
-    corrupted files); a skipped checkpoint is moved to `<directory>.unreadable/` so that the
-    resumed run can save that step again.
+  * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
+    position-weighted sum of the bits of every array, computed on device). Restore walks back
+    from the newest step and skips, with a warning, any checkpoint that fails to read or whose
+    fingerprint does not match (truncated or corrupted files); a skipped checkpoint is moved to
+    `<directory>.unreadable/` so that the resumed run can save that step again.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import hashlib
 import logging
 import os
 import shutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 FINGERPRINT_KEY = "state_fingerprint"
+ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
+
+
+class Restored(NamedTuple):
+    """A checkpoint read back by `Checkpointer.restore_latest`."""
+
+    step: int
+    state: Any
+    meta: dict
+    arrays: Any  # None when the checkpoint has no arrays or none were asked for
 
 
 class CheckpointSaveError(RuntimeError):
@@ -51,14 +63,19 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: int | None = None
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
-        """Starts saving `state` and `meta` as `step` (raises if an earlier save failed)."""
+    def save(self, step: int, state: Any, meta: dict, arrays: Any = None) -> None:
+        """Starts saving `state`, `meta` and the pytree of arrays `arrays` (if not None) as `step`
+        (raises if an earlier save failed)."""
         self.wait()
         meta = {**meta, FINGERPRINT_KEY: fingerprint(state)}
+        items = dict(state=ocp.args.StandardSave(state))
+        if arrays is not None:
+            meta[ARRAYS_FINGERPRINT_KEY] = fingerprint(arrays)
+            items["arrays"] = ocp.args.StandardSave(arrays)
         self._pending = step
         try:
             self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+                meta=ocp.args.JsonSave(meta), **items), force=True)
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
             self._failed(e)
 
@@ -78,24 +95,42 @@ class Checkpointer:
             f"checkpoint ({self.manager.latest_step()}) is intact: fix the storage (e.g. free disk "
             "space) and rerun to resume from it") from error
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, meta) of the newest intact checkpoint, or None if there is none."""
+    def restore_latest(self, abstract_state: Any,
+                       arrays_target: Callable[[dict], Any] | None = None) -> Restored | None:
+        """(step, state, meta, arrays) of the newest intact checkpoint, or None if there is none.
+
+        `arrays_target(meta)` gives the abstract pytree (shapes, dtypes, shardings) of a
+        checkpoint's arrays item from its meta; without it, arrays are not read."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-                meta = dict(restored.meta)
-                expected = meta.pop(FINGERPRINT_KEY, None)
-                if expected is not None and fingerprint(restored.state) != expected:
-                    raise CorruptCheckpoint("its state differs from the one saved (fingerprint)")
+                restored = self._restore(step, target, arrays_target)
             except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
                 logging.warning("checkpoint at step %d is unreadable (%s); trying an older one",
                                 step, e)
                 self._set_aside(step)
                 continue
-            return step, restored.state, meta
+            return restored
         return None
+
+    def _restore(self, step: int, target: Any, arrays_target: Callable[[dict], Any] | None
+                 ) -> Restored:
+        items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        if arrays_target is not None:
+            saved = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore())).meta
+            if ARRAYS_FINGERPRINT_KEY in saved:
+                items["arrays"] = ocp.args.StandardRestore(arrays_target(dict(saved)))
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        meta = dict(restored.meta)
+        expected = meta.pop(FINGERPRINT_KEY, None)
+        if expected is not None and fingerprint(restored.state) != expected:
+            raise CorruptCheckpoint("its state differs from the one saved (fingerprint)")
+        expected = meta.pop(ARRAYS_FINGERPRINT_KEY, None)
+        arrays = restored["arrays"] if "arrays" in items else None
+        if arrays is not None and fingerprint(arrays) != expected:
+            raise CorruptCheckpoint("its arrays differ from the ones saved (fingerprint)")
+        return Restored(step, restored.state, meta, arrays)
 
     def _set_aside(self, step: int) -> None:
         """Moves an unreadable checkpoint out of the manager's directory (kept for inspection)."""

@@ -10,7 +10,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
   ranges       counts and sizes that must be positive or at least some minimum;
   consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
                constant divisor, the mesh fits the devices, the segment
-               budget fits every role's max_new_tokens, the job's dataset can be found (manual dir
+               budget fits every role's max_new_tokens, no pipeline output needs more segments
+               than the staleness bound allows, the job's dataset can be found (manual dir
                or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for eval_system),
                an HTTP evaluation has a server URL and model name.
 
@@ -32,7 +33,7 @@ from mars_jax.agents.system import FALLBACKS
 from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES
-from mars_jax.rl.rollout import STAGE_ROLES
+from mars_jax.rl.rollout import STAGE_ROLES, segments_needed
 from mars_jax.rl.selection import POLICIES
 
 
@@ -78,7 +79,7 @@ AT_LEAST: dict[str, float] = {
     "rollout.prompts_per_step": 1, "rollout.fan_out": 1, "rollout.max_stages": 1,
     **{f"rollout.max_new_tokens.{role}": 1 for role in ("solver", "verifier", "corrector")},
     "rollout.segment_tokens": 0, "rollout.max_decode_rows": 0, "rollout.staleness_bound": 0,
-    "rollout.max_prompt_tokens": 1,
+    "rollout.max_prompt_tokens": 1, "rollout.max_inflight_rows": 0,
     "rollout.top_k": 0,
     "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
     "learner.ppo_epochs": 1, "learner.mini_batches": 1, "loss.max_response_len": 0,
@@ -250,6 +251,32 @@ def _segments(config: ConfigDict, device_count: int) -> Iterator[Problem]:
         yield Problem("rollout.segment_tokens", f"{segment} exceeds {roles}",
                       f"set it to at most {min(over.values())}, or 0 to decode each output in "
                       "one go")
+
+
+@_rule("rollout.mode", "rollout.segment_tokens", "rollout.staleness_bound",
+       "rollout.max_new_tokens", "rollout.roles_trained", "rollout.max_stages")
+def _staleness(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    """Pipeline mode decodes one segment of every pending output a step and never restarts one, so
+    an output of K segments trains K - 1 versions after its first: K - 1 must fit the bound."""
+    r = config.rollout
+    if r.mode != "pipeline" or r.segment_tokens <= 0:
+        return
+    stages = 1 if r.roles_trained == "solver" else min(r.max_stages, len(STAGE_ROLES))
+    roles = dict.fromkeys(STAGE_ROLES[:stages])
+    needed = {role: segments_needed(r.max_new_tokens[role], r.segment_tokens) for role in roles}
+    late = {role: k for role, k in needed.items() if k - 1 > r.staleness_bound}
+    if not late:
+        return
+    worst = max(late.values())
+    longest = max(r.max_new_tokens[role] for role in late)
+    what = ", ".join(f"rollout.max_new_tokens.{role}={r.max_new_tokens[role]} needs {k} segments"
+                     for role, k in late.items())
+    yield Problem("rollout.staleness_bound",
+                  f"{r.staleness_bound} is below {worst - 1}: at rollout.segment_tokens="
+                  f"{r.segment_tokens}, {what}, and pipeline mode trains an output of K segments "
+                  "K - 1 policy versions after its first segment",
+                  f"set rollout.staleness_bound >= {worst - 1}, or rollout.segment_tokens >= "
+                  f"{-(-longest // (r.staleness_bound + 1))}, or lower rollout.max_new_tokens")
 
 
 @_rule("job", "data", "eval.dataset", "eval.split")

@@ -10,6 +10,9 @@ backend. Every process then executes the same jitted programs on global arrays:
   * `gather_process_meta` / `local_process_meta` keep per-host checkpoint metadata (data iterator
     position, pipeline queues) in the one JSON item orbax writes from the primary host, while
     orbax itself saves and restores each host's shards of the train state;
+  * `host_arrays` / `unpack_host_arrays` carry each host's own named arrays (the recorded routing
+    of its queued rollouts) through orbax as one global array with a block per host, so hosts'
+    arrays never collide even where their names do; `host_arrays_target` is its restore target;
   * `any_process` lets data-dependent loops (sequential rollouts) stop on every host together;
   * `allgather_json` lets the sampler decode every host's requests in one SPMD program (whose
     results `sharding.fetch` reads back on every host).
@@ -181,3 +184,66 @@ def local_process_meta(saved: dict) -> dict:
         raise ValueError(f"checkpoint meta: written by {count} processes, this run has "
                          f"{jax.process_count()}; resume with the same number of hosts")
     return saved["processes"][jax.process_index()]
+
+
+def _host_block_sharding() -> jax.sharding.NamedSharding:
+    """Axis 0 over processes, axis 1 over each process's own devices (`host_arrays`' layout)."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(jax.process_count(), jax.local_device_count())
+    mesh = jax.sharding.Mesh(grid, ("process", "local"))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("process", "local"))
+
+
+def host_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict | None, jax.Array | None]:
+    """This process's non-negative integer `arrays`, equal in shape but on axis 1 (e.g. expert ids
+    `[L, T, k]`), packed along axis 1 into one global array `[processes, rows, L, k]`: process
+    i's block at index i, its rows split over its own devices, stored in the smallest unsigned
+    dtype that holds every process's values. Returns this process's JSON index (name -> rows,
+    layout, dtypes) for the checkpoint meta and the array; (None, None) when no process has any
+    array. A collective: call on every process."""
+    names = list(arrays)
+    shapes = [arrays[n].shape for n in names]
+    if any(len(a) != 3 or a[::2] != shapes[0][::2] for a in shapes):
+        raise ValueError(f"host_arrays: shapes {sorted(set(shapes))} are not 3-D, equal but on "
+                         "axis 1")
+    if any(arrays[n].min(initial=0) < 0 for n in names):
+        raise ValueError("host_arrays: negative values")
+    rows = sum(a[1] for a in shapes)
+    top = max((int(arrays[n].max(initial=0)) for n in names), default=0)
+    dtype = str(arrays[names[0]].dtype) if names else None
+    everyone = allgather_json([rows, list(shapes[0][::2]) if names else None, top, dtype])
+    layouts = [entry[1] for entry in everyone if entry[1] is not None]
+    if not layouts:
+        return None, None
+    if any(layout != layouts[0] for layout in layouts):
+        raise ValueError(f"host_arrays: processes hold arrays of layouts {layouts}")
+    (layers, k), devices = layouts[0], jax.local_device_count()
+    total = max(1, max(entry[0] for entry in everyone))
+    total = -(-total // devices) * devices
+    stored = np.min_scalar_type(max(entry[2] for entry in everyone))
+    block = np.zeros((total, layers, k), stored)
+    index, start = {}, 0
+    for name in names:
+        length = arrays[name].shape[1]
+        block[start:start + length] = np.moveaxis(arrays[name], 1, 0)
+        index[name] = [start, start + length]
+        start += length
+    shape = (jax.process_count(), total, layers, k)
+    array = jax.make_array_from_process_local_data(_host_block_sharding(), block[None], shape)
+    dtype = dtype or next(entry[3] for entry in everyone if entry[3] is not None)
+    return dict(rows=index, shape=list(shape), stored_dtype=stored.name, dtype=dtype), array
+
+
+def host_arrays_target(index: dict) -> jax.ShapeDtypeStruct:
+    """The restore target of the array `host_arrays` returned with `index`."""
+    return jax.ShapeDtypeStruct(tuple(index["shape"]), np.dtype(index["stored_dtype"]),
+                                sharding=_host_block_sharding())
+
+
+def unpack_host_arrays(index: dict, array: jax.Array) -> dict[str, np.ndarray]:
+    """This process's named arrays back from `host_arrays` output (read back from a checkpoint)."""
+    shards = sorted(array.addressable_shards, key=lambda shard: shard.index[1].start or 0)
+    block = np.concatenate([np.asarray(shard.data)[0] for shard in shards], axis=0)
+    dtype = np.dtype(index["dtype"])
+    return {name: np.ascontiguousarray(np.moveaxis(block[start:stop], 0, 1)).astype(dtype)
+            for name, (start, stop) in index["rows"].items()}

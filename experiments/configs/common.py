@@ -38,7 +38,15 @@ def base_config() -> ConfigDict:
         max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
         segment_tokens=0,           # 0 = decode each output in one go
         max_decode_rows=0,          # rows per decode call (KV-cache memory); 0 = all at once
+        # Pipeline mode: versions a trained sample may lag its first segment; a config whose
+        # outputs need more than staleness_bound + 1 segments is rejected at start-up.
         staleness_bound=1, max_prompt_tokens=1024,
+        # Pipeline mode admits new problems only while fewer rows than this are pending;
+        # 0 = mars_jax.rl.pipeline.auto_inflight_rows (steady state at full budgets).
+        max_inflight_rows=0,
+        # An output ended by length: Solver / Corrector reward (its text is not graded), and
+        # whether it may be a Verifier's parent (a truncated Verifier output earns 0, no verdict).
+        truncated_reward=0.0, verify_truncated=False,
         temperature=1.0, top_p=1.0, top_k=0, enable_thinking=False,
         prompt_style="full",        # 'full' | 'compact' (tiny models, byte-level tokenizer)
         # Zero-variance groups: dropped, or (False) kept in the batch with a zero loss mask.

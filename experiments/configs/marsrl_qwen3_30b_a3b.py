@@ -18,6 +18,14 @@ Paper settings: lr 1e-6 constant, 128 prompts x group 8, temperature 0.85, top_p
 Update: GRPO with seq-mean-token-mean aggregation (Eq. 2), 4 mini-batches per step, pi_old
 recomputed at the start of the step (decoupled objective, behaviour weight capped at 2).
 
+At 64k: each pipeline step decodes one 16k segment of every pending output, so an output finishes
+within 4 steps of its first segment (a partial one is re-prefilled and continued under the latest
+policy, never restarted) and its group trains at most 3 policy versions after it started:
+`staleness_bound=3` (the config check rejects less). New problems are admitted while fewer than
+128 x 8 x (1 + 2 x 4) x 4 = 36,864 rows are pending (`max_inflight_rows=0`, the automatic cap).
+An output that reaches 64k without a stop token earns 0 and is never verified; the template's
+generation prompt opens `<think>`, so text before `</think>` is never read as answer or verdict.
+
 Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128, vocab 151,936):
   parameters bf16                 61 GB   sharded over every chip (fsdp = all)
   AdamW mu + nu (param dtype)    122 GB
@@ -87,6 +95,7 @@ def get_config(arg: str | None = None):
     for role in ("solver", "verifier", "corrector"):
         c.rollout.max_new_tokens[role] = 64 * 1024
     c.rollout.segment_tokens = 16 * 1024
+    c.rollout.staleness_bound = 3  # 4 segments: trained at most 3 versions after the first
     c.rollout.enable_thinking = True
     # Optimizer: constant 1e-6.
     c.optimizer.learning_rate = 1e-6

@@ -31,6 +31,9 @@ def get_config():
     # A random model earns no reward, so every group has zero variance: keep those samples (with
     # a zero loss mask) so that every step still runs the update program.
     c.rollout.drop_zero_variance = False
+    # A random tiny model seldom stops by itself: let its truncated Solver and Corrector outputs
+    # reach the Verifier (they still earn 0), so that every stage of the pipeline runs.
+    c.rollout.verify_truncated = True
     # Optimizer.
     c.optimizer.learning_rate = 1e-4
     c.learner.micro_batch_size = 16

@@ -92,6 +92,7 @@ def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Reco
     first = stages.parse_solution(result.steps[0].completion)
     texts = [first.solution, *(c.solution for c in result.candidates)]
     solver_correct, *candidates_correct = grade_many(texts, [problem.answer] * len(texts))
+    solver_correct = solver_correct and first.usable  # a truncated output is never graded
     return {
         "problem_id": problem.id,
         "sample": sample,
@@ -112,7 +113,8 @@ def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Reco
         ],
         "steps": [
             {"role": s.role, "finish_reason": s.completion.finish_reason, "num_tokens": s.completion.num_tokens,
-             **({"verdict": s.verdict, "report": prompts.bug_report(s.completion.text)}
+             **({"verdict": s.verdict, "report": prompts.bug_report(
+                 s.completion.text, thinking_open=s.completion.thinking_open)}
                 if s.role == "verifier" else {})}
             for s in result.steps
         ],

@@ -39,6 +39,8 @@ class Completion:
             'error' (the policy could not serve it; text is empty).
         num_tokens: number of generated tokens.
         prompt_ids, token_ids, logprobs: filled by in-process policies, for RL.
+        thinking_open: the prompt opened a `<think>` that `text` continues (e.g. the
+            Qwen3-Thinking-2507 template), so text before any `</think>` is thought.
     """
 
     text: str
@@ -47,6 +49,7 @@ class Completion:
     prompt_ids: tuple[int, ...] | None = None
     token_ids: tuple[int, ...] | None = None
     logprobs: tuple[float, ...] | None = None
+    thinking_open: bool = False
 
 
 class Policy(Protocol):

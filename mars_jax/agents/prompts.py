@@ -126,13 +126,13 @@ def corrector_messages(problem: str, solution: str, report: str, style: str = "f
     )
 
 
-def bug_report(verifier_text: str) -> str:
+def bug_report(verifier_text: str, *, thinking_open: bool = False) -> str:
     """Final Verdict + List of Findings of a Verifier output.
 
-    Thinking is stripped and everything from the last Correctness heading on is
-    dropped (the prompt asks for Correctness as the last part).
+    Thinking is stripped (`thinking_open` as in `strip_thinking`) and everything from the
+    last Correctness heading on is dropped (the prompt asks for Correctness as the last part).
     """
-    text = strip_thinking(verifier_text)
+    text = strip_thinking(verifier_text, thinking_open=thinking_open)
     headings = list(_CORRECTNESS_HEADING.finditer(text))
     if headings:
         text = text[: headings[-1].start()]

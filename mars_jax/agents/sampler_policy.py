@@ -35,15 +35,19 @@ class SamplerPolicy:
         self._top_k = top_k
         self._seed = seed
         self._enable_thinking = enable_thinking
+        self._thinking_open: bool | None = None  # read from the template on the first call
         self._calls = 0
 
     def complete(self, requests: Sequence[ChatRequest]) -> list[Completion]:
         # Imported here so that the agents package does not pull in JAX and the model code.
-        from mars_jax.data.tokenizer import encode_chat, eos_token_ids
+        from mars_jax.data.tokenizer import encode_chat, eos_token_ids, generation_opens_thinking
         from mars_jax.sampling import generate
 
         if not requests:
             return []
+        if self._thinking_open is None:
+            self._thinking_open = generation_opens_thinking(
+                self._tokenizer, enable_thinking=self._enable_thinking)
         prompts = [
             encode_chat(self._tokenizer, list(r.messages), enable_thinking=self._enable_thinking,
                         add_generation_prompt=True)
@@ -67,5 +71,6 @@ class SamplerPolicy:
                 prompt_ids=tuple(prompt),
                 token_ids=tuple(ids),
                 logprobs=tuple(float(x) for x in logprobs),
+                thinking_open=self._thinking_open,
             ))
         return completions

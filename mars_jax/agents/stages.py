@@ -75,12 +75,14 @@ def corrector_request(problem: str, solution: str, report: str, max_new_tokens: 
 
 
 def parse_solution(completion: Completion) -> SolutionOutput:
-    solution = strip_thinking(completion.text).strip()
+    solution = strip_thinking(completion.text, thinking_open=completion.thinking_open).strip()
     return SolutionOutput(completion, solution, extract_answer(solution))
 
 
 def parse_verification(completion: Completion) -> VerificationOutput:
-    return VerificationOutput(completion, parse_verdict(completion.text), prompts.bug_report(completion.text))
+    text, opened = completion.text, completion.thinking_open
+    return VerificationOutput(completion, parse_verdict(text, thinking_open=opened),
+                              prompts.bug_report(text, thinking_open=opened))
 
 
 def solve(policy: Policy, problems: Sequence[str], *, max_new_tokens: int) -> list[SolutionOutput]:

@@ -8,6 +8,8 @@
   bytes (id = byte value, so every text round-trips) plus Qwen3's `<|endoftext|>`,
   `<|im_start|>`, `<|im_end|>`, `<think>` and `</think>`, and Qwen3's chat template.
 * `encode_chat`, `eos_token_ids`: chat prompts to ids, and the ids that end a turn.
+* `generation_opens_thinking`: whether a template's generation prompt opens a thought (Qwen3-
+  Thinking-2507 ends it with `<think>`), so a response without `</think>` is all thought.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import importlib.util
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -117,3 +119,20 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
         if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in ids:
             ids.append(token_id)
     return tuple(ids)
+
+
+def generation_opens_thinking(tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool,
+                              encode: Callable[..., list[int]] = encode_chat) -> bool:
+    """Whether the generation prompt of `tokenizer`'s chat template (as `encode` renders it)
+    leaves a `<think>` open, so that the model's response starts inside a thought.
+
+    Read once from the encoded generation prompt of a one-turn chat: the ids that
+    `add_generation_prompt=True` adds, decoded with special tokens kept."""
+    probe = [{"role": "user", "content": "?"}]
+    with_prompt = encode(tokenizer, probe, enable_thinking=enable_thinking,
+                         add_generation_prompt=True)
+    without = encode(tokenizer, probe, enable_thinking=enable_thinking,
+                     add_generation_prompt=False)
+    added = with_prompt[len(without):] if with_prompt[:len(without)] == without else with_prompt
+    text = tokenizer.decode(added, skip_special_tokens=False)
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)

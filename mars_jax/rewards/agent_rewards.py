@@ -1,10 +1,15 @@
 """MarsRL's agent-specific 0/1 rewards.
 
-* Solver and Corrector: 1 iff the response boxes an answer equivalent to the reference.
-* Verifier: 1 iff its Correctness verdict equals the judged solution's actual
-  correctness; a verdict that cannot be read earns 0.
+* Solver and Corrector (`answer_reward`): 1 iff the response ended by itself and boxes,
+  outside its thinking, an answer equivalent to the reference. An unfinished response (it
+  ended by length) is never graded from its text: it earns `truncated_reward` (default 0).
+* Verifier (`verifier_reward`): 1 iff the response ended by itself and its Correctness
+  verdict equals the judged solution's actual correctness; a verdict that cannot be read,
+  or a truncated report (it has no verdict), earns 0.
 
-For batches use `grader.grade_many` (parallel) and `verifier_reward` per item.
+`thinking_open`: the response continues a `<think>` its prompt opened (see
+`text.strip_thinking`); text inside an unclosed thought is never read as an answer or verdict.
+For batches use `grader.grade_many` (parallel) on the finished responses.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ _VERDICT = re.compile(r"(correct|wrong|incorrect)(?:\s*[^\w\s/|].*)?", re.IGNORE
 _VALUES = {"correct": True, "wrong": False, "incorrect": False}
 
 
-def parse_verdict(text: str) -> bool | None:
+def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
     """The Verifier's verdict: True for "Correct", False for "Wrong" (or "Incorrect").
 
     Reads the value of the last Correctness heading after thinking is stripped: the
@@ -35,7 +40,7 @@ def parse_verdict(text: str) -> bool | None:
     followed by punctuation): "Not correct", "Correct or Wrong", "Partially correct"
     are None. Matching is whole-word, so "Incorrect" never reads as "Correct".
     """
-    visible = strip_thinking(text)
+    visible = strip_thinking(text, thinking_open=thinking_open)
     headings = list(_HEADING.finditer(visible))
     if not headings:
         return None
@@ -48,17 +53,18 @@ def parse_verdict(text: str) -> bool | None:
     return None
 
 
-def solver_reward(response: str, gold: str) -> float:
-    """1.0 iff the Solver's response boxes an answer equivalent to `gold`."""
-    return float(grade(response, gold))
+def answer_reward(text: str, gold: str, finished: bool, *, truncated_reward: float = 0.0,
+                  thinking_open: bool = False) -> float:
+    """Solver / Corrector: 1.0 iff `finished` and `text` boxes an answer equivalent to `gold`
+    outside its thinking, else 0.0; `truncated_reward` when not `finished` (text unread)."""
+    if not finished:
+        return truncated_reward
+    return float(grade(text, gold, thinking_open=thinking_open))
 
 
-def corrector_reward(response: str, gold: str) -> float:
-    """1.0 iff the Corrector's revised solution boxes an answer equivalent to `gold`."""
-    return float(grade(response, gold))
-
-
-def verifier_reward(verdict_text: str, solution_is_correct: bool) -> float:
-    """1.0 iff the Verifier's verdict equals `solution_is_correct`; unreadable verdict: 0.0."""
-    verdict = parse_verdict(verdict_text)
-    return float(verdict is not None and verdict == solution_is_correct)
+def verifier_reward(text: str, judged_correct: bool, finished: bool, *,
+                    thinking_open: bool = False) -> float:
+    """1.0 iff `finished` and the verdict of `text` equals `judged_correct` (whether the judged
+    solution is actually correct); an unreadable verdict or a truncated report: 0.0."""
+    verdict = parse_verdict(text, thinking_open=thinking_open) if finished else None
+    return float(verdict is not None and verdict == judged_correct)

@@ -31,13 +31,14 @@ _pool: GraderPool | None = None
 _pool_lock = threading.Lock()
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, *, thinking_open: bool = False) -> str | None:
     """The last `\\boxed{...}` or `\\fbox{...}` content after the last `</think>`, stripped.
 
     Nested braces are matched. Returns None when there is no complete box (including
-    when the response never leaves an open `<think>`; see `text.strip_thinking`).
+    when the response never leaves an open `<think>`, or never closes the one its prompt
+    opened with `thinking_open`; see `text.strip_thinking`).
     """
-    boxed = last_boxed(strip_thinking(text))
+    boxed = last_boxed(strip_thinking(text, thinking_open=thinking_open))
     return None if boxed is None else boxed.strip()
 
 
@@ -134,9 +135,12 @@ def is_equivalent_many(
     return _equivalent_pairs(list(zip(preds, golds)), timeout, num_workers)
 
 
-def grade(response: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
-    """Whether a whole model `response` boxes an answer equivalent to `gold`."""
-    return grade_many([response], [gold], timeout=timeout, num_workers=None)[0]
+def grade(response: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT,
+          thinking_open: bool = False) -> bool:
+    """Whether a whole model `response` boxes an answer equivalent to `gold` (outside thinking;
+    `thinking_open` as in `extract_answer`)."""
+    return grade_many([response], [gold], timeout=timeout, num_workers=None,
+                      thinking_open=thinking_open)[0]
 
 
 def grade_many(
@@ -145,6 +149,7 @@ def grade_many(
     num_workers: int | None = None,
     *,
     timeout: float = DEFAULT_TIMEOUT,
+    thinking_open: bool = False,
 ) -> list[bool]:
     """`grade` for each (response, gold) pair, in parallel on `num_workers` processes.
 
@@ -158,7 +163,7 @@ def grade_many(
     for index, (response, gold) in enumerate(zip(responses, golds)):
         _check_str(f"responses[{index}]", response)
         _check_str(f"golds[{index}]", gold)
-        answer = extract_answer(response)
+        answer = extract_answer(response, thinking_open=thinking_open)
         if answer is not None:
             pairs.append((answer, gold))
             slots.append(index)

@@ -1,6 +1,6 @@
 """Text helpers shared by the agents and the grader: thinking removal and boxed answers.
 
-Both functions are linear-time scans, safe on any input size.
+Every function is a linear-time scan, safe on any input size.
 """
 
 from __future__ import annotations
@@ -15,17 +15,21 @@ THINK_CLOSE = "</think>"
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 
 
-def strip_thinking(text: str) -> str:
+def strip_thinking(text: str, *, thinking_open: bool = False) -> str:
     """The part of `text` a reader should see: thinking removed.
 
     Everything up to and including the last `</think>` is dropped. A `<think>` left
     after that point was never closed (e.g. a generation truncated mid-thought), so
     everything from it to the end is dropped too: an unfinished thought has no final
-    answer. Whitespace is kept as is.
+    answer. `thinking_open`: the text continues a `<think>` its prompt opened (the
+    Qwen3-Thinking-2507 template), so without a `</think>` all of it is thought and
+    nothing is visible. Whitespace is kept as is.
     """
     close = text.rfind(THINK_CLOSE)
     if close >= 0:
         text = text[close + len(THINK_CLOSE) :]
+    elif thinking_open:
+        return ""
     unclosed = text.find(THINK_OPEN)
     if unclosed >= 0:
         text = text[:unclosed]

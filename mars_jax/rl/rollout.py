@@ -5,14 +5,23 @@ A problem's stage s spawns its rollouts only once every rollout of stage s-1 has
 Solver samples a group of G; each later stage picks `fan_out` outputs of the stage before
 (`mars_jax.rl.selection`: random | balanced | adaptive; the Corrector only takes Verifier outputs
 that report an error) and samples a group of G for each. A trajectory stops early when no
-eligible parent remains (e.g. every Verifier output passed the solution). A truncated Solver or
-Corrector output can still be verified (it is graded like any other); a truncated Verifier output
-has no Correctness verdict, so it never reaches the Corrector.
+eligible parent remains (e.g. every Verifier output passed the solution).
+
+Truncation: an output that ended by length (no stop token) is never graded from its text. A
+Solver or Corrector output earns `truncated_reward` (default 0) and is not handed to a Verifier
+unless `verify_truncated`; a truncated Verifier output has no verdict, earns 0 and never reaches
+the Corrector. Text inside an unclosed thought is never read as an answer or a verdict: when the
+chat template's generation prompt opens `<think>` (Qwen3-Thinking-2507; read once from the
+encoded generation prompt, `thinking_open`), a response without `</think>` is all thought.
 
 Segments: a rollout asks for at most `segment_tokens` new tokens per decode; an unfinished one is
-resumed in a later decode by re-prefilling prompt + partial response under the then-current policy.
-A partial rollout whose first segment is more than `staleness_bound` policy versions old restarts
-from scratch, so no trained sample is staler than the bound.
+resumed in a later decode by re-prefilling prompt + partial response under the then-current policy
+(continued, never restarted). Each token keeps the log-probability, and with routing replay the
+expert ids of its position, recorded by the decode that produced it. A pipeline step decodes one
+segment of every pending rollout, so an output of K = ceil(max_new_tokens / segment_tokens)
+segments finishes within K steps of its first segment, and its group (whose members start
+together) trains at most K - 1 policy versions after it started; the config check rejects a
+`rollout.staleness_bound` below that (`segments_needed`).
 
 Context overflow rule: when a Verifier or Corrector prompt would exceed `max_prompt_tokens`, the
 embedded solution (then the report) keeps only its tail (where the final answer is), after a
@@ -24,14 +33,16 @@ counted in `context_drops`, with a warning. Overflow never stops training.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from mars_jax.agents import prompts
+from mars_jax.data.tokenizer import generation_opens_thinking
 from mars_jax.rewards import grader
 from mars_jax.rewards.agent_rewards import parse_verdict, verifier_reward
 from mars_jax.rewards.text import strip_thinking
@@ -45,6 +56,13 @@ class ContextOverflow(ValueError):
     """A prompt exceeds `max_prompt_tokens` even after the overflow rule's cuts."""
 
 
+def segments_needed(max_new_tokens: int, segment_tokens: int | None) -> int:
+    """Decodes an output of up to `max_new_tokens` tokens takes: ceil(max_new_tokens /
+    segment_tokens), 1 without segments. In pipeline mode it trains at most this minus 1 versions
+    after its first segment."""
+    return -(-max_new_tokens // segment_tokens) if segment_tokens else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How rollouts are grown and cut."""
@@ -56,10 +74,11 @@ class RolloutConfig:
     max_new_tokens: dict = dataclasses.field(
         default_factory=lambda: {"solver": 512, "verifier": 512, "corrector": 512})
     segment_tokens: int | None = None
-    staleness_bound: int = 1
     max_prompt_tokens: int = 2048
     enable_thinking: bool = False
     prompt_style: str = "full"
+    truncated_reward: float = 0.0   # reward of a Solver / Corrector output ended by length
+    verify_truncated: bool = False  # whether such an output may be a Verifier's parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +119,17 @@ class Rollout:
     finish_reason: str | None = None
     text: str = ""
     reward: float = 0.0
-    expert_ids: Any = None
+    verdict: bool | None = None          # Verifier: parsed Correctness (None: unreadable/truncated)
+    expert_ids: Any = None               # [L_moe, prompt + response, k] recorded routing
+
+    @property
+    def finished_by_itself(self) -> bool:
+        return self.finish_reason == "stop"
+
+    @property
+    def solved(self) -> bool:
+        """Solver / Corrector: ended by itself and its boxed answer is right."""
+        return self.finished_by_itself and self.reward == 1.0
 
     @property
     def role(self) -> str:
@@ -111,8 +140,9 @@ class Rollout:
         return (self.problem_uid, self.stage, self.parent_uid)
 
     def to_json(self) -> dict:
+        """Every field but `expert_ids` (checkpointed as arrays: `AgenticRollouts.routing`)."""
         data = dataclasses.asdict(self)
-        data["expert_ids"] = None  # re-recorded when a partial rollout is resumed
+        data["expert_ids"] = None
         return data
 
 
@@ -131,11 +161,12 @@ class AgenticRollouts:
                  encode: Callable[..., list[int]]):
         self.tokenizer, self.config, self.encode = tokenizer, config, encode
         self.rng = np.random.default_rng(seed)
+        self.thinking_open = generation_opens_thinking(
+            tokenizer, enable_thinking=config.enable_thinking, encode=encode)
         self.pending: list[Rollout] = []
         self.trees: dict[str, ProblemTree] = {}
         self.context_cuts = 0
         self.context_drops = 0
-        self.restarts = 0
 
     # --- building rollouts -------------------------------------------------------------------
 
@@ -191,14 +222,11 @@ class AgenticRollouts:
     def _budget(self, rollout: Rollout) -> int:
         return self.config.max_new_tokens[rollout.role] - len(rollout.response_ids)
 
-    def take_requests(self, version: int) -> tuple[list[Rollout], list[GenerationRequest]]:
-        """Pops every pending rollout (restarting over-stale partial ones) with its request."""
+    def take_requests(self) -> tuple[list[Rollout], list[GenerationRequest]]:
+        """Pops every pending rollout with its request (a partial one continues where it ended)."""
         batch, self.pending = self.pending, []
         requests = []
         for r in batch:
-            if r.response_ids and version - r.first_version > self.config.staleness_bound:
-                r.response_ids, r.logprobs, r.first_version = [], [], None
-                self.restarts += 1
             budget = self._budget(r)
             if self.config.segment_tokens:
                 budget = min(budget, self.config.segment_tokens)
@@ -217,7 +245,7 @@ class AgenticRollouts:
                 r.first_version = version
             r.response_ids += list(out.token_ids)
             r.logprobs += list(out.logprobs)
-            r.expert_ids = out.expert_ids
+            r.expert_ids = _carry_routing(r, out.expert_ids)
             if out.finish_reason == "stop" or self._budget(r) <= 0:
                 r.finish_reason = "stop" if out.finish_reason == "stop" else "length"
                 r.text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
@@ -235,13 +263,21 @@ class AgenticRollouts:
         return groups
 
     def _grade(self, finished: Sequence[Rollout]) -> None:
-        answer_roles = [r for r in finished if r.role != "verifier"]
-        golds = [self.trees[r.problem_uid].problem["answer"] for r in answer_roles]
-        for r, ok in zip(answer_roles, grader.grade_many([r.text for r in answer_roles], golds)):
+        """Rewards per `mars_jax.rewards.agent_rewards` (truncated answers are not read)."""
+        opened = self.thinking_open
+        graded = [r for r in finished if r.role != "verifier" and r.finished_by_itself]
+        golds = [self.trees[r.problem_uid].problem["answer"] for r in graded]
+        for r, ok in zip(graded, grader.grade_many([r.text for r in graded], golds,
+                                                   thinking_open=opened)):
             r.reward = float(ok)
         for r in finished:
-            if r.role == "verifier":
-                r.reward = verifier_reward(r.text, bool(r.judged_correct))
+            if r.role != "verifier" and not r.finished_by_itself:
+                r.reward = self.config.truncated_reward
+            elif r.role == "verifier":
+                done = r.finished_by_itself
+                r.verdict = parse_verdict(r.text, thinking_open=opened) if done else None
+                r.reward = verifier_reward(r.text, bool(r.judged_correct), done,
+                                           thinking_open=opened)
 
     def _complete_groups(self, tree: ProblemTree, finished: Sequence[Rollout]) -> list[list[Rollout]]:
         keys = dict.fromkeys(r.group_key for r in finished if r.problem_uid == tree.uid)
@@ -265,12 +301,13 @@ class AgenticRollouts:
             del self.trees[tree.uid]
 
     def _spawn_children(self, tree: ProblemTree, parents: list[Rollout], stage: int) -> None:
-        usable = list(parents)
         role = STAGE_ROLES[stage]
         if role == "verifier":
-            candidates = [Candidate(is_correct=r.reward == 1.0) for r in usable]
-        else:
-            candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=parse_verdict(r.text))
+            usable = [r for r in parents if r.finished_by_itself or self.config.verify_truncated]
+            candidates = [Candidate(is_correct=r.solved) for r in usable]
+        else:  # a truncated Verifier output has no verdict: never eligible
+            usable = list(parents)
+            candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=r.verdict)
                           for r in usable]
         chosen = select_parents(candidates, stage=role, fan_out=self.config.fan_out,
                                 policy=self.config.selection, rng=self.rng)
@@ -279,12 +316,12 @@ class AgenticRollouts:
             parent = usable[index]
             try:
                 if role == "verifier":
-                    solution = strip_thinking(parent.text)
+                    solution = strip_thinking(parent.text, thinking_open=self.thinking_open)
                     ids = self._fit(lambda s: prompts.verifier_messages(problem, s, style),
                                     solution)
-                    extra = dict(solution=solution, judged_correct=parent.reward == 1.0)
+                    extra = dict(solution=solution, judged_correct=parent.solved)
                 else:
-                    report = prompts.bug_report(parent.text)
+                    report = prompts.bug_report(parent.text, thinking_open=self.thinking_open)
                     ids = self._fit(
                         lambda s, rep: prompts.corrector_messages(problem, s, rep, style),
                         parent.solution or "", report)
@@ -297,7 +334,8 @@ class AgenticRollouts:
     # --- checkpointing -----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """JSON-serialisable state: pending rollouts, trees in flight, selection RNG, counters."""
+        """JSON-serialisable state: pending rollouts, trees in flight, selection RNG, counters
+        (recorded routing is kept apart, as arrays: `routing`)."""
         def tree_json(t: ProblemTree) -> dict:
             return dict(uid=t.uid, problem=t.problem, spawned={str(k): v for k, v in t.spawned.items()},
                         finished={str(k): [r.to_json() for r in v] for k, v in t.finished.items()})
@@ -305,16 +343,54 @@ class AgenticRollouts:
         return dict(pending=[r.to_json() for r in self.pending],
                     trees=[tree_json(t) for t in self.trees.values()],
                     rng=self.rng.bit_generator.state, context_cuts=self.context_cuts,
-                    context_drops=self.context_drops, restarts=self.restarts)
+                    context_drops=self.context_drops)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.pending = [Rollout(**r) for r in state["pending"]]
+    def routing(self) -> dict[str, np.ndarray]:
+        """Recorded expert ids, by uid, of every rollout still to be trained: the pending ones
+        (partial routing) and the finished ones whose group is still incomplete."""
+        waiting = []
+        for tree in self.trees.values():
+            for members in tree.finished.values():
+                sizes = collections.Counter(r.group_key for r in members)
+                waiting += [r for r in members if sizes[r.group_key] < self.config.group_size]
+        return {r.uid: r.expert_ids for r in (*self.pending, *waiting) if r.expert_ids is not None}
+
+    def load_state_dict(self, state: dict, routing: Mapping[str, np.ndarray] | None = None
+                        ) -> None:
+        """Restores `state_dict()` output, and `routing()` output into the rollouts' expert ids.
+        Reads older checkpoints too (a `restarts` counter, no `verdict`s)."""
+        routing = routing or {}
+
+        def rollout(data: dict) -> Rollout:
+            r = Rollout(**data)
+            r.expert_ids = routing.get(r.uid)
+            if "verdict" not in data and r.role == "verifier" and r.finished_by_itself:
+                r.verdict = parse_verdict(r.text, thinking_open=self.thinking_open)
+            return r
+
+        self.pending = [rollout(r) for r in state["pending"]]
         self.trees = {}
         for t in state["trees"]:
             self.trees[t["uid"]] = ProblemTree(
                 uid=t["uid"], problem=t["problem"],
                 spawned={int(k): v for k, v in t["spawned"].items()},
-                finished={int(k): [Rollout(**r) for r in v] for k, v in t["finished"].items()})
+                finished={int(k): [rollout(r) for r in v] for k, v in t["finished"].items()})
         self.rng.bit_generator.state = state["rng"]
-        self.context_cuts, self.restarts = state["context_cuts"], state["restarts"]
+        self.context_cuts = state["context_cuts"]
         self.context_drops = state.get("context_drops", 0)  # absent in older checkpoints
+
+
+def _carry_routing(rollout: Rollout, recorded: np.ndarray | None) -> np.ndarray | None:
+    """`rollout`'s expert ids after a decode that recorded `recorded` ([L_moe, prompt + response
+    so far, k]): positions routed by an earlier segment keep that routing, new ones take the
+    decode's. None when the decode recorded none."""
+    if recorded is None:
+        return None
+    positions = len(rollout.prompt_ids) + len(rollout.response_ids)
+    if recorded.shape[1] != positions:
+        raise ValueError(f"rollout {rollout.uid}: routing of {recorded.shape[1]} positions for "
+                         f"{positions} tokens")
+    known = rollout.expert_ids
+    if known is None:
+        return recorded
+    return np.concatenate([known, recorded[:, known.shape[1]:]], axis=1)

@@ -11,8 +11,9 @@ Several processes (`experiments/run.py --num_processes=...`, or a detected TPU p
 run one job on a global mesh: each host draws its own problems and keeps its own rollout queues;
 every decode is one SPMD program over all hosts' requests (`SamplerGenerator`); the update trains
 on all hosts' samples joined into one global batch (`distributed.global_train_batch`); checkpoints
-hold each host's data and queue state (`distributed.gather_process_meta`). Rollout metrics are
-per host (host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are global.
+hold each host's data and queue state (`distributed.gather_process_meta`) and the recorded routing
+of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics are per host
+(host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are global.
 """
 from __future__ import annotations
 
@@ -33,12 +34,11 @@ from mars_jax import builders, distributed, sharding
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
-from mars_jax.rewards.agent_rewards import parse_verdict
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update, summarize_updates
 from mars_jax.rl.losses import LossConfig
-from mars_jax.rl.pipeline import rollout_step, trainable
+from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
 from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
                                  RolloutConfig, Rollout)
 from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer
@@ -121,8 +121,9 @@ def rollout_config(config: ConfigDict) -> RolloutConfig:
         group_size=r.group_size, fan_out=r.fan_out, selection=r.selection,
         max_stages=1 if r.roles_trained == "solver" else r.max_stages,
         max_new_tokens=dict(r.max_new_tokens), segment_tokens=r.segment_tokens or None,
-        staleness_bound=r.staleness_bound, max_prompt_tokens=r.max_prompt_tokens,
-        enable_thinking=r.enable_thinking, prompt_style=r.prompt_style)
+        max_prompt_tokens=r.max_prompt_tokens, enable_thinking=r.enable_thinking,
+        prompt_style=r.prompt_style, truncated_reward=r.truncated_reward,
+        verify_truncated=r.verify_truncated)
 
 
 # Fields of config.loss that are not `LossConfig` fields (they act outside the loss function).
@@ -154,7 +155,7 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     verifiers = [r for r in samples if r.role == "verifier"]
     metrics["verifier/accuracy"] = metrics["reward/verifier"]
     wrong = [r for r in verifiers if not r.judged_correct]
-    metrics["verifier/recall"] = (float(np.mean([parse_verdict(r.text) is False for r in wrong]))
+    metrics["verifier/recall"] = (float(np.mean([r.verdict is False for r in wrong]))
                                   if wrong else float("nan"))
     return metrics
 
@@ -251,12 +252,15 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                                 async_save=config.checkpoint.async_save)
     learner = learner_config(config)
     start, nonfinite_streak, version = 0, 0, 0
-    restored = checkpointer.restore_latest(state)
+    restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
+        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])})
     if restored is not None:
-        start, state, saved = restored
+        start, state, saved, arrays = restored
         meta = distributed.local_process_meta(saved)
         problems.set_state(meta["data"])
-        engine.load_state_dict(meta["rollouts"])
+        routing = (distributed.unpack_host_arrays(meta["routing"], arrays["routing"])
+                   if arrays is not None else None)
+        engine.load_state_dict(meta["rollouts"], routing)
         nonfinite_streak = meta["nonfinite_streak"]
         version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
         logging.info("resumed from step %d", start)
@@ -264,6 +268,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     host = jax.process_index()
     writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path, resume_step=start)
     eos = eos_token_ids(tokenizer)
+    inflight_cap = config.rollout.max_inflight_rows or auto_inflight_rows(
+        engine.config, config.rollout.prompts_per_step)
     metrics: dict[str, float] = {}
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
@@ -280,6 +286,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                 rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,
                                         prompts_per_step=config.rollout.prompts_per_step,
                                         step=step, version=version,
+                                        max_inflight_rows=inflight_cap,
                                         any_process=distributed.any_process)
             t1 = time.perf_counter()
             groups = trainable(rollouts.groups, config.rollout.roles_trained)
@@ -289,14 +296,13 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             metrics = role_metrics(rollouts.groups)
             metrics.update({
                 "tokens_per_second": rollouts.generated_tokens / max(t1 - t0, 1e-9),
-                "staleness/max": max((version - r.first_version for g in groups for r in g),
-                                     default=0),
+                "staleness/max": max_staleness(groups, version),
                 "samples/trained": len(samples), "decode/calls": len(rollouts.decode_batches),
                 "decode/requests": sum(sum(b.values()) for b in rollouts.decode_batches),
                 "rollouts/pending": len(engine.pending),
                 "rollouts/context_cuts": engine.context_cuts,
                 "rollouts/context_drops": engine.context_drops,
-                "rollouts/restarts": engine.restarts, "time/rollout": t1 - t0})
+                "time/rollout": t1 - t0})
             for stage in range(5):
                 metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
             if distributed.any_process(bool(samples)):
@@ -327,9 +333,12 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             preempted = distributed.any_process(sigterm.raised)
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):
+                routing_index, routing = distributed.host_arrays(engine.routing())
                 checkpointer.save(step, state, distributed.gather_process_meta({
                     "data": problems.get_state(), "rollouts": engine.state_dict(),
-                    "nonfinite_streak": nonfinite_streak, "policy_version": version}))
+                    "routing": routing_index, "nonfinite_streak": nonfinite_streak,
+                    "policy_version": version}),
+                    arrays=None if routing is None else {"routing": routing})
             if preempted and step < config.total_steps:
                 checkpointer.wait()
                 raise Preempted(f"SIGTERM at step {step}; " + (

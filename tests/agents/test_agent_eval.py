@@ -91,6 +91,18 @@ def test_failed_pair_has_no_answer_and_counts_wrong():
     assert (summary["failed_rate"], summary["system_avg_at_k"]) == (1.0, 0.0)
 
 
+def test_a_truncated_first_solver_output_is_not_graded_even_when_it_holds_the_box():
+    class TruncatedOnce(OraclePolicy):
+        def _one(self, request):
+            if request.role == "solver" and not any("solver" in c for c in self.calls[:-1]):
+                return Completion("The answer is \\boxed{2}, I think, but", "length", 64)
+            return super()._one(request)
+
+    [r], _ = evaluate(PROBLEMS[:1], TruncatedOnce(), num_samples=1, config=CONFIG)
+    assert (r["solver_answer"], r["solver_correct"]) == ("2", False)  # the retry then solves it
+    assert r["correct"] and r["steps"][0]["finish_reason"] == "length"
+
+
 def test_duplicate_ids_are_rejected():
     with pytest.raises(ValueError):
         evaluate([PROBLEMS[0], PROBLEMS[0]], OraclePolicy(), num_samples=1, config=CONFIG)

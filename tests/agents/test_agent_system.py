@@ -288,3 +288,18 @@ def test_config_validation():
         LoopConfig(k_accept=0)
     with pytest.raises(ValueError, match="fallback"):
         LoopConfig(fallback="latest")
+
+
+def test_text_inside_the_thought_the_prompt_opened_is_neither_answer_nor_verdict():
+    # Qwen3-Thinking-2507: the prompt opens <think>, so the completion has only </think>.
+    from mars_jax.agents import stages
+    thought = "2 + 2 = \\boxed{4}. **Correctness:** Correct"
+    solution = stages.parse_solution(Completion(thought, "stop", 9, thinking_open=True))
+    assert (solution.solution, solution.answer) == ("", None)
+    closed = stages.parse_solution(Completion(thought + "</think>So \\boxed{4}", "stop", 9,
+                                              thinking_open=True))
+    assert (closed.solution, closed.answer) == ("So \\boxed{4}", "4")
+    report = stages.parse_verification(Completion(thought, "stop", 9, thinking_open=True))
+    assert (report.passed, report.report, report.usable) == (None, "", False)
+    # The same text from a template that opened nothing is read as usual.
+    assert stages.parse_solution(Completion(thought, "stop", 9)).answer == "4"

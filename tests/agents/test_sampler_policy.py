@@ -43,6 +43,8 @@ def fakes(monkeypatch):
     tokenizer_module = types.ModuleType("mars_jax.data.tokenizer")
     tokenizer_module.encode_chat = encode_chat
     tokenizer_module.eos_token_ids = lambda tokenizer: [EOS]
+    # As if the template's generation prompt opened `<think>` (Qwen3-Thinking-2507).
+    tokenizer_module.generation_opens_thinking = lambda tokenizer, *, enable_thinking: enable_thinking
     monkeypatch.setitem(sys.modules, "mars_jax.data.tokenizer", tokenizer_module)
     monkeypatch.setattr(mars_jax.data, "tokenizer", tokenizer_module, raising=False)
     monkeypatch.setattr(mars_jax.sampling, "generate", generate, raising=False)
@@ -64,6 +66,7 @@ def test_one_generate_per_call_with_per_request_budgets(fakes):
         ("t0", "stop", 2), ("t0 t1", "stop", 3), ("t0", "length", 1)]
     assert out[0].token_ids == (0, EOS) and out[0].prompt_ids == (3,) and out[0].logprobs == (-0.5, -0.5)
     assert out[1].token_ids == (0, 1, EOS) and len(out[1].logprobs) == 3
+    assert all(c.thinking_open for c in out)  # the parsers then read no text before </think>
 
 
 def test_seed_advances_per_call_and_is_reproducible(fakes):

@@ -3,7 +3,8 @@
 import pytest
 
 from mars_jax.data import arith
-from mars_jax.data.tokenizer import encode_chat, eos_token_ids, load_tokenizer, qwen3_tokenizer, tiny_tokenizer
+from mars_jax.data.tokenizer import (encode_chat, eos_token_ids, generation_opens_thinking, load_tokenizer,
+                                     qwen3_tokenizer, tiny_tokenizer)
 
 MESSAGES = [
     {"role": "system", "content": "You are an exacting reviewer."},
@@ -23,9 +24,33 @@ AGENT_TEXT = (
 )
 
 
+# The generation prompt of Qwen3-*-Thinking-2507's chat template (written out by hand from its
+# tokenizer_config.json: `'<|im_start|>assistant\n<think>\n'`), around a minimal message loop.
+THINKING_2507_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n' }}{%- endif %}")
+
+
+def thinking_2507_tokenizer():
+    """The tiny byte-level tokenizer with a chat template whose generation prompt opens `<think>`."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = THINKING_2507_TEMPLATE
+    return tokenizer
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_tokenizer()
+
+
+def test_generation_opens_thinking():
+    assert generation_opens_thinking(thinking_2507_tokenizer(), enable_thinking=True)
+    tokenizer = thinking_2507_tokenizer()
+    assert tokenizer.decode(encode_chat(tokenizer, MESSAGES)).endswith("<|im_start|>assistant\n<think>\n")
+    # Qwen3 (hybrid): thinking off pre-fills a closed `<think>\n\n</think>`; on leaves it to the model.
+    for tokenizer in (tiny_tokenizer(), qwen3_tokenizer()):
+        assert not generation_opens_thinking(tokenizer, enable_thinking=False)
+        assert not generation_opens_thinking(tokenizer, enable_thinking=True)
 
 
 def test_tiny_vocabulary(tiny):

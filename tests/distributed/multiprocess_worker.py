@@ -81,16 +81,28 @@ def main() -> None:
     if pid == 0:
         np.savez(out / "params.npz", **{"/".join(map(str, k)): np.asarray(v)
                                         for k, v in nnx.to_flat_state(final)})
+    # Per-host arrays under names that collide across hosts (as rollout uids do), of different
+    # lengths per host; host 0 has one more.
+    routing = {"1-0/s0/0": np.full((2, 3 + pid, 2), pid + 1, np.int32)}
+    if pid == 0:
+        routing["1-0/s0/1"] = np.arange(20, dtype=np.int32).reshape(2, 5, 2)
+    index, array = distributed.host_arrays(routing)
     checkpointer = Checkpointer(out / "checkpoints", keep=2, async_save=True)
-    checkpointer.save(2, state, distributed.gather_process_meta({"process": pid, "rows": rows}))
+    checkpointer.save(2, state, distributed.gather_process_meta(
+        {"process": pid, "rows": rows, "routing": index}), arrays={"routing": array})
     checkpointer.wait()
-    step, restored, meta = checkpointer.restore_latest(state)
+    step, restored, meta, arrays = checkpointer.restore_latest(state, arrays_target=lambda saved: {
+        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])})
     checkpointer.close()
+    local_meta = distributed.local_process_meta(meta)
+    back = distributed.unpack_host_arrays(local_meta.pop("routing"), arrays["routing"])
     restored_params = multihost_utils.process_allgather(restored.params, tiled=True)
     report = {"losses": losses, "moved": moved, "restored_step": step,
               "restored_equal": all(np.array_equal(a, b) for a, b in
                                     zip(jax.tree.leaves(restored_params), jax.tree.leaves(final))),
-              "meta": distributed.local_process_meta(meta),
+              "meta": local_meta,
+              "routing_equal": back.keys() == routing.keys() and all(
+                  np.array_equal(back[k], routing[k]) for k in routing),
               "any_process": distributed.any_process(pid == procs - 1)}
     (out / f"process{pid}.json").write_text(json.dumps(report))
 

@@ -60,7 +60,7 @@ def latest_checkpoint(workdir: Path) -> tuple[int, list[np.ndarray], int]:
     abstract = init_train_state(create_model(get_preset("tiny")), make_optimizer(1e-4))
     checkpointer = Checkpointer(workdir / "checkpoints")
     try:
-        step, state, meta = checkpointer.restore_latest(abstract)
+        step, state, meta, _ = checkpointer.restore_latest(abstract)
     finally:
         checkpointer.close()
     version = meta["processes"][0]["policy_version"]

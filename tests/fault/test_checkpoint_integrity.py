@@ -36,7 +36,7 @@ def _save_steps(directory: Path, steps) -> None:
 
 def _assert_restores(directory: Path, step: int) -> Checkpointer:
     checkpointer = Checkpointer(directory, keep=5)
-    restored_step, state, meta = checkpointer.restore_latest(_state(0))
+    restored_step, state, meta, _ = checkpointer.restore_latest(_state(0))
     assert (restored_step, meta) == (step, {"step": step})
     for key, value in _state(step).items():
         np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
@@ -173,7 +173,7 @@ def test_only_the_newest_keep_checkpoints_stay(tmp_path):
     checkpointer.close()
     assert _steps_on_disk(directory) == [5, 6]
     checkpointer = Checkpointer(directory, keep=2)
-    step, state, meta = checkpointer.restore_latest(_state(0))
+    step, state, meta, _ = checkpointer.restore_latest(_state(0))
     checkpointer.close()
     assert (step, meta) == (6, {"step": 6})
     np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(_state(6)["w"]))
@@ -216,9 +216,67 @@ def test_a_legacy_checkpoint_without_a_fingerprint_restores(tmp_path, caplog):
     manager.close()
     checkpointer = Checkpointer(directory, keep=2)
     with caplog.at_level(logging.WARNING):
-        step, state, meta = checkpointer.restore_latest(_state(0))
+        step, state, meta, _ = checkpointer.restore_latest(_state(0))
     checkpointer.close()
     assert (step, meta) == (7, {"step": 7, "data": [1, 2]})
     for key, value in _state(7).items():
         np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
     assert "unreadable" not in caplog.text
+
+
+def _routing(seed: int) -> dict[str, np.ndarray]:
+    """Expert ids [layers=3, positions, k=2] of a few rollouts, by uid (128 experts)."""
+    rng = np.random.default_rng(seed)
+    return {f"{seed}-0/s0/{i}": rng.integers(0, 128, (3, n, 2)).astype(np.int32)
+            for i, n in enumerate((5, 1700, 1))}  # 1700: data in its own file
+
+
+def _save_with_routing(directory: Path, steps) -> None:
+    from mars_jax import distributed
+    checkpointer = Checkpointer(directory, keep=5)
+    for step in steps:
+        index, array = distributed.host_arrays(_routing(step))
+        assert array.dtype == np.uint8 and array.shape[0] == 1  # one host; ids < 256
+        checkpointer.save(step, _state(step), {"step": step, "routing": index},
+                          arrays={"routing": array})
+    checkpointer.close()
+
+
+def _restore_with_routing(directory: Path, with_target: bool = True):
+    from mars_jax import distributed
+    checkpointer = Checkpointer(directory, keep=5)
+    target = lambda meta: {"routing": distributed.host_arrays_target(meta["routing"])}
+    restored = checkpointer.restore_latest(_state(0), arrays_target=target if with_target else None)
+    checkpointer.close()
+    if restored.arrays is None:
+        return restored.step, None
+    return restored.step, distributed.unpack_host_arrays(restored.meta["routing"],
+                                                         restored.arrays["routing"])
+
+
+def _assert_routing_equal(back: dict, step: int) -> None:
+    assert back.keys() == _routing(step).keys()
+    for uid, ids in _routing(step).items():
+        assert back[uid].dtype == np.int32
+        np.testing.assert_array_equal(back[uid], ids)
+
+
+def test_per_host_arrays_round_trip(tmp_path):
+    _save_with_routing(tmp_path, [1, 2])
+    step, back = _restore_with_routing(tmp_path)
+    assert step == 2
+    _assert_routing_equal(back, 2)
+    assert _restore_with_routing(tmp_path, with_target=False) == (2, None)  # arrays left unread
+
+
+def test_damaged_arrays_fall_back_to_the_previous_checkpoint(tmp_path, caplog):
+    _save_with_routing(tmp_path, [1, 2])
+    for data in (tmp_path / "2" / "arrays").glob("ocdbt.process_*/d/*"):
+        content = bytearray(data.read_bytes())  # same length: decoding or the fingerprint fails
+        middle = len(content) // 2
+        content[middle - 8:middle + 8] = bytes(b ^ 0xFF for b in content[middle - 8:middle + 8])
+        data.write_bytes(bytes(content))
+    with caplog.at_level(logging.WARNING):
+        step, back = _restore_with_routing(tmp_path)
+    assert step == 1 and "checkpoint at step 2 is unreadable" in caplog.text
+    _assert_routing_equal(back, 1)

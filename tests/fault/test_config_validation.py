@@ -69,6 +69,28 @@ def test_inconsistent_values_are_all_reported_at_once(tmp_path):
     assert "set it to 'pipeline'" in problems["rollout.mode"]
 
 
+def test_outputs_longer_than_the_staleness_bound_allows_are_rejected_naming_the_three_fields():
+    config = smoke.get_config()
+    config.rollout.segment_tokens, config.rollout.staleness_bound = 8, 1
+    config.rollout.max_new_tokens.solver = 32        # 4 segments: trained 3 versions late
+    config.rollout.max_new_tokens.verifier = config.rollout.max_new_tokens.corrector = 16
+    problems = _problems(config)
+    assert set(problems) == {"rollout.staleness_bound"}
+    message = problems["rollout.staleness_bound"]
+    for field in ("rollout.segment_tokens=8", "rollout.max_new_tokens.solver=32 needs 4",
+                  "rollout.staleness_bound >= 3", "rollout.segment_tokens >= 16"):
+        assert field in message
+    config.rollout.staleness_bound = 3
+    validate(config, common.base_config(), device_count=1)
+    # Sequential mode decodes every output within its step: nothing is late.
+    config.rollout.staleness_bound, config.rollout.mode = 1, "sequential"
+    validate(config, common.base_config(), device_count=1)
+    # A Solver-only run never decodes the Verifier's 64 segments.
+    config.rollout.mode, config.rollout.roles_trained = "pipeline", "solver"
+    config.rollout.staleness_bound, config.rollout.max_new_tokens.verifier = 3, 512
+    validate(config, common.base_config(), device_count=1)
+
+
 def test_file_backed_dataset_without_a_data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MARS_JAX_DATA_DIR", str(tmp_path))  # exists, but has no gsm8k files
     config = smoke.get_config()

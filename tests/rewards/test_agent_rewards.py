@@ -2,7 +2,7 @@
 
 import pytest
 
-from mars_jax.rewards.agent_rewards import corrector_reward, parse_verdict, solver_reward, verifier_reward
+from mars_jax.rewards.agent_rewards import answer_reward, parse_verdict, verifier_reward
 
 
 @pytest.mark.parametrize(
@@ -55,11 +55,42 @@ def test_parse_verdict(text, verdict):
     ],
 )
 def test_verifier_reward(verdict_text, solution_is_correct, reward):
-    assert verifier_reward(verdict_text, solution_is_correct) == reward
+    assert verifier_reward(verdict_text, solution_is_correct, True) == reward
 
 
-@pytest.mark.parametrize("reward_fn", [solver_reward, corrector_reward])
-def test_answer_rewards(reward_fn):
-    assert reward_fn("<think>2+2</think>So \\boxed{4}.", "4") == 1.0
-    assert reward_fn("<think>2+2</think>So \\boxed{5}.", "4") == 0.0
-    assert reward_fn("So the answer is 4.", "4") == 0.0  # no boxed answer, no reward
+def test_answer_reward():
+    assert answer_reward("<think>2+2</think>So \\boxed{4}.", "4", True) == 1.0
+    assert answer_reward("<think>2+2</think>So \\boxed{5}.", "4", True) == 0.0
+    assert answer_reward("So the answer is 4.", "4", True) == 0.0  # no boxed answer, no reward
+
+
+# With the Qwen3-Thinking-2507 template the prompt opens `<think>`: the response has only `</think>`.
+THOUGHT = "2+2 is \\boxed{4}, let me double-check that"
+
+
+def test_a_truncated_thought_with_the_right_box_earns_nothing():
+    assert answer_reward(THOUGHT, "4", False, thinking_open=True) == 0.0
+    assert answer_reward(THOUGHT, "4", False) == 0.0  # ended by length: the text is not read
+    # Ended by itself but never closed the thought its prompt opened: all thought, no answer.
+    assert answer_reward(THOUGHT, "4", True, thinking_open=True) == 0.0
+
+
+def test_the_same_thought_closed_with_a_final_box_earns_one():
+    assert answer_reward(THOUGHT + "</think>So \\boxed{4}.", "4", True, thinking_open=True) == 1.0
+    assert answer_reward("<think>" + THOUGHT + "</think>So \\boxed{4}.", "4", True) == 1.0
+
+
+def test_truncated_reward_is_configurable():
+    assert answer_reward("\\boxed{5}", "4", False, truncated_reward=-1.0) == -1.0
+
+
+REPORT = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
+
+
+def test_a_truncated_verifier_report_earns_nothing():
+    assert verifier_reward(REPORT, True, True) == 1.0
+    assert verifier_reward(REPORT, True, False) == 0.0  # truncated: no verdict
+    # A verdict inside the thought the prompt opened is not a verdict.
+    assert verifier_reward(REPORT, True, True, thinking_open=True) == 0.0
+    assert verifier_reward(REPORT + "</think>" + REPORT, True, True, thinking_open=True) == 1.0
+    assert parse_verdict(REPORT, thinking_open=True) is None

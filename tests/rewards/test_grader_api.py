@@ -27,6 +27,19 @@ def test_strip_thinking(text, visible):
 
 
 @pytest.mark.parametrize(
+    "text, visible",
+    [
+        ("still thinking \\boxed{1}", ""),  # the prompt's <think> never closed: all thought
+        ("thought</think>answer", "answer"),
+        ("thought</think>answer <think>unfinished", "answer "),
+        ("", ""),
+    ],
+)
+def test_strip_thinking_after_a_prompt_that_opened_the_thought(text, visible):
+    assert strip_thinking(text, thinking_open=True) == visible
+
+
+@pytest.mark.parametrize(
     "text, answer",
     [
         ("The answer is \\boxed{42}.", "42"),

@@ -41,7 +41,7 @@ def _final_params(workdir):
     model = create_model(get_preset("tiny"))
     abstract = init_train_state(model, make_optimizer(1e-4))
     checkpointer = Checkpointer(Path(workdir) / "checkpoints")
-    step, state, _ = checkpointer.restore_latest(abstract)
+    step, state, _, _ = checkpointer.restore_latest(abstract)
     checkpointer.close()
     return step, jax.tree.leaves(jax.tree.map(np.asarray, state.params))
 
