@@ -47,21 +47,24 @@ def test_sigkill_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_pat
     """Partial rollouts keep the expert ids recorded by their earlier segments across the kill
     (checkpointed as arrays), so the resumed updates replay the same routing. The kill comes after
     step 3, so the run resumes from step 2 or 3, whose partial segments were decoded one version
-    before the resumed step's: a re-prefill would route some of their positions differently (the
-    entropy bonus moves the parameters even where every reward is 0)."""
+    before the resumed step's: a re-prefill would route some of their positions differently.
+    Rewards alternate within each group (`parity_reward_run.py`), so every update moves the
+    parameters."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     flags = ("--config.total_steps=4", "--config.learner.routing_replay=True",
-             "--config.optimizer.learning_rate=1e-2", "--config.loss.entropy_coef=0.1")
-    subprocess.run(harness.command(straight, *flags), env=harness.env(), check=True,
-                   capture_output=True, timeout=900)
-    process = subprocess.Popen(harness.command(killed, *flags), env=harness.env(),
+             "--config.optimizer.learning_rate=1e-2")
+    command = lambda workdir: harness.command(  # noqa: E731
+        workdir, *flags, script=harness.REPO / "tests/fault/parity_reward_run.py")
+    subprocess.run(command(straight), env=harness.env(), check=True, capture_output=True,
+                   timeout=900)
+    process = subprocess.Popen(command(killed), env=harness.env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     harness.wait_for_step(process, killed, 3)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert len(harness.metrics(killed)) < 4
-    subprocess.run(harness.command(killed, *flags), env=harness.env(), check=True,
-                   capture_output=True, timeout=900)
+    subprocess.run(command(killed), env=harness.env(), check=True, capture_output=True,
+                   timeout=900)
 
     step_a, params_a, _ = harness.latest_checkpoint(straight)
     step_b, params_b, _ = harness.latest_checkpoint(killed)
@@ -76,3 +79,4 @@ def test_sigkill_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_pat
     assert [(r["policy_version"], r["staleness/max"]) for r in rows] == [(0, 0), (1, 0), (2, 1),
                                                                           (3, 1)]
     assert [r["samples/verifier"] for r in rows] == [0, 0, 0, 4]
+    assert all(r["update/grad_norm"] > 0 for r in rows[1:])  # the updates moved the parameters
