@@ -56,7 +56,8 @@ def test_paper_shapes():
     shapes = aot_compile.step_shapes(marsrl_qwen3_30b_a3b.get_config())
     assert (shapes.decode_batch, shapes.prompt_len, shapes.new_tokens, shapes.segment) == (
         1024, 32768, 65536, 16384)
-    assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (256, 4, 131072)
+    # One mini-batch of the step's 1,024 rows: 4 mini-batches of 256 rows, one micro-batch each.
+    assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (256, 1, 131072)
 
 
 @needs_libtpu

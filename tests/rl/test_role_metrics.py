@@ -10,10 +10,13 @@ WRONG = "**Final Verdict:** bad.\n**List of Findings:** Critical Error\n**Correc
 CUT = "**Final Verdict:** let me"  # truncated: no verdict
 
 
+VERDICTS = {CORRECT: True, WRONG: False, CUT: None}  # what grading records for each text
+
+
 def _rollout(stage: int, reward: float, text: str = "", judged_correct: bool | None = None):
     return Rollout(uid=f"u{stage}-{reward}-{text[:5]}", problem_uid="p", stage=stage,
                    parent_uid=None, prompt_ids=[1], text=text, reward=reward,
-                   judged_correct=judged_correct)
+                   judged_correct=judged_correct, verdict=VERDICTS.get(text))
 
 
 def test_role_metrics_by_hand():
@@ -53,14 +56,15 @@ def test_rollout_config_maps_every_field():
     config = smoke.get_config()
     r = config.rollout
     r.group_size, r.fan_out, r.selection, r.max_stages = 6, 3, "balanced", 4
-    r.segment_tokens, r.staleness_bound, r.max_prompt_tokens = 0, 2, 300
+    r.segment_tokens, r.max_prompt_tokens = 0, 300
+    r.truncated_reward, r.verify_truncated = 0.25, False
     r.enable_thinking, r.prompt_style = True, "full"
     r.max_new_tokens.solver, r.max_new_tokens.verifier, r.max_new_tokens.corrector = 11, 22, 33
     out = rollout_config(config)
     assert (out.group_size, out.fan_out, out.selection, out.max_stages) == (6, 3, "balanced", 4)
     assert out.segment_tokens is None  # 0: each output decoded in one go
-    assert (out.staleness_bound, out.max_prompt_tokens, out.enable_thinking, out.prompt_style) == (
-        2, 300, True, "full")
+    assert (out.max_prompt_tokens, out.enable_thinking, out.prompt_style) == (300, True, "full")
+    assert (out.truncated_reward, out.verify_truncated) == (0.25, False)
     assert out.max_new_tokens == {"solver": 11, "verifier": 22, "corrector": 33}
     r.segment_tokens = 8
     assert rollout_config(config).segment_tokens == 8
