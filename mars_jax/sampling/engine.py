@@ -294,7 +294,7 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
                n: int = 1, segment_tokens: int | None = None) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
-        is prefilled once) and returns their ids. `temperature=0` is greedy; with
+        is prefilled once and kept until every member has a slot) and returns their ids. `temperature=0` is greedy; with
         `segment_tokens` each request pauses in its slot after that many new tokens."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -310,8 +310,8 @@ class Engine:
         if len(stop_ids) > self.max_stop_ids:
             raise ValueError(f"stop_ids: at most {self.max_stop_ids} (max_stop_ids), got "
                              f"{len(stop_ids)}")
-        if n < 1 or n > self.num_slots:
-            raise ValueError(f"n: need 1 <= n <= num_slots ({self.num_slots}), got {n}")
+        if n < 1:
+            raise ValueError(f"n: need n >= 1, got {n}")
         if segment_tokens is not None and segment_tokens < 1:
             raise ValueError(f"segment_tokens: must be >= 1 or None, got {segment_tokens}")
         group = _Group(prompt, waiting=n)
