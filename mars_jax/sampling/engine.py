@@ -3,13 +3,13 @@
 An `Engine` holds `num_slots` slots, each with its own KV cache of `max_length` positions and its
 own position, budget, stop ids, temperature / top-k / top-p and PRNG key. Submitted requests wait
 in a queue. `stream()` alternates two things: the host admits queued requests into free slots
-(the prompt is prefilled into a `[1, bucket]` cache, in `prefill_chunk`-token pieces for long
-prompts, and copied into the slot), then one jitted chunk of up to `chunk_steps` decode steps runs
+(the prompts admitted together are prefilled as one batch per prompt bucket, right-padded, in
+`prefill_chunk`-token pieces for long prompts, and each row is copied into its slot), then one jitted chunk of up to `chunk_steps` decode steps runs
 over all slots; after it the host streams finished requests out and frees their slots. A chunk
 ends early once some slot finishes while requests wait, so a free slot is refilled at once.
 
-Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece); one
-slot insert per prompt bucket. Requests coming and going change only array values.
+Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece, batch
+bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only array values.
 
 Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
 request (same positions, same keys and values visible, sampling by
@@ -179,48 +179,56 @@ def _decode_chunk(graphdef, weights, state: SlotState, stop_early: jax.Array, *,
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "fresh"),
-                   donate_argnames=("cache", "experts"))
-def _prefill(graphdef, weights, cache, experts, tokens, start, last, *, bucket: int, fresh: bool):
-    """Prefills `tokens [1, T]` at positions start.. start+T into a `[1, bucket]` prompt cache
-    (zeros when `fresh`); returns the cache, the logits `[1, V]` after position `last` (when it
-    lies in this piece) and the recorded routing `[L_moe, 1, bucket, k]` (or None)."""
+                   donate_argnames=("cache", "logits", "experts"))
+def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
+             fresh: bool):
+    """Prefills `tokens [G, T]` (G right-padded prompts) at positions start.. start+T into a
+    `[G, bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after
+    each row's position `last [G]` (rows whose `last` lies in this piece; the others keep
+    `logits`) and the recorded routing `[L_moe, G, bucket, k]` (or None)."""
     model = nnx.merge(graphdef, weights)
-    width = tokens.shape[1]
+    rows, width = tokens.shape
     if fresh:
-        cache = model.init_cache(1, bucket)
-    mask = AttentionMask(q_segments=jnp.ones((1, width), jnp.int32),
-                         kv_segments=jnp.ones((1, bucket), jnp.int32),
+        cache = model.init_cache(rows, bucket)
+        logits = jnp.zeros((rows, model.config.vocab_size), jnp.float32)
+    mask = AttentionMask(q_segments=jnp.ones((rows, width), jnp.int32),
+                         kv_segments=jnp.ones((rows, bucket), jnp.int32),
                          offset=jnp.asarray(start, jnp.int32))
-    out = model.forward(tokens, positions=(start + jnp.arange(width))[None], mask=mask,
-                        cache=cache, cache_index=start)
-    hidden = jax.lax.dynamic_slice_in_dim(out.hidden, jnp.clip(last - start, 0, width - 1), 1,
-                                          axis=1)
+    positions = jnp.broadcast_to(start + jnp.arange(width), (rows, width))
+    out = model.forward(tokens, positions=positions, mask=mask, cache=cache, cache_index=start)
+    at = jnp.clip(last - start, 0, width - 1)
+    hidden = jnp.take_along_axis(out.hidden, at[:, None, None], axis=1)[:, 0]
+    here = (last >= start) & (last < start + width)
+    logits = jnp.where(here[:, None], model.logits(hidden), logits)
     if out.expert_ids is not None:
         if fresh:
             experts = jnp.zeros(out.expert_ids.shape[:2] + (bucket,) + out.expert_ids.shape[3:],
                                 jnp.int32)
         experts = jax.lax.dynamic_update_slice_in_dim(experts, out.expert_ids, start, axis=2)
-    return out.cache, model.logits(hidden[:, 0]), experts
+    return out.cache, logits, experts
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: SlotState, slot, cache, logits, experts, length, step, budget, pause_at,
+def _insert(state: SlotState, slot, cache, logits, experts, row, length, step, budget, pause_at,
             seed, sequence_seed, temperature, top_k, top_p, stop_ids) -> SlotState:
-    """`state` with slot `slot` holding the prompt cache `[1, bucket]` (its first `max_length`
-    positions) and the request's settings, active."""
+    """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
+    `max_length` positions) and the request's settings, active."""
     max_length = state.cache[0].v.shape[2]
     span = min(cache[0].v.shape[2], max_length)
+    take = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)
     new_cache = tuple(KVCache(
-        jax.lax.dynamic_update_slice(c.k, p.k[..., :span].astype(c.k.dtype), (slot, 0, 0, 0)),
-        jax.lax.dynamic_update_slice(c.v, p.v[:, :, :span].astype(c.v.dtype), (slot, 0, 0, 0)))
+        jax.lax.dynamic_update_slice(c.k, take(p.k)[..., :span].astype(c.k.dtype),
+                                     (slot, 0, 0, 0)),
+        jax.lax.dynamic_update_slice(c.v, take(p.v)[:, :, :span].astype(c.v.dtype),
+                                     (slot, 0, 0, 0)))
         for c, p in zip(state.cache, cache))
     new_experts = state.experts
     if new_experts is not None:
-        new_experts = jax.lax.dynamic_update_slice(new_experts, experts[:, :, :span],
+        new_experts = jax.lax.dynamic_update_slice(new_experts, take(experts, 1)[:, :, :span],
                                                    (0, slot, 0, 0))
     key = jax.random.fold_in(jax.random.key(seed), sequence_seed)
     return state.replace(
-        cache=new_cache, next_logits=state.next_logits.at[slot].set(logits[0]),
+        cache=new_cache, next_logits=state.next_logits.at[slot].set(logits[row]),
         length=state.length.at[slot].set(length), step=state.step.at[slot].set(step),
         budget=state.budget.at[slot].set(budget), pause_at=state.pause_at.at[slot].set(pause_at),
         active=state.active.at[slot].set(True), keys=state.keys.at[slot].set(key),
@@ -294,8 +302,9 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
                n: int = 1, segment_tokens: int | None = None) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
-        is prefilled once and kept until every member has a slot) and returns their ids. `temperature=0` is greedy; with
-        `segment_tokens` each request pauses in its slot after that many new tokens."""
+        is prefilled once, kept until every member has a slot) and returns their ids.
+        `temperature=0` is greedy; with `segment_tokens` each request pauses in its slot after
+        that many new tokens."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids: need at least one token")
@@ -346,8 +355,8 @@ class Engine:
             self._state = _unpause(self._state, jnp.int32(request.slot),
                                    jnp.int32(request.pause_at))
         else:
-            self._insert(request, request.slot, self._prefill(request.group.prompt
-                                                              + request.tokens))
+            self._insert(request, request.slot,
+                         self._prefill([request.group.prompt + request.tokens])[0])
         self._running.add(request.slot)
 
     def release(self, request_id: int) -> None:
@@ -389,51 +398,68 @@ class Engine:
         return min(request.max_new, step + request.segment_tokens)
 
     def _admit(self) -> None:
+        """Fills free slots from the queue; the prompts not yet prefilled are prefilled together
+        (one call per prompt bucket and batch bucket)."""
+        admitted = []
         while self._queue and None in self._slots:
             request = self._queue.popleft()
-            group = request.group
-            if group.prefilled is None:
-                group.prefilled = self._prefill(group.prompt)
             slot = self._slots.index(None)
-            self._slots[slot] = request.id
-            request.slot = slot
+            self._slots[slot], request.slot = request.id, slot
             request.pause_at = self._pause_at(request, 0)
-            self._insert(request, slot, group.prefilled)
-            self._running.add(slot)
-            group.waiting -= 1
-            if group.waiting == 0:
-                group.prefilled = None
+            admitted.append(request)
+        groups = list({id(r.group): r.group for r in admitted
+                       if r.group.prefilled is None}.values())
+        for group, prefilled in zip(groups, self._prefill([g.prompt for g in groups])):
+            group.prefilled = prefilled
+        for request in admitted:
+            self._insert(request, request.slot, request.group.prefilled)
+            self._running.add(request.slot)
+            request.group.waiting -= 1
+            if request.group.waiting == 0:
+                request.group.prefilled = None
 
-    def _prefill(self, tokens: list[int]) -> tuple:
-        """Prompt cache, next-token logits and routing of `tokens` (right-padded to a bucket)."""
+    def _prefill(self, sequences: list[list[int]]) -> list[tuple]:
+        """Per sequence: (prompt cache, logits, routing, row) of a batched prefill, sequences
+        right-padded to their prompt bucket and batched by bucket (batch a power of two)."""
+        if not sequences:
+            return []
         start_time = time.perf_counter()
-        bucket = prompt_bucket(len(tokens))
-        piece = min(bucket, self.prefill_chunk)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :len(tokens)] = tokens
-        cache, experts, logits = None, None, None
-        with self._mesh():
-            for start in range(0, len(tokens), piece):
-                cache, piece_logits, experts = _prefill(
-                    self._graphdef, self._weights, cache, experts,
-                    jnp.asarray(padded[:, start:start + piece]), jnp.int32(start),
-                    jnp.int32(len(tokens) - 1), bucket=bucket, fresh=start == 0)
-                if start <= len(tokens) - 1 < start + piece:
-                    logits = piece_logits
-            jax.block_until_ready(logits)
-        self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += len(tokens)
+        by_bucket: dict[int, list[int]] = {}
+        for i, seq in enumerate(sequences):
+            by_bucket.setdefault(prompt_bucket(len(seq)), []).append(i)
+        out: list[tuple | None] = [None] * len(sequences)
+        for bucket, members in by_bucket.items():
+            rows = 1 << (len(members) - 1).bit_length()
+            padded = np.zeros((rows, bucket), np.int32)
+            last = np.zeros((rows,), np.int32)
+            for row, i in enumerate(members):
+                padded[row, :len(sequences[i])] = sequences[i]
+                last[row] = len(sequences[i]) - 1
+            piece = min(bucket, self.prefill_chunk)
+            cache = logits = experts = None
+            with self._mesh():
+                for start in range(0, int(last.max()) + 1, piece):
+                    cache, logits, experts = _prefill(
+                        self._graphdef, self._weights, cache, logits, experts,
+                        jnp.asarray(padded[:, start:start + piece]), jnp.int32(start),
+                        jnp.asarray(last), bucket=bucket, fresh=start == 0)
+            for row, i in enumerate(members):
+                out[i] = (cache, logits, experts, row)
+            self.stats["prefills"] += len(members)
+            self.stats["prefill_calls"] += 1
+            self.stats["prefill_tokens"] += sum(len(sequences[i]) for i in members)
+        jax.block_until_ready(out[-1][1])
         self.stats["prefill_seconds"] += time.perf_counter() - start_time
-        return cache, logits, experts
+        return out
 
     def _insert(self, request: _Request, slot: int, prefilled: tuple) -> None:
-        cache, logits, experts = prefilled
+        cache, logits, experts, row = prefilled
         step = len(request.tokens)
         stops = np.full((self.max_stop_ids,), -1, np.int32)
         stops[:len(request.stop_ids)] = request.stop_ids
         with self._mesh():
             self._state = _insert(
-                self._state, jnp.int32(slot), cache, logits, experts,
+                self._state, jnp.int32(slot), cache, logits, experts, jnp.int32(row),
                 jnp.int32(len(request.group.prompt) + step), jnp.int32(step),
                 jnp.int32(request.max_new), jnp.int32(request.pause_at),
                 jnp.uint32(self.seed), jnp.uint32(request.sequence_seed),

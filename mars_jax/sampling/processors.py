@@ -66,7 +66,8 @@ def choose_tokens_per_row(logits: jax.Array, keys: jax.Array, *, temperature: ja
                           top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`choose_tokens` with settings per row (`[B]` each; temperature 0 = greedy): row b gets
     the token and log-probability `choose_tokens` gives it under its own settings. The sort
-    behind top-k / top-p runs only when some row uses one of them."""
+    behind top-k / top-p runs only when some row uses one of them, the draw only when some
+    row samples."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
@@ -74,7 +75,9 @@ def choose_tokens_per_row(logits: jax.Array, keys: jax.Array, *, temperature: ja
     truncated = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
                              lambda x: truncate_logits_per_row(x, top_k, top_p), lambda x: x,
                              scaled)
-    sampled = jax.vmap(jax.random.categorical)(keys, truncated)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(keys.shape, jnp.int32),
+                           lambda: jax.vmap(jax.random.categorical)(keys, truncated).astype(
+                               jnp.int32))
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), chosen
