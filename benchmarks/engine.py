@@ -16,10 +16,12 @@ produces exactly those lengths (no stop token):
   hf        transformers' continuous batching (`ContinuousBatchingManager`, paged attention),
             `max_requests_per_batch=slots`, per-request `max_new_tokens`; on the first
             `hf-requests` requests (it is slow on CPU)
+The engine admits queued requests `admit-batch` at a time (one batched prefill) and gathers the
+running rows into a smaller slot bucket once nothing waits (as `generate` compacts).
 Tokens/s = requested tokens / wall time of the whole workload (prefill + decode), after one
 warm-up pass of the same workload (compiles). Each engine runs alone in a fresh subprocess.
-The engine also prints its slot occupancy (tokens / slot-steps of the decode chunks), its
-prefill share of the wall time, and its KV-cache bytes per token and per slot.
+The engine also prints its slot occupancy (tokens / (slots x decode steps); of computed rows:
+tokens / rows the decode chunks computed, after compaction), its prefill share of the wall time, and its KV-cache bytes per token and per slot.
 
 Machine bound: a decode step of `slots` rows reads every weight but the embedding once; the
 matmul-bound floor is `slots` x (the rate at which XLA's float32 `[slots, H] @ [H, 8192]` streams
@@ -54,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--chunk-steps", type=int, default=8)
+    parser.add_argument("--admit-batch", type=int, default=4)
     parser.add_argument("--hf-requests", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--preset", default="bench")
@@ -82,7 +85,7 @@ def engine_run(path: Path, args):
 
     model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
     engine = Engine(model, num_slots=args.slots, max_length=args.prompt_len + MAX_NEW,
-                    chunk_steps=args.chunk_steps)
+                    chunk_steps=args.chunk_steps, admit_batch=args.admit_batch)
 
     def run(prompts, lengths):
         engine.stats.clear()
@@ -93,8 +96,10 @@ def engine_run(path: Path, args):
         wall = time.perf_counter() - start
         s = engine.stats
         info = {"occupancy": s["tokens"] / s["slot_steps"],
+                "row_occupancy": s["tokens"] / s["row_steps"],
                 "prefill_share": s["prefill_seconds"] / wall,
                 "decode_steps": s["decode_steps"], "prefills": s["prefills"],
+                "prefill_calls": s["prefill_calls"],
                 "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "kv_bytes_per_slot": engine.kv_bytes_per_slot}
         return [outputs[i].tokens for i in ids], info
@@ -193,7 +198,8 @@ def run_engine(args) -> None:
 def spawn(engine: str, work: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--workdir", str(work),
            "--slots", str(args.slots), "--prompt-len", str(args.prompt_len),
-           "--chunk-steps", str(args.chunk_steps), "--hf-requests", str(args.hf_requests),
+           "--chunk-steps", str(args.chunk_steps), "--admit-batch", str(args.admit_batch),
+           "--hf-requests", str(args.hf_requests),
            "--dtype", args.dtype, "--preset", args.preset]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -240,9 +246,10 @@ def main() -> None:
             rates[engine] = r["tokens"] / r["wall"]
             extra = ""
             if engine == "engine":
-                extra = (f"  occupancy {r['occupancy']:.0%}  prefill share "
-                         f"{r['prefill_share']:.1%}  {r['decode_steps']} decode steps  "
-                         f"{r['prefills']} prefills  KV {r['kv_bytes_per_token']} B/token, "
+                extra = (f"  slot occupancy {r['occupancy']:.0%} (of computed rows "
+                         f"{r['row_occupancy']:.0%})  prefill share {r['prefill_share']:.1%}  "
+                         f"{r['decode_steps']} decode steps  {r['prefills']} prefills in "
+                         f"{r['prefill_calls']} calls  KV {r['kv_bytes_per_token']} B/token, "
                          f"{r['kv_bytes_per_slot'] / 2**20:.1f} MiB/slot")
             print(f"  {engine:9s} {r['tokens']:6d} tokens in {r['wall']:7.2f} s = "
                   f"{rates[engine]:6.1f} tokens/s (warm-up {r['warmup']:.1f} s, lengths "

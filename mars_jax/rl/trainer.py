@@ -34,6 +34,7 @@ from mars_jax.metrics import MetricsWriter
 from mars_jax.rewards.agent_rewards import parse_verdict
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
+from mars_jax.rl.generator import EngineGenerator
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import rollout_step, trainable
 from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
@@ -243,17 +244,25 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path, resume_step=start)
     eos = eos_token_ids(tokenizer)
     metrics: dict[str, float] = {}
+    generator = None
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
             version = int(state.step)
             model = nnx.merge(graphdef, state.params)
-            generator = SamplerGenerator(
-                model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                top_k=config.rollout.top_k, seed=config.seed * 1_000_003 + step * 1_009,
-                record_routing=config.learner.routing_replay, mesh=mesh,
-                max_rows=config.rollout.max_decode_rows)
+            seed = config.seed * 1_000_003 + step * 1_009
+            if config.rollout.decode_engine == "engine":
+                if generator is None:
+                    generator = EngineGenerator.from_config(config, model, eos, seed=seed,
+                                                            mesh=mesh)
+                generator.set_model(model, seed=seed)
+            else:
+                generator = SamplerGenerator(
+                    model, eos, temperature=config.rollout.temperature,
+                    top_p=config.rollout.top_p, top_k=config.rollout.top_k, seed=seed,
+                    record_routing=config.learner.routing_replay, mesh=mesh,
+                    max_rows=config.rollout.max_decode_rows)
             t0 = time.perf_counter()
             with sharding.use_mesh(mesh):
                 rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,

@@ -9,7 +9,9 @@ over all slots; after it the host streams finished requests out and frees their 
 ends early once some slot finishes while requests wait, so a free slot is refilled at once.
 
 Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece, batch
-bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only array values.
+bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only
+array values. When nothing waits, the running requests' rows are gathered into a smaller slot
+bucket (as `generate` compacts), so there is one decode chunk per slot bucket (num_slots, /2, ..1).
 
 Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
 request (same positions, same keys and values visible, sampling by
@@ -28,6 +30,7 @@ re-prefills prompt + tokens so far under the engine's current weights (`update_w
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
 (`kv_bytes_per_token`), times `max_length` per slot (`kv_bytes_per_slot`), logged at start.
+Every slot reserves `max_length` positions whatever its request's length (no paging).
 """
 from __future__ import annotations
 
@@ -52,6 +55,13 @@ from mars_jax.sampling.processors import choose_tokens_per_row
 from mars_jax.sampling.sampler import _batch_multiple, prompt_bucket
 
 log = logging.getLogger(__name__)
+PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
+
+
+def kv_bytes_per_token(config) -> int:
+    """KV-cache bytes one token of context takes in a slot (keys and values of every layer)."""
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * jnp.dtype(config.compute_dtype).itemsize)
 
 
 @struct.dataclass
@@ -134,17 +144,18 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("state",))
-def _decode_chunk(graphdef, weights, state: SlotState, stop_early: jax.Array, *, steps: int):
+def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *, steps: int):
     """Up to `steps` decode steps over all slots; returns the state, the chunk's tokens and
     log-probabilities `[slots, steps]` (a slot's first `step` increase entries are its own) and
-    the steps run. Stops early when every slot is idle, or (with `stop_early`) once one ends."""
+    the steps run. Stops early when every slot is idle, or once `stop_after` (> 0) requests
+    have ended."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
     max_length = state.cache[0].v.shape[2]
 
     def cond(carry):
         i, s, _, _, ended = carry
-        return (i < steps) & jnp.any(s.active) & ~(stop_early & ended)
+        return (i < steps) & jnp.any(s.active) & ~((stop_after > 0) & (ended >= stop_after))
 
     def body(carry):
         i, s, tokens, logprobs, ended = carry
@@ -170,10 +181,10 @@ def _decode_chunk(graphdef, weights, state: SlotState, stop_early: jax.Array, *,
                       step=step, active=active & ~finished & ~pausing, experts=experts)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
         logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], i, axis=1)
-        return i + 1, s, tokens, logprobs, ended | jnp.any(finished)
+        return i + 1, s, tokens, logprobs, ended + jnp.sum(finished)
 
     carry = (jnp.zeros((), jnp.int32), state, jnp.zeros((num_slots, steps), jnp.int32),
-             jnp.zeros((num_slots, steps), jnp.float32), jnp.zeros((), bool))
+             jnp.zeros((num_slots, steps), jnp.float32), jnp.zeros((), jnp.int32))
     i, state, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
     return state, tokens, logprobs, i
 
@@ -243,15 +254,43 @@ def _unpause(state: SlotState, slot, pause_at) -> SlotState:
                          active=state.active.at[slot].set(True))
 
 
+@jax.jit
+def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
+    """The state of slots `index` (KV cache included); rows where `live` is False are idle."""
+    rows = {f.name: getattr(state, f.name)[index] for f in dataclasses.fields(state)
+            if f.name not in ("cache", "experts")}
+    rows["active"] = rows["active"] & live
+    return state.replace(cache=tuple(KVCache(c.k[index], c.v[index]) for c in state.cache),
+                         experts=None if state.experts is None else state.experts[:, index],
+                         **rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _put_slots(state: SlotState, part: SlotState, index: jax.Array) -> SlotState:
+    """`state` with `part`'s rows written to slots `index` (out-of-range entries dropped)."""
+    put = lambda x, y: x.at[index].set(y, mode="drop")
+    rows = {f.name: put(getattr(state, f.name), getattr(part, f.name))
+            for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
+    experts = state.experts
+    if experts is not None:
+        experts = experts.at[:, index].set(part.experts, mode="drop")
+    return state.replace(cache=tuple(KVCache(put(c.k, p.k), put(c.v, p.v))
+                                     for c, p in zip(state.cache, part.cache)),
+                         experts=experts, **rows)
+
+
 # --- host side -------------------------------------------------------------------------------
 
 class Engine:
     """Continuous-batching decode (module docstring). `model`'s arrays are read at construction
-    and at each `update_weights`; `seed` is the base of every request's PRNG key."""
+    and at each `update_weights`; `seed` is the base of every request's PRNG key. Queued
+    requests are admitted once `admit_batch` slots are free (fewer if fewer wait), so their
+    prompts are prefilled in one batch; decode chunks end early as soon as that many are."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
-                 prefill_chunk: int = 1024, max_stop_ids: int = 8, seed: int = 0,
-                 record_routing: bool = False, mesh: jax.sharding.Mesh | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
+                 record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
+                 admit_batch: int = 1):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
@@ -266,7 +305,7 @@ class Engine:
                              "set capacity_factor=None (dropless) for exact per-request outputs")
         self.num_slots, self.max_length, self.chunk_steps = num_slots, max_length, chunk_steps
         self.prefill_chunk, self.max_stop_ids, self.seed = prefill_chunk, max_stop_ids, seed
-        self.mesh = mesh
+        self.mesh, self.admit_batch = mesh, max(1, admit_batch)
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
         self.vocab_size = model.config.vocab_size
         self.update_weights(model)
@@ -274,9 +313,7 @@ class Engine:
             self._state = _init_state(self._graphdef, self._weights, num_slots=num_slots,
                                       max_length=max_length, max_stops=max_stop_ids,
                                       record=self.record_routing)
-        cfg = model.config
-        self.kv_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
-                                   * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize)
+        self.kv_bytes_per_token = kv_bytes_per_token(model.config)
         self.kv_bytes_per_slot = self.kv_bytes_per_token * max_length
         log.info("Engine: %d slots x %d positions; KV cache %d bytes per token, %d per slot, "
                  "%d in all", num_slots, max_length, self.kv_bytes_per_token,
@@ -287,6 +324,9 @@ class Engine:
         self._running: set[int] = set()                      # slots decoding
         self._done: collections.deque[tuple[int, EngineOutput]] = collections.deque()
         self._next_id = 0
+        self._full: SlotState | None = None   # all slots, while `_state` holds just a few
+        self._rows: dict[int, int] = {}       # slot -> row of `_state` while shrunk
+        self._multiple = multiple
         self.stats = collections.Counter()
 
     def _mesh(self):
@@ -349,6 +389,7 @@ class Engine:
             raise ValueError(f"resume: request {request_id} is not paused in a slot")
         if mode not in ("keep", "recompute"):
             raise ValueError(f"mode: 'keep' or 'recompute', got {mode!r}")
+        self._expand()
         request.segment_tokens = segment_tokens
         request.pause_at = self._pause_at(request, len(request.tokens))
         if mode == "keep":
@@ -371,9 +412,9 @@ class Engine:
         and `[K, L, D]` values for its L = prompt + new tokens positions)."""
         request = self._requests[request_id]
         length = len(request.group.prompt) + len(request.tokens)
-        cache = sharding.fetch(self._state.cache)
-        return tuple(KVCache(np.asarray(c.k[request.slot, :, :, :length]),
-                             np.asarray(c.v[request.slot, :, :length])) for c in cache)
+        cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
+        return tuple(KVCache(np.asarray(c.k[row, :, :, :length]),
+                             np.asarray(c.v[row, :, :length])) for c in cache)
 
     # --- the loop ---
 
@@ -385,7 +426,9 @@ class Engine:
                 yield self._done.popleft()
             self._admit()
             if not self._running:
+                self._expand()
                 return
+            self._shrink()
             self._decode()
 
     def run(self) -> dict[int, EngineOutput]:
@@ -397,9 +440,58 @@ class Engine:
             return request.max_new
         return min(request.max_new, step + request.segment_tokens)
 
+    def _row(self, slot: int) -> int:
+        return slot if self._full is None else self._rows[slot]
+
+    def _shrink(self) -> None:
+        """Once nothing waits, nothing is paused and the running requests fit a slot bucket at
+        most half the current one, decodes just their rows (gathered, KV caches included) so
+        idle slots stop costing compute; tokens are unchanged (each row keeps its state)."""
+        rows = self._state.length.shape[0]
+        occupied = sum(s is not None for s in self._slots)
+        target = -(-(1 << (len(self._running) - 1).bit_length()) // self._multiple) * self._multiple
+        if (self._queue or occupied > len(self._running) or target > rows // 2
+                or any(self._requests[self._slots[s]].segment_tokens is not None
+                       for s in self._running)):
+            return
+        running = sorted(self._running)
+        index = [self._row(s) for s in running]
+        index += [index[0]] * (target - len(index))
+        live = np.arange(target) < len(running)
+        if self._full is None:
+            self._full = self._state
+        self._state = _take_slots(self._state, jnp.asarray(index, jnp.int32), jnp.asarray(live))
+        self._rows = {s: i for i, s in enumerate(running)}
+        self.stats["shrinks"] += 1
+
+    def _expand(self) -> None:
+        """Back to all slots (the shrunk rows written to theirs)."""
+        if self._full is None:
+            return
+        index = np.full((self._state.length.shape[0],), self.num_slots, np.int32)
+        for slot, row in self._rows.items():
+            index[row] = slot
+        self._state = _put_slots(self._full, self._state, jnp.asarray(index))
+        self._full, self._rows = None, {}
+
+    def _admission_size(self) -> int:
+        """Free slots wanted before admitting: `admit_batch`, or fewer if fewer requests wait."""
+        return min(self.admit_batch, len(self._queue))
+
+    def _stop_after(self) -> int:
+        """Finishes after which the next chunk ends early (0: never): enough for an admission."""
+        if not self._queue:
+            return 0
+        return max(1, self._admission_size() - self._slots.count(None))
+
     def _admit(self) -> None:
-        """Fills free slots from the queue; the prompts not yet prefilled are prefilled together
-        (one call per prompt bucket and batch bucket)."""
+        """Fills free slots from the queue once `_admission_size` of them are free (or nothing
+        runs); the prompts not yet prefilled are prefilled together (one call per prompt bucket
+        and batch bucket)."""
+        if not self._queue or (self._running
+                               and self._slots.count(None) < self._admission_size()):
+            return
+        self._expand()
         admitted = []
         while self._queue and None in self._slots:
             request = self._queue.popleft()
@@ -470,20 +562,21 @@ class Engine:
         start_time = time.perf_counter()
         with self._mesh():
             self._state, tokens, logprobs, steps = _decode_chunk(
-                self._graphdef, self._weights, self._state, jnp.bool_(bool(self._queue)),
+                self._graphdef, self._weights, self._state, jnp.int32(self._stop_after()),
                 steps=self.chunk_steps)
         tokens, logprobs, step, active, steps = sharding.fetch(
             (tokens, logprobs, self._state.step, self._state.active, steps))
         self.stats["decode_seconds"] += time.perf_counter() - start_time
         self.stats["decode_steps"] += int(steps)
         self.stats["slot_steps"] += int(steps) * self.num_slots
+        self.stats["row_steps"] += int(steps) * len(step)
         for slot in sorted(self._running):
-            request = self._requests[self._slots[slot]]
-            new = int(step[slot]) - len(request.tokens)
-            request.tokens += tokens[slot, :new].tolist()
-            request.logprobs += logprobs[slot, :new].tolist()
+            request, row = self._requests[self._slots[slot]], self._row(slot)
+            new = int(step[row]) - len(request.tokens)
+            request.tokens += tokens[row, :new].tolist()
+            request.logprobs += logprobs[row, :new].tolist()
             self.stats["tokens"] += new
-            if active[slot]:
+            if active[row]:
                 continue
             self._running.discard(slot)
             if request.tokens and request.tokens[-1] in request.stop_ids:
@@ -497,7 +590,8 @@ class Engine:
         experts = None
         if self.record_routing and request.slot is not None:
             length = len(request.group.prompt) + len(request.tokens)
-            experts = np.asarray(sharding.fetch(self._state.experts[:, request.slot, :length]))
+            experts = np.asarray(sharding.fetch(
+                self._state.experts[:, self._row(request.slot), :length]))
         self._done.append((request.id, EngineOutput(list(request.tokens), list(request.logprobs),
                                                     reason, experts)))
         if reason != "segment":
