@@ -18,8 +18,10 @@ produces exactly those lengths (no stop token):
             `hf-requests` requests (it is slow on CPU)
 The engine admits queued requests `admit-batch` at a time (one batched prefill) and gathers the
 running rows into a smaller slot bucket once nothing waits (as `generate` compacts).
-Tokens/s = requested tokens / wall time of the whole workload (prefill + decode), after one
-warm-up pass of the same workload (compiles). Each engine runs alone in a fresh subprocess.
+Tokens/s = requested tokens / wall time of the whole workload (prefill + decode), median of
+`repeats` passes after one warm-up pass of the same workload (compiles). The engine and
+`generate` (and tunix, also JAX) share one subprocess and alternate pass by pass (a shared
+machine's load changes hit them alike); HF runs alone in a fresh subprocess.
 The engine also prints its slot occupancy (tokens / (slots x decode steps); of computed rows:
 tokens / rows the decode chunks computed, after compaction), its prefill share of the wall time, and its KV-cache bytes per token and per slot.
 
@@ -62,7 +64,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", default="bench")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child process
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--with-tunix", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=("mars_jax", "tunix", "hf"),
+                        help=argparse.SUPPRESS)                               # child process
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)       # child process
     args = parser.parse_args()
     args.engines = args.engines.split(",")
@@ -80,10 +85,9 @@ def output_lengths(n: int, seed: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- engines (children)
 
-def engine_run(path: Path, args):
+def engine_run(model, args):
     from mars_jax.sampling import Engine
 
-    model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
     engine = Engine(model, num_slots=args.slots, max_length=args.prompt_len + MAX_NEW,
                     chunk_steps=args.chunk_steps, admit_batch=args.admit_batch)
 
@@ -107,10 +111,9 @@ def engine_run(path: Path, args):
     return run
 
 
-def generate_run(path: Path, args):
+def generate_run(model, args):
     from mars_jax.sampling import generate
 
-    model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
 
     def run(prompts, lengths):
         tokens = []
@@ -172,25 +175,36 @@ def hf_run(path: Path, args):
 
 
 def run_engine(args) -> None:
-    """Child process: one engine; warm-up pass, timed pass; prints one JSON line."""
+    """Child process: one peer engine, or ours ('mars_jax': the engine and `generate` on one
+    loaded model, runs alternating); a warm-up pass each, then `repeats` timed passes (median);
+    prints one JSON line with a result per engine."""
     work = args.workdir
-    builders = {"engine": engine_run, "generate": generate_run, "tunix": tunix_run,
-                "hf": hf_run}
-    run = builders[args.engine](work / "checkpoint", args)
     prompts, lengths = np.load(work / "prompts.npy"), np.load(work / "lengths.npy")
-    if args.engine == "hf":
-        lengths = lengths[:args.hf_requests]
-    warm_start = time.perf_counter()
-    run(prompts, lengths)
-    warm = time.perf_counter() - warm_start
-    start = time.perf_counter()
-    tokens, info = run(prompts, lengths)
-    wall = time.perf_counter() - start
-    produced = [len(t) for t in tokens]
-    np.save(work / f"tokens_{args.engine}.npy",
-            np.array([t + [-1] * (MAX_NEW - len(t)) for t in tokens]))
-    print(json.dumps({"wall": wall, "warmup": warm, "tokens": int(sum(lengths)),
-                      "lengths_ok": produced == [int(n) for n in lengths], **info}))
+    path = work / "checkpoint"
+    if args.engine == "mars_jax":
+        model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
+        runs = {"engine": engine_run(model, args), "generate": generate_run(model, args)}
+        if args.with_tunix:
+            runs["tunix"] = tunix_run(path, args)
+    else:
+        runs = {args.engine: {"tunix": tunix_run, "hf": hf_run}[args.engine](path, args)}
+        if args.engine == "hf":
+            lengths = lengths[:args.hf_requests]
+    results = {}
+    for name, run in runs.items():
+        start = time.perf_counter()
+        run(prompts, lengths)
+        results[name] = {"warmup": time.perf_counter() - start, "walls": [],
+                         "tokens": int(sum(lengths))}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens, info = run(prompts, lengths)
+            results[name]["walls"].append(time.perf_counter() - start)
+            results[name].update(info, lengths_ok=[len(t) for t in tokens] == list(lengths))
+            np.save(work / f"tokens_{name}.npy",
+                    np.array([t + [-1] * (MAX_NEW - len(t)) for t in tokens]))
+    print(json.dumps(results))
 
 
 # ----------------------------------------------------------------------------- parent
@@ -199,8 +213,8 @@ def spawn(engine: str, work: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--workdir", str(work),
            "--slots", str(args.slots), "--prompt-len", str(args.prompt_len),
            "--chunk-steps", str(args.chunk_steps), "--admit-batch", str(args.admit_batch),
-           "--hf-requests", str(args.hf_requests),
-           "--dtype", args.dtype, "--preset", args.preset]
+           "--hf-requests", str(args.hf_requests), "--repeats", str(args.repeats),
+           "--dtype", args.dtype, "--preset", args.preset] + ["--with-tunix"] * args.with_tunix
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  {engine}: failed\n{proc.stderr[-3000:]}", flush=True)
@@ -239,21 +253,27 @@ def main() -> None:
         np.save(work / "prompts.npy",
                 rng.integers(1, config.vocab_size, (args.requests, args.prompt_len)))
         np.save(work / "lengths.npy", lengths)
-        for engine in args.engines:
-            r = spawn(engine, work, args)
-            if not r:
-                continue
-            rates[engine] = r["tokens"] / r["wall"]
-            extra = ""
-            if engine == "engine":
-                extra = (f"  slot occupancy {r['occupancy']:.0%} (of computed rows "
-                         f"{r['row_occupancy']:.0%})  prefill share {r['prefill_share']:.1%}  "
-                         f"{r['decode_steps']} decode steps  {r['prefills']} prefills in "
-                         f"{r['prefill_calls']} calls  KV {r['kv_bytes_per_token']} B/token, "
-                         f"{r['kv_bytes_per_slot'] / 2**20:.1f} MiB/slot")
-            print(f"  {engine:9s} {r['tokens']:6d} tokens in {r['wall']:7.2f} s = "
-                  f"{rates[engine]:6.1f} tokens/s (warm-up {r['warmup']:.1f} s, lengths "
-                  f"{'exact' if r['lengths_ok'] else 'WRONG'}){extra}", flush=True)
+        ours = bool({"engine", "generate"} & set(args.engines))
+        args.with_tunix = ours and "tunix" in args.engines  # alternates with ours, same process
+        children = ["mars_jax"] * ours
+        children += [e for e in args.engines if e == "hf" or (e == "tunix" and not ours)]
+        for child in children:
+            for engine, r in spawn(child, work, args).items():
+                wall = bench_utils.median(r["walls"])
+                rates[engine] = r["tokens"] / wall
+                extra = ""
+                if engine == "engine":
+                    extra = (f"\n            slot occupancy {r['occupancy']:.0%} (of computed "
+                             f"rows {r['row_occupancy']:.0%}), prefill share "
+                             f"{r['prefill_share']:.1%}, {r['decode_steps']} decode steps, "
+                             f"{r['prefills']} prefills in {r['prefill_calls']} calls, KV "
+                             f"{r['kv_bytes_per_token']} B/token, "
+                             f"{r['kv_bytes_per_slot'] / 2**20:.1f} MiB/slot")
+                print(f"  {engine:9s} {r['tokens']:6d} tokens in {wall:7.2f} s = "
+                      f"{rates[engine]:6.1f} tokens/s (runs "
+                      f"{', '.join(f'{w:.1f}' for w in r['walls'])} s; warm-up "
+                      f"{r['warmup']:.1f} s; lengths {'exact' if r['lengths_ok'] else 'WRONG'})"
+                      f"{extra}", flush=True)
         if "engine" in rates and "generate" in rates:
             a, b = np.load(work / "tokens_engine.npy"), np.load(work / "tokens_generate.npy")
             print(f"  engine tokens equal to generate's: {np.mean(a == b):.1%}")

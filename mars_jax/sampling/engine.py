@@ -4,9 +4,10 @@ An `Engine` holds `num_slots` slots, each with its own KV cache of `max_length` 
 own position, budget, stop ids, temperature / top-k / top-p and PRNG key. Submitted requests wait
 in a queue. `stream()` alternates two things: the host admits queued requests into free slots
 (the prompts admitted together are prefilled as one batch per prompt bucket, right-padded, in
-`prefill_chunk`-token pieces for long prompts, and each row is copied into its slot), then one jitted chunk of up to `chunk_steps` decode steps runs
-over all slots; after it the host streams finished requests out and frees their slots. A chunk
-ends early once some slot finishes while requests wait, so a free slot is refilled at once.
+`prefill_chunk`-token pieces for long prompts, and each row is copied into its slot), then one
+jitted chunk of up to `chunk_steps` decode steps runs over all slots; after it the host streams
+finished requests out and frees their slots. While requests wait, a chunk ends early as soon
+as `admit_batch` slots are free, so they are refilled at once.
 
 Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece, batch
 bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only
@@ -25,8 +26,10 @@ cache length), which changes a token only at an exact near-tie.
 Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
 tokens); the next token is written at position `length` and sees positions `0..length`.
 Segments: a request submitted with `segment_tokens` pauses in its slot after that many tokens;
-`resume(id, mode='keep')` continues from the slot's KV cache (no prefill), `mode='recompute'`
-re-prefills prompt + tokens so far under the engine's current weights (`update_weights`).
+`resume(id, mode='keep')` continues from the slot's KV cache (no prefill; the KV of the tokens
+so far stays that of the weights that produced them), `mode='recompute'` re-prefills prompt +
+tokens so far under the engine's current weights (`update_weights`): exactly on-policy KV for
+the cost of a prefill of that many tokens.
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
 (`kv_bytes_per_token`), times `max_length` per slot (`kv_bytes_per_slot`), logged at start.
