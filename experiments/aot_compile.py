@@ -358,8 +358,9 @@ class StepPrograms:
         kv_shards = min(cfg.num_key_value_heads, int(np.prod([self.mesh.shape[a] for a in
                         sharding.spec_axes(sharding.logical_to_spec(("act_kv_heads",))[0])])))
         return (f"engine  {slots} slots x {length} positions; KV cache {per_token:,} bytes per "
-                f"token, {per_token * length / GiB:.2f} GiB per slot, {total / GiB:.1f} GiB in "
-                f"all, {total / shards / kv_shards / GiB:.2f} GiB per device")
+                f"token, {per_token * length / 2**20:,.1f} MiB per slot, "
+                f"{total / GiB:,.2f} GiB in all, {total / shards / kv_shards / 2**20:,.1f} MiB "
+                f"per device")
 
     def _train_rows(self, *lead: int, dtype=jnp.int32):
         s = self.shapes
