@@ -1,4 +1,4 @@
-"""Long-tailed decode throughput: mars_jax `Engine` vs `generate` vs tunix vs HF continuous batching.
+"""Long-tailed decode throughput: mars_jax `Engine` vs `generate`, tunix, HF continuous batching.
 
 Usage: python benchmarks/engine.py [--requests 64] [--slots 16] [--prompt-len 64]
            [--engines engine,generate,tunix,hf] [--hf-requests 16] [--dtype float32]
@@ -23,7 +23,8 @@ Tokens/s = requested tokens / wall time of the whole workload (prefill + decode)
 `generate` (and tunix, also JAX) share one subprocess and alternate pass by pass (a shared
 machine's load changes hit them alike); HF runs alone in a fresh subprocess.
 The engine also prints its slot occupancy (tokens / (slots x decode steps); of computed rows:
-tokens / rows the decode chunks computed, after compaction), its prefill share of the wall time, and its KV-cache bytes per token and per slot.
+tokens / rows the decode chunks computed, after compaction), its prefill share of the wall
+time, and its KV-cache bytes per token and per slot.
 
 Machine bound: a decode step of `slots` rows reads every weight but the embedding once; the
 matmul-bound floor is `slots` x (the rate at which XLA's float32 `[slots, H] @ [H, 8192]` streams
