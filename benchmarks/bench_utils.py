@@ -72,6 +72,19 @@ def torch_matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
     return 2 * m * k * n / min(time_runs(lambda: a @ b, repeats))
 
 
+def forward_flops(config, batch: int, length: int) -> float:
+    """Matmul FLOPs of one causal forward that computes only what it must: q/k/v/o projections,
+    the router and the top-k experts of every token, causal attention scores and values (each
+    query against the keys up to it) and the output projection."""
+    h, heads, kv, d = (config.hidden_size, config.num_attention_heads,
+                       config.num_key_value_heads, config.head_dim)
+    per_token = (h * d * (2 * heads + 2 * kv) + h * config.num_experts
+                 + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size)
+    attention = 2 * heads * d * (length + 1) / 2  # q.k and p.v over the visible keys
+    layers = config.num_hidden_layers * (per_token + attention)
+    return 2 * batch * length * (layers + h * config.vocab_size)
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

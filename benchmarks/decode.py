@@ -151,9 +151,9 @@ class IdTokenizer:
         return 0
 
 
-def tunix_engine(path: Path, args):
+def tunix_model(path: Path):
+    """tunix's Qwen3 (float32) loaded from the shared checkpoint."""
     import jax.numpy as jnp
-    from tunix.generate import sampler as sampler_lib
     from tunix.models.qwen3 import model as qwen3_model
     from tunix.models.qwen3 import params as qwen3_params
 
@@ -166,11 +166,23 @@ def tunix_engine(path: Path, args):
         num_kv_heads=c.num_key_value_heads, rope_theta=int(c.rope_theta), norm_eps=c.rms_norm_eps,
         use_tied_embedding=c.tie_word_embeddings, num_experts=c.num_experts,
         num_experts_per_tok=c.num_experts_per_tok, dtype=jnp.float32, param_dtype=jnp.float32)
-    model = qwen3_params.create_model_from_safe_tensors(str(path), config, dtype=jnp.float32)
-    cache = sampler_lib.CacheConfig(cache_size=args.prompt_len + args.new_tokens,
-                                    num_layers=c.num_hidden_layers,
+    return qwen3_params.create_model_from_safe_tensors(str(path), config, dtype=jnp.float32), c
+
+
+def tunix_sampler(model, c, cache_size: int):
+    """`tunix.generate.sampler.Sampler` over `model` with a KV cache of `cache_size` tokens."""
+    from tunix.generate import sampler as sampler_lib
+
+    cache = sampler_lib.CacheConfig(cache_size=cache_size, num_layers=c.num_hidden_layers,
                                     num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
-    sampler = sampler_lib.Sampler(model, IdTokenizer(), cache)
+    return sampler_lib.Sampler(model, IdTokenizer(), cache)
+
+
+def tunix_engine(path: Path, args):
+    import jax.numpy as jnp
+
+    model, c = tunix_model(path)
+    sampler = tunix_sampler(model, c, args.prompt_len + args.new_tokens)
 
     def logits(ids):
         b, t = ids.shape

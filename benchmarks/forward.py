@@ -127,19 +127,6 @@ def torch_train_step(model) -> callable:
     return run
 
 
-def forward_flops(config, batch: int, length: int) -> float:
-    """Matmul FLOPs of one causal forward that computes only what it must: q/k/v/o projections,
-    the router and the top-k experts of every token, causal attention scores and values (each
-    query against the keys up to it) and the output projection."""
-    h, heads, kv, d = (config.hidden_size, config.num_attention_heads,
-                       config.num_key_value_heads, config.head_dim)
-    per_token = (h * d * (2 * heads + 2 * kv) + h * config.num_experts
-                 + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size)
-    attention = 2 * heads * d * (length + 1) / 2  # q.k and p.v over the visible keys
-    layers = config.num_hidden_layers * (per_token + attention)
-    return 2 * batch * length * (layers + h * config.vocab_size)
-
-
 def report(title: str, tokens: int, flops: float, times: dict[str, list[float]]
            ) -> dict[str, float]:
     """Prints per-engine runs, median, tokens/s and achieved GFLOP/s; returns tokens/s by engine."""
@@ -163,7 +150,7 @@ def bench_forward(args, models, ids_np) -> None:
         diff = np.abs(np.asarray(outputs["mars_jax"]) - outputs["torch"].numpy()).max()
         print(f"  logits max abs diff mars_jax vs torch: {diff:.2e}")
     del outputs
-    flops = forward_flops(get_preset("bench"), *ids_np.shape)
+    flops = bench_utils.forward_flops(get_preset("bench"), *ids_np.shape)
     report("forward", ids_np.size, flops, bench_utils.time_interleaved(fns, args.repeats, warmup=0))
 
 
@@ -177,7 +164,8 @@ def bench_train(args, models, ids_np) -> None:
     for name in steps:
         steps[name](inputs[name])
     fns = {name: (lambda s=steps[name], x=inputs[name]: s(x)) for name in steps}
-    flops = 3 * forward_flops(get_preset("bench"), *ids_np.shape)  # forward + 2x for backward
+    # forward + 2x for backward
+    flops = 3 * bench_utils.forward_flops(get_preset("bench"), *ids_np.shape)
     report("train step", ids_np.size, flops,
            bench_utils.time_interleaved(fns, args.repeats, warmup=0))
 

@@ -11,8 +11,14 @@ r"""Ahead-of-time compilation of every program of a MarsRL training step for a T
 Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `rl.batching`):
   prefill   prefill of a decode batch + its first segment (`sampler._prefill_and_decode`)
   decode    one further segment of that batch (`sampler._continue_decode`)
+  engine_prefill  with `rollout.decode_engine='engine'` instead of the two above: one
+            `prefill_chunk` piece of a prefill of every slot's prompt at once (`engine._prefill`)
+  engine_insert   a prefilled row copied into a slot (`engine._insert`)
+  engine_decode   one decode chunk over all slots (`engine._decode_chunk`); the engine's KV
+            bytes per token / per slot / per device are printed with it
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
   update    `rl.update.train_step` over one step's micro-batches
+By default the programs the config's decode path runs (`step_programs`).
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
 FLOPs (`cost_analysis()`: per device, a loop body counted once) and whether it fits the chip;
 the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
@@ -27,6 +33,7 @@ for _key, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"),
     os.environ.setdefault(_key, _value)
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -37,6 +44,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
@@ -49,9 +57,12 @@ from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optimizer,  # noqa: E402
                                 opt_state_shardings, token_logprobs, train_step)
-from mars_jax.sampling import sampler  # noqa: E402
+from mars_jax.rl.generator import engine_shape  # noqa: E402
+from mars_jax.sampling import engine, sampler  # noqa: E402
 
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
+ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs", "update")
+ALL_PROGRAMS = PROGRAMS[:2] + ENGINE_PROGRAMS
 GiB = 1 << 30
 # HBM per device by `device_kind` (TPU compile-only devices do not report it).
 TPU_HBM = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": int(95.74 * GiB),
@@ -70,7 +81,8 @@ _TOPOLOGY = flags.DEFINE_string(
     "topology", None, "TPU 'v5p:4x4x4', 'v5e:2x2', ... (libtpu) or GPU 'h100:8', 'h200:2x8' "
     "(hosts x GPUs per host; CUDA plugin).")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice over DCN).")
-_PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), f"Subset of {PROGRAMS}.")
+_PROGRAMS = flags.DEFINE_list("programs", [], f"Subset of {ALL_PROGRAMS} (default: "
+                              "`step_programs` of the config).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "Compile this many layers (0: the config's).")
 _JSON = flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
 flags.mark_flags_as_required(["config", "topology"])
@@ -191,6 +203,11 @@ def step_shapes(config: ConfigDict) -> Shapes:
                   train_len=_pow2(r.max_prompt_tokens + max(r.max_new_tokens.values()), 32))
 
 
+def step_programs(config: ConfigDict) -> tuple[str, ...]:
+    """The programs a training step of `config` runs (its decode path's, then the update's)."""
+    return ENGINE_PROGRAMS if config.rollout.get("decode_engine") == "engine" else PROGRAMS
+
+
 def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         tree, shardings)
@@ -270,6 +287,80 @@ class StepPrograms:
         return sampler._continue_decode.lower(
             self.graphdef, self.weights, self.decode_state(), _scalar(self.mesh, jnp.float32),
             _scalar(self.mesh, jnp.int32), params=self.sampling)
+
+    def engine_state(self) -> engine.SlotState:
+        """The abstract slot state of the config's engine, sharded by the logical rules."""
+        cfg, mesh = self.cfg, self.mesh
+        slots, length = engine_shape(self.config, mesh)
+        state = jax.eval_shape(functools.partial(
+            engine._init_state, self.graphdef, num_slots=slots, max_length=length,
+            max_stops=STOP_IDS, record=self.sampling.record_routing), self.weights)
+        layout = cache_layout(slots, length, cfg.num_key_value_heads, cfg.head_dim)
+        cache = tuple(KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
+                                for shape, names in layout)) for _ in state.cache)
+        like = lambda x, *names: _sharded(mesh, x.shape, x.dtype, names)
+        per_slot = {f.name: like(getattr(state, f.name), "batch")
+                    for f in dataclasses.fields(state)
+                    if f.name not in ("cache", "next_logits", "stop_ids", "experts")}
+        return state.replace(
+            cache=cache, next_logits=like(state.next_logits, "batch", "act_vocab"),
+            stop_ids=like(state.stop_ids, "batch", None),
+            experts=None if state.experts is None else like(state.experts, None, "batch", None,
+                                                            None), **per_slot)
+
+    def _engine_prompt(self):
+        """Abstract prompt cache, logits and routing of one prefill of every slot's prompt."""
+        cfg, mesh = self.cfg, self.mesh
+        slots, _ = engine_shape(self.config, mesh)
+        bucket = self.shapes.prompt_len
+        layout = cache_layout(slots, bucket, cfg.num_key_value_heads, cfg.head_dim)
+        cache = tuple(KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
+                                for shape, names in layout))
+                      for _ in range(cfg.num_hidden_layers))
+        logits = _sharded(mesh, (slots, cfg.vocab_size), jnp.float32, ("batch", "act_vocab"))
+        experts = None
+        if self.num_moe:
+            experts = _sharded(mesh, (self.num_moe, slots, bucket, cfg.num_experts_per_tok),
+                               jnp.int32, (None, "batch", None, None))
+        return slots, bucket, cache, logits, experts
+
+    def _engine_prefill(self) -> jax.stages.Lowered:
+        slots, bucket, cache, logits, experts = self._engine_prompt()
+        piece = min(bucket, engine.PREFILL_CHUNK)
+        tokens = _sharded(self.mesh, (slots, piece), jnp.int32, ("batch", None))
+        last = _sharded(self.mesh, (slots,), jnp.int32, ("batch",))
+        return engine._prefill.lower(self.graphdef, self.weights, cache, logits, experts, tokens,
+                                     _scalar(self.mesh, jnp.int32), last, bucket=bucket,
+                                     fresh=False)
+
+    def _engine_insert(self) -> jax.stages.Lowered:
+        _, _, cache, logits, experts = self._engine_prompt()
+        i32, f32 = (_scalar(self.mesh, jnp.int32), _scalar(self.mesh, jnp.float32))
+        u32 = _scalar(self.mesh, jnp.uint32)
+        stops = _sharded(self.mesh, (STOP_IDS,), jnp.int32, (None,))
+        return engine._insert.lower(self.engine_state(), i32, cache, logits, experts, i32, i32,
+                                    i32, i32, i32, u32, u32, f32, i32, f32, stops)
+
+    def _engine_decode(self) -> jax.stages.Lowered:
+        return engine._decode_chunk.lower(
+            self.graphdef, self.weights, self.engine_state(), _scalar(self.mesh, jnp.int32),
+            steps=self.config.rollout.engine_chunk_steps)
+
+    def kv_line(self) -> str:
+        """The engine's KV-cache bytes per token, per slot and per device (its slots' caches
+        spread over the batch and KV-head axes)."""
+        cfg = self.cfg
+        slots, length = engine_shape(self.config, self.mesh)
+        per_token = engine.kv_bytes_per_token(cfg)
+        total = per_token * length * slots
+        shards = int(np.prod([self.mesh.shape[a] for a in sharding.spec_axes(
+            sharding.logical_to_spec(("batch",))[0])]))
+        kv_shards = min(cfg.num_key_value_heads, int(np.prod([self.mesh.shape[a] for a in
+                        sharding.spec_axes(sharding.logical_to_spec(("act_kv_heads",))[0])])))
+        return (f"engine  {slots} slots x {length} positions; KV cache {per_token:,} bytes per "
+                f"token, {per_token * length / 2**20:,.1f} MiB per slot, "
+                f"{total / GiB:,.2f} GiB in all, {total / shards / kv_shards / 2**20:,.1f} MiB "
+                f"per device")
 
     def _train_rows(self, *lead: int, dtype=jnp.int32):
         s = self.shapes
@@ -376,15 +467,18 @@ class Report:
 
 
 def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
-        programs: Sequence[str] = PROGRAMS, num_layers: int = 0) -> Report:
-    """Compiles `programs` of `config` for `topology`."""
-    unknown = set(programs) - set(PROGRAMS)
+        programs: Sequence[str] = (), num_layers: int = 0) -> Report:
+    """Compiles `programs` (default: `step_programs(config)`) of `config` for `topology`."""
+    programs = tuple(programs) or step_programs(config)
+    unknown = set(programs) - set(ALL_PROGRAMS)
     if unknown:
-        raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {PROGRAMS}")
+        raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {ALL_PROGRAMS}")
     target = make_target(topology, num_slices)
     mesh = sharding.make_mesh(dict(config.mesh), target.devices)
     cfg = model_config(config, num_layers)
     steps = StepPrograms(config, cfg, mesh)
+    if any(p.startswith("engine") for p in programs):
+        print(steps.kv_line())
     results = [compile_program(p, lambda p=p: steps.lower(p), target.hbm_bytes) for p in programs]
     return Report(target.description, dict(mesh.shape),
                   config.model.checkpoint or config.model.preset, cfg.num_hidden_layers,

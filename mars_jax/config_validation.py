@@ -64,6 +64,7 @@ ROLES_TRAINED = ("all", "solver", "vc")  # see `mars_jax.rl.pipeline.trainable`
 CHOICES: dict[str, tuple[str, ...]] = {
     "job": ("train", "eval_system", "sft"),
     "rollout.mode": MODES,
+    "rollout.decode_engine": ("generate", "engine"),
     "rollout.selection": POLICIES,
     "rollout.roles_trained": ROLES_TRAINED,
     "rollout.prompt_style": tuple(STYLES),
@@ -79,6 +80,7 @@ AT_LEAST: dict[str, float] = {
     "rollout.prompts_per_step": 1, "rollout.fan_out": 1, "rollout.max_stages": 1,
     **{f"rollout.max_new_tokens.{role}": 1 for role in ("solver", "verifier", "corrector")},
     "rollout.segment_tokens": 0, "rollout.max_decode_rows": 0, "rollout.staleness_bound": 0,
+    "rollout.engine_slots": 0, "rollout.engine_chunk_steps": 1,
     "rollout.max_prompt_tokens": 1, "rollout.max_inflight_rows": 0,
     "rollout.top_k": 0,
     "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
@@ -88,7 +90,7 @@ AT_LEAST: dict[str, float] = {
     "optimizer.max_grad_norm": 0,
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
     "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
-    "eval.max_retries": 0, "eval.max_concurrency": 1,
+    "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
 }
 
 Rule = Callable[[ConfigDict, int], Iterator[Problem]]

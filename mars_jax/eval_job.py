@@ -30,7 +30,10 @@ def build_policy(config: ConfigDict) -> Policy:
             model = builders.build_model(config, mesh)
         return SamplerPolicy(model, builders.build_tokenizer(config), temperature=e.temperature,
                              top_p=e.top_p, seed=config.seed,
-                             enable_thinking=config.rollout.enable_thinking)
+                             enable_thinking=config.rollout.enable_thinking,
+                             engine_slots=e.engine_slots,
+                             max_length=config.rollout.max_prompt_tokens
+                             + max(dict(e.max_new_tokens).values()))
     if e.policy == "http":
         http = lambda url: HttpPolicy(url, e.served_model, temperature=e.temperature, top_p=e.top_p,
                                       timeout_s=e.timeout_s, max_concurrency=e.max_concurrency)

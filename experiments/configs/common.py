@@ -38,6 +38,9 @@ def base_config() -> ConfigDict:
         max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
         segment_tokens=0,           # 0 = decode each output in one go
         max_decode_rows=0,          # rows per decode call (KV-cache memory); 0 = all at once
+        decode_engine="generate",   # 'generate' (static batches) | 'engine' (continuous batching)
+        engine_slots=0,             # engine slots; 0 = max_decode_rows, else 16
+        engine_chunk_steps=16,      # engine decode steps between admissions
         # Pipeline mode: versions a trained sample may lag its first segment; a config whose
         # outputs need more than staleness_bound + 1 segments is rejected at start-up.
         staleness_bound=1, max_prompt_tokens=1024,
@@ -83,7 +86,8 @@ def base_config() -> ConfigDict:
                                                             corrector=256)),
                              temperature=0.6, top_p=0.95, policy="sampler",
                              vc_base_url="", solver_base_url="", served_model="",
-                             timeout_s=600.0, max_concurrency=32))
+                             timeout_s=600.0, max_concurrency=32,
+                             engine_slots=0))  # > 0: the sampler policy on an Engine
 
     # The 'sft' job (mars_jax.sft): packed supervised steps on generated role traces; `keep` is the
     # probability that a problem's example of each role is trained on.

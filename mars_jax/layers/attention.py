@@ -43,11 +43,16 @@ def _to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array | int) -> KVCache:
-    """`cache` with new keys and values `[B, T, K, D]` written at positions index.. index+T."""
+    """`cache` with new keys and values `[B, T, K, D]` written at positions index.. index+T;
+    `index` is one position for every row, or one per row (`[B]`, the engine's slots)."""
     k, v = _to_cache_layout(k, v)
-    return KVCache(
-        jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, index)),
-        jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, index, 0)))
+    k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    if jnp.ndim(index) == 1:
+        row_k = lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (0, 0, i))
+        row_v = lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (0, i, 0))
+        return KVCache(jax.vmap(row_k)(cache.k, k, index), jax.vmap(row_v)(cache.v, v, index))
+    return KVCache(jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, index)),
+                   jax.lax.dynamic_update_slice(cache.v, v, (0, 0, index, 0)))
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
@@ -107,7 +112,8 @@ class Attention(nnx.Module):
                  cache: KVCache | None = None, cache_index: jax.Array | int = 0,
                  ) -> tuple[jax.Array, KVCache | None]:
         """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
-        `cache` is given, in which case the new keys are written at `cache_index`)."""
+        `cache` is given, in which case the new keys are written at `cache_index`: one position,
+        or one per row)."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))

@@ -46,6 +46,14 @@ class AttentionMask:
                    offset=jnp.asarray(slot, jnp.int32))
 
     @classmethod
+    def filled(cls, visible: jax.Array, length: int) -> "AttentionMask":
+        """One new query per row that sees the first `visible[b]` of `length` cache slots (its
+        own, just written, included): the engine's slots, each at its own position."""
+        kv = (jnp.arange(length)[None, :] < visible[:, None]).astype(jnp.int32)
+        return cls(q_segments=jnp.ones((visible.shape[0], 1), jnp.int32), kv_segments=kv,
+                   offset=jnp.asarray(length - 1, jnp.int32))
+
+    @classmethod
     def packed(cls, segments: jax.Array) -> "AttentionMask":
         """Causal attention within each packed example: `segments [B, T]`, 0 for padding."""
         segments = segments.astype(jnp.int32)

@@ -36,6 +36,7 @@ from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
+from mars_jax.rl.generator import EngineGenerator
 from mars_jax.rl.learner import LearnerConfig, ppo_update, summarize_updates
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
@@ -271,16 +272,24 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     inflight_cap = config.rollout.max_inflight_rows or auto_inflight_rows(
         engine.config, config.rollout.prompts_per_step)
     metrics: dict[str, float] = {}
+    generator = None
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
             model = nnx.merge(graphdef, state.params)
-            generator = SamplerGenerator(
-                model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                top_k=config.rollout.top_k, seed=config.seed * 1_000_003 + step * 1_009,
-                record_routing=config.learner.routing_replay, mesh=mesh,
-                max_rows=config.rollout.max_decode_rows)
+            seed = config.seed * 1_000_003 + step * 1_009
+            if config.rollout.decode_engine == "engine":
+                if generator is None:
+                    generator = EngineGenerator.from_config(config, model, eos, seed=seed,
+                                                            mesh=mesh)
+                generator.set_model(model, seed=seed)
+            else:
+                generator = SamplerGenerator(
+                    model, eos, temperature=config.rollout.temperature,
+                    top_p=config.rollout.top_p, top_k=config.rollout.top_k, seed=seed,
+                    record_routing=config.learner.routing_replay, mesh=mesh,
+                    max_rows=config.rollout.max_decode_rows)
             t0 = time.perf_counter()
             with sharding.use_mesh(mesh):
                 rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,

@@ -1,5 +1,8 @@
-"""Jitted prefill + decode on the trainer's parameter arrays (see `sampler` for the design)."""
+"""Jitted prefill + decode on the trainer's parameter arrays: `generate` (static batches, the
+reference path) and `Engine` (continuous batching over fixed slots)."""
+from mars_jax.sampling.engine import Engine, EngineOutput
 from mars_jax.sampling.processors import choose_tokens, truncate_logits
 from mars_jax.sampling.sampler import SampleResult, SegmentState, generate, prompt_bucket, resume
 
-__all__ = ["SampleResult", "SegmentState", "choose_tokens", "generate", "prompt_bucket", "resume", "truncate_logits"]
+__all__ = ["Engine", "EngineOutput", "SampleResult", "SegmentState", "choose_tokens", "generate",
+           "prompt_bucket", "resume", "truncate_logits"]

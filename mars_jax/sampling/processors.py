@@ -44,3 +44,40 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, *, greedy: bool, temperatu
         tokens = jax.vmap(jax.random.categorical)(keys, truncated)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens.astype(jnp.int32), chosen
+
+
+def truncate_logits_per_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`truncate_logits` with a top-k `[B]` and a top-p `[B]` per row; a row with `top_k=0` and
+    `top_p=1.0` is returned unchanged, and every row gets the values `truncate_logits` gives it."""
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    kth = jnp.take_along_axis(sorted_desc, jnp.maximum(top_k - 1, 0)[:, None], axis=-1)
+    kth = jnp.where(top_k[:, None] > 0, kth, NEG_INF)
+    scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+    sorted_desc = jnp.where(sorted_desc < kth, NEG_INF, sorted_desc)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(mass_before < top_p[:, None], sorted_desc, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    threshold = jnp.where(top_p[:, None] < 1.0, threshold, NEG_INF)
+    return jnp.where(scaled < threshold, NEG_INF, scaled)
+
+
+def choose_tokens_per_row(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array,
+                          top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`choose_tokens` with settings per row (`[B]` each; temperature 0 = greedy): row b gets
+    the token and log-probability `choose_tokens` gives it under its own settings. The sort
+    behind top-k / top-p runs only when some row uses one of them, the draw only when some
+    row samples."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    truncated = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
+                             lambda x: truncate_logits_per_row(x, top_k, top_p), lambda x: x,
+                             scaled)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(keys.shape, jnp.int32),
+                           lambda: jax.vmap(jax.random.categorical)(keys, truncated).astype(
+                               jnp.int32))
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens.astype(jnp.int32), chosen

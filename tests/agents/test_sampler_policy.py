@@ -79,3 +79,25 @@ def test_seed_advances_per_call_and_is_reproducible(fakes):
     assert seeds(make(), 3) == [3, 4, 5]
     assert seeds(make(), 3) == [3, 4, 5]
     assert make().complete([]) == []
+
+
+def test_engine_backed_policy_equals_generate_per_request():
+    """On the engine (real tiny model and tokenizer), each completion is its request's own
+    greedy `generate` decode; a repeated prompt is prefilled once."""
+    from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
+    from mars_jax.models import create_model, get_preset
+    from mars_jax.sampling import generate
+
+    model, tokenizer = create_model(get_preset("tiny"), seed=0), tiny_tokenizer()
+    policy = SamplerPolicy(model, tokenizer, temperature=0.0, top_p=1.0, seed=0,
+                           engine_slots=2, max_length=160)
+    requests = [req("2+2?", 12), req("Check: 2+2=5", 7, "verifier"), req("2+2?", 12)]
+    out = policy.complete(requests)
+    assert policy._engine.stats["prefills"] == 2
+    for request, completion in zip(requests, out):
+        prompt = encode_chat(tokenizer, list(request.messages), enable_thinking=False,
+                             add_generation_prompt=True)
+        alone = generate(model, [prompt], max_new_tokens=request.max_new_tokens, temperature=0,
+                         eos_token_ids=eos_token_ids(tokenizer))
+        assert list(completion.token_ids) == alone.tokens[0]
+        assert completion.finish_reason == alone.finish_reasons[0]

@@ -1,0 +1,287 @@
+"""Long-tailed decode throughput: mars_jax `Engine` vs `generate`, tunix, HF continuous batching.
+
+Usage: python benchmarks/engine.py [--requests 64] [--slots 16] [--prompt-len 64]
+           [--engines engine,generate,tunix,hf] [--hf-requests 16] [--dtype float32]
+
+`bench` preset, one set of weights (an HF checkpoint made with a fixed seed, loaded by every
+engine). Workload: `requests` prompts of `prompt-len` random tokens; output lengths drawn from a
+log-normal (median 48, sigma 1, seeded), clipped to [1, 512]. Every engine decodes greedily and
+produces exactly those lengths (no stop token):
+  engine    `mars_jax.sampling.Engine(num_slots=slots)`, each request's budget = its length
+  generate  `mars_jax.sampling.generate` on static batches of `slots` requests in submission
+            order, per-row budgets (finished rows dropped by its compaction)
+  tunix     `tunix.generate.sampler.Sampler` on static batches of `slots`, each decoded to the
+            batch's longest length (it has one step budget per call); only the requested lengths
+            count as tokens
+  hf        transformers' continuous batching (`ContinuousBatchingManager`, paged attention),
+            `max_requests_per_batch=slots`, per-request `max_new_tokens`; on the first
+            `hf-requests` requests (it is slow on CPU)
+The engine admits queued requests `admit-batch` at a time (one batched prefill) and gathers the
+running rows into a smaller slot bucket once nothing waits (as `generate` compacts).
+Tokens/s = requested tokens / wall time of the whole workload (prefill + decode), median of
+`repeats` passes after one warm-up pass of the same workload (compiles). The engine and
+`generate` (and tunix, also JAX) share one subprocess and alternate pass by pass (a shared
+machine's load changes hit them alike); HF runs alone in a fresh subprocess.
+The engine also prints its slot occupancy (tokens / (slots x decode steps); of computed rows:
+tokens / rows the decode chunks computed, after compaction), its prefill share of the wall
+time, and its KV-cache bytes per token and per slot.
+
+Machine bound: a decode step of `slots` rows reads every weight but the embedding once; the
+matmul-bound floor is `slots` x (the rate at which XLA's float32 `[slots, H] @ [H, 8192]` streams
+uncached weights) / bytes per step (as in `decode.py`), a ceiling on any engine's decode rate.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import bench_utils
+import decode
+
+ENGINES = ("engine", "generate", "tunix", "hf")
+MAX_NEW = 512
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--chunk-steps", type=int, default=8)
+    parser.add_argument("--admit-batch", type=int, default=4)
+    parser.add_argument("--hf-requests", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--with-tunix", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=("mars_jax", "tunix", "hf"),
+                        help=argparse.SUPPRESS)                               # child process
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)       # child process
+    args = parser.parse_args()
+    args.engines = args.engines.split(",")
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
+    return args
+
+
+def output_lengths(n: int, seed: int) -> np.ndarray:
+    """Long-tailed lengths: log-normal with median 48 and sigma 1, clipped to [1, 512]."""
+    rng = np.random.default_rng(seed + 1)
+    return np.clip(np.round(48 * np.exp(rng.normal(0.0, 1.0, n))), 1, MAX_NEW).astype(int)
+
+
+# ----------------------------------------------------------------------------- engines (children)
+
+def engine_run(model, args):
+    from mars_jax.sampling import Engine
+
+    engine = Engine(model, num_slots=args.slots, max_length=args.prompt_len + MAX_NEW,
+                    chunk_steps=args.chunk_steps, admit_batch=args.admit_batch)
+
+    def run(prompts, lengths):
+        engine.stats.clear()
+        ids = [engine.submit(p, max_new_tokens=int(n), temperature=0.0)[0]
+               for p, n in zip(prompts.tolist(), lengths)]
+        start = time.perf_counter()
+        outputs = engine.run()
+        wall = time.perf_counter() - start
+        s = engine.stats
+        info = {"occupancy": s["tokens"] / s["slot_steps"],
+                "row_occupancy": s["tokens"] / s["row_steps"],
+                "prefill_share": s["prefill_seconds"] / wall,
+                "decode_steps": s["decode_steps"], "prefills": s["prefills"],
+                "prefill_calls": s["prefill_calls"],
+                "kv_bytes_per_token": engine.kv_bytes_per_token,
+                "kv_bytes_per_slot": engine.kv_bytes_per_slot}
+        return [outputs[i].tokens for i in ids], info
+
+    return run
+
+
+def generate_run(model, args):
+    from mars_jax.sampling import generate
+
+
+    def run(prompts, lengths):
+        tokens = []
+        for start in range(0, len(prompts), args.slots):
+            batch = slice(start, start + args.slots)
+            out = generate(model, prompts[batch].tolist(),
+                           max_new_tokens=[int(n) for n in lengths[batch]], temperature=0.0)
+            tokens += out.tokens
+        return tokens, {}
+
+    return run
+
+
+def tunix_run(path: Path, args):
+    model, c = decode.tunix_model(path)
+    sampler = decode.tunix_sampler(model, c, args.prompt_len + MAX_NEW)
+
+    def run(prompts, lengths):
+        tokens = []
+        for start in range(0, len(prompts), args.slots):
+            batch = slice(start, start + args.slots)
+            out = sampler([" ".join(map(str, p)) for p in prompts[batch]],
+                          max_generation_steps=int(lengths[batch].max()),
+                          max_prompt_length=prompts.shape[1], temperature=0.0,
+                          eos_tokens=[decode.IdTokenizer().eos_id()])
+            tokens += [list(map(int, t[:n])) for t, n in zip(out.tokens, lengths[batch])]
+        return tokens, {}
+
+    return run
+
+
+def hf_run(path: Path, args):
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    generation = transformers.GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW,
+                                               eos_token_id=None, pad_token_id=0)
+    batching = transformers.ContinuousBatchingConfig(max_requests_per_batch=args.slots)
+
+    def run(prompts, lengths):
+        prompts, lengths = prompts[:args.hf_requests], lengths[:args.hf_requests]
+        results = {}
+        with torch.inference_mode(), model.continuous_batching_context_manager(
+                generation_config=generation, continuous_batching_config=batching, block=True,
+                timeout=5) as manager:
+            ids = [manager.add_request(p, max_new_tokens=int(n), eos_token_id=-1)
+                   for p, n in zip(prompts.tolist(), lengths)]
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped early")
+        return [list(results[i].generated_tokens) for i in ids], {}
+
+    return run
+
+
+def run_engine(args) -> None:
+    """Child process: one peer engine, or ours ('mars_jax': the engine and `generate` on one
+    loaded model, runs alternating); a warm-up pass each, then `repeats` timed passes (median);
+    prints one JSON line with a result per engine."""
+    work = args.workdir
+    prompts, lengths = np.load(work / "prompts.npy"), np.load(work / "lengths.npy")
+    path = work / "checkpoint"
+    if args.engine == "mars_jax":
+        model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
+        runs = {"engine": engine_run(model, args), "generate": generate_run(model, args)}
+        if args.with_tunix:
+            runs["tunix"] = tunix_run(path, args)
+    else:
+        runs = {args.engine: {"tunix": tunix_run, "hf": hf_run}[args.engine](path, args)}
+        if args.engine == "hf":
+            lengths = lengths[:args.hf_requests]
+    results = {}
+    for name, run in runs.items():
+        start = time.perf_counter()
+        run(prompts, lengths)
+        results[name] = {"warmup": time.perf_counter() - start, "walls": [],
+                         "tokens": int(sum(lengths))}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens, info = run(prompts, lengths)
+            results[name]["walls"].append(time.perf_counter() - start)
+            results[name].update(info, lengths_ok=[len(t) for t in tokens] == list(lengths))
+            np.save(work / f"tokens_{name}.npy",
+                    np.array([t + [-1] * (MAX_NEW - len(t)) for t in tokens]))
+    print(json.dumps(results))
+
+
+# ----------------------------------------------------------------------------- parent
+
+def spawn(engine: str, work: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--engine", engine, "--workdir", str(work),
+           "--slots", str(args.slots), "--prompt-len", str(args.prompt_len),
+           "--chunk-steps", str(args.chunk_steps), "--admit-batch", str(args.admit_batch),
+           "--hf-requests", str(args.hf_requests), "--repeats", str(args.repeats),
+           "--dtype", args.dtype, "--preset", args.preset] + ["--with-tunix"] * args.with_tunix
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  {engine}: failed\n{proc.stderr[-3000:]}", flush=True)
+        return {}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    args = parse_args()
+    if args.engine:
+        run_engine(args)
+        return
+    from mars_jax.models import get_preset
+
+    config = get_preset(args.preset)
+    lengths = output_lengths(args.requests, args.seed)
+    print(f"machine: {bench_utils.machine_line()}")
+    print(f"versions: {bench_utils.versions_line()}")
+    print(f"{args.preset} preset, {args.dtype}: {args.requests} requests, prompt {args.prompt_len} "
+          f"random tokens, output lengths log-normal (median 48, sigma 1, cap {MAX_NEW}): "
+          f"mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}, "
+          f"total {lengths.sum()}; {args.slots} slots / rows; greedy, no stop token")
+    step = decode.bytes_per_step(config, 4 if args.dtype == "float32" else 2)
+    h = config.hidden_size
+    gemm = bench_utils.xla_matmul_rate(args.slots, h, 8192, weight_bytes=256 << 20)
+    weights_rate = 4 * gemm / (2 * args.slots)
+    print(f"machine bound: XLA float32 [{args.slots}, {h}] @ [{h}, 8192] streams "
+          f"{weights_rate / 1e9:.1f} GB/s of weights; {step / 1e6:.0f} MB per step -> "
+          f"matmul-bound decode floor {weights_rate / step * args.slots:.0f} tokens/s "
+          f"at {args.slots} rows")
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        bench_utils.make_hf_checkpoint(config, work / "checkpoint", seed=args.seed)
+        rng = np.random.default_rng(args.seed)
+        np.save(work / "prompts.npy",
+                rng.integers(1, config.vocab_size, (args.requests, args.prompt_len)))
+        np.save(work / "lengths.npy", lengths)
+        ours = bool({"engine", "generate"} & set(args.engines))
+        args.with_tunix = ours and "tunix" in args.engines  # alternates with ours, same process
+        children = ["mars_jax"] * ours
+        children += [e for e in args.engines if e == "hf" or (e == "tunix" and not ours)]
+        for child in children:
+            for engine, r in spawn(child, work, args).items():
+                wall = bench_utils.median(r["walls"])
+                rates[engine] = r["tokens"] / wall
+                extra = ""
+                if engine == "engine":
+                    extra = (f"\n            slot occupancy {r['occupancy']:.0%} (of computed "
+                             f"rows {r['row_occupancy']:.0%}), prefill share "
+                             f"{r['prefill_share']:.1%}, {r['decode_steps']} decode steps, "
+                             f"{r['prefills']} prefills in {r['prefill_calls']} calls, KV "
+                             f"{r['kv_bytes_per_token']} B/token, "
+                             f"{r['kv_bytes_per_slot'] / 2**20:.1f} MiB/slot")
+                print(f"  {engine:9s} {r['tokens']:6d} tokens in {wall:7.2f} s = "
+                      f"{rates[engine]:6.1f} tokens/s (runs "
+                      f"{', '.join(f'{w:.1f}' for w in r['walls'])} s; warm-up "
+                      f"{r['warmup']:.1f} s; lengths {'exact' if r['lengths_ok'] else 'WRONG'})"
+                      f"{extra}", flush=True)
+        if "engine" in rates and "generate" in rates:
+            a, b = np.load(work / "tokens_engine.npy"), np.load(work / "tokens_generate.npy")
+            print(f"  engine tokens equal to generate's: {np.mean(a == b):.1%}")
+    for base in ("generate", "tunix", "hf"):
+        if "engine" in rates and base in rates:
+            print(f"  ratio engine/{base} = {rates['engine'] / rates[base]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

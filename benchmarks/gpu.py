@@ -1,0 +1,183 @@
+"""One-GPU throughput of mars_jax in bfloat16: forward, train step, decode, engine (run by gpu.sh).
+
+Usage: python benchmarks/gpu.py [--preset qwen3_30b_a3b] [--num-layers 12] [--parts all]
+           [--peak-tflops 989] [--peak-hbm-tbs 4.8]
+
+Random weights (`create_model`, bf16 weights and compute) of `preset` with `num-layers` layers
+(the 30B's layer shapes; 12 of its 48 layers is the most whose AdamW train step fits one H200).
+  forward   logits of 8 x 2048 random tokens
+  train     loss + grads + AdamW (optax) on 4 x 1024 tokens, layers rematerialised
+  decode    `generate`, greedy, 64 prompts x 256 tokens, exactly 256 new tokens
+  engine    the long-tailed workload of `engine.py` (log-normal lengths, median 48, cap 512)
+            on `Engine(num_slots=256)` vs `generate` in static batches of 256
+Tokens/s over the median of 3 timed calls after one warm-up (compile) call. MFU = matmul FLOPs
+the step must do (`bench_utils.forward_flops`; x3 for a train step) / time / the chip's bf16
+peak; achieved HBM bandwidth = bytes a decode step must read (every weight but the embedding,
+plus the KV cache up to the current position) / step time, against the chip's peak.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import bench_utils
+import engine as engine_bench
+
+PARTS = ("forward", "train", "decode", "engine")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3_30b_a3b")
+    parser.add_argument("--num-layers", type=int, default=12)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slots", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense (H200)")
+    parser.add_argument("--peak-hbm-tbs", type=float, default=4.8, help="HBM TB/s (H200)")
+    args = parser.parse_args()
+    args.parts = args.parts.split(",")
+    return args
+
+
+def build(args, **overrides):
+    from mars_jax.models import create_model, get_preset
+
+    config = get_preset(args.preset, num_hidden_layers=args.num_layers, dtype="bfloat16",
+                        param_dtype="bfloat16", **overrides)
+    return create_model(config, seed=0)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    return bench_utils.median(bench_utils.time_runs(fn, repeats, warmup=0))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter but the embedding table (what a decode step reads)."""
+    cfg = model.config
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    return total - cfg.vocab_size * cfg.hidden_size * jnp.dtype(cfg.weight_dtype).itemsize
+
+
+def report(name: str, tokens: int, seconds: float, flops: float, args) -> None:
+    mfu = flops / seconds / (args.peak_tflops * 1e12)
+    print(f"  {name:8s} {tokens / seconds:10.0f} tokens/s  {seconds * 1e3:8.1f} ms  "
+          f"MFU {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s bf16", flush=True)
+
+
+def bench_forward(args) -> None:
+    model = build(args)
+    graphdef, params = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, model.config.vocab_size, (8, 2048)))
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    seconds = timed(lambda: forward(params, ids).block_until_ready(), args.repeats)
+    report("forward", ids.size, seconds, bench_utils.forward_flops(model.config, *ids.shape), args)
+
+
+def bench_train(args) -> None:
+    model = build(args, remat=True)
+    graphdef, params = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, model.config.vocab_size, (4, 1024)))
+    tx = optax.adamw(1e-5)
+
+    def loss_fn(p):
+        logits = nnx.merge(graphdef, p)(ids)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits[:, :-1].astype(jnp.float32), ids[:, 1:]).mean()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, opt):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, opt = tx.update(grads, opt, p)
+        return optax.apply_updates(p, updates), opt, loss
+
+    state = {"p": params, "opt": jax.jit(tx.init)(params)}
+
+    def run():
+        state["p"], state["opt"], loss = step(state["p"], state["opt"])
+        float(loss)
+
+    seconds = timed(run, args.repeats)
+    report("train", ids.size, seconds, 3 * bench_utils.forward_flops(model.config, *ids.shape),
+           args)
+
+
+def bench_decode(args) -> None:
+    from mars_jax.sampling import generate
+
+    model = build(args)
+    batch, prompt_len, new = 64, 256, 256
+    prompts = np.random.default_rng(0).integers(1, model.config.vocab_size,
+                                                (batch, prompt_len)).tolist()
+    run = lambda: generate(model, prompts, max_new_tokens=new, temperature=0.0,
+                           compact_every=None)
+    seconds = timed(run, args.repeats)
+    cfg = model.config
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    step_bytes = weight_bytes(model) + batch * kv_token * (prompt_len + new / 2)
+    bandwidth = step_bytes * new / seconds
+    flops = bench_utils.forward_flops(cfg, batch, 1) * new  # decode steps; prefill not counted
+    print(f"  decode   {batch * new / seconds:10.0f} tokens/s  batch {batch}, {new} new tokens "
+          f"(prefill included); HBM {bandwidth / 1e12:.2f} TB/s = "
+          f"{bandwidth / (args.peak_hbm_tbs * 1e12):.0%} of {args.peak_hbm_tbs} TB/s; "
+          f"MFU {flops / seconds / (args.peak_tflops * 1e12):.2%}", flush=True)
+
+
+def bench_engine(args) -> None:
+    from mars_jax.sampling import Engine, generate
+
+    model = build(args)
+    prompt_len, max_new = 64, engine_bench.MAX_NEW
+    lengths = engine_bench.output_lengths(args.requests, 0)
+    prompts = np.random.default_rng(0).integers(1, model.config.vocab_size,
+                                                (args.requests, prompt_len)).tolist()
+    engine = Engine(model, num_slots=args.slots, max_length=prompt_len + max_new,
+                    chunk_steps=16)
+
+    def run_engine():
+        for p, n in zip(prompts, lengths):
+            engine.submit(p, max_new_tokens=int(n), temperature=0.0)
+        engine.stats.clear()
+        engine.run()
+
+    def run_generate():
+        for start in range(0, args.requests, args.slots):
+            part = slice(start, start + args.slots)
+            generate(model, prompts[part], max_new_tokens=[int(n) for n in lengths[part]],
+                     temperature=0.0)
+
+    tokens = int(lengths.sum())
+    rates = {}
+    for name, fn in (("engine", run_engine), ("generate", run_generate)):
+        fn()
+        start = time.perf_counter()
+        fn()
+        rates[name] = tokens / (time.perf_counter() - start)
+    s = engine.stats
+    print(f"  engine   {rates['engine']:10.0f} tokens/s vs generate {rates['generate']:.0f} "
+          f"({rates['engine'] / rates['generate']:.2f}x); {args.requests} requests, "
+          f"{args.slots} slots, occupancy {s['tokens'] / s['slot_steps']:.0%}, KV "
+          f"{engine.kv_bytes_per_token} B/token, {engine.kv_bytes_per_slot / 2**20:.0f} MiB/slot",
+          flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    print(f"devices: {jax.devices()}; jax {jax.__version__}")
+    print(f"{args.preset} shapes, {args.num_layers} layers, bfloat16 weights and compute")
+    for part in args.parts:
+        {"forward": bench_forward, "train": bench_train, "decode": bench_decode,
+         "engine": bench_engine}[part](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""`EngineGenerator`: rollout decoding on the continuous-batching `mars_jax.sampling.Engine`.
+
+One engine (its slots and KV caches) lives across training steps; each step hands it the current
+weights (`set_model`). A call submits every request at once: requests with the same prompt and
+budget (the G rollouts of a group) are one `submit(n=G)`, so their prompt is prefilled once; slots
+are refilled as requests finish, so no request waits for the call's longest one. A segment's
+continuation arrives as a new request (prompt + response so far), which the engine prefills
+under the current weights (the engine's `recompute` resume: exactly on-policy KV).
+With several processes a call is a collective: every host's requests are gathered and submitted
+in the same order on every host (the engine's host logic is deterministic, so every host runs the
+same programs), and each host gets its own outputs back.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from ml_collections import ConfigDict
+
+from mars_jax import distributed
+from mars_jax.rl.rollout import GenerationOutput, GenerationRequest
+from mars_jax.sampling import Engine
+from mars_jax.sampling.sampler import _batch_multiple
+
+
+def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:
+    """(slots, positions per slot) of a config's engine: `rollout.engine_slots` (0:
+    `max_decode_rows`, else 16) rounded up to the mesh's batch shards; the longest prompt plus
+    the largest budget."""
+    r = config.rollout
+    multiple = _batch_multiple(mesh)
+    slots = r.engine_slots or r.max_decode_rows or 16
+    return (-(-slots // multiple) * multiple,
+            r.max_prompt_tokens + max(dict(r.max_new_tokens).values()))
+
+
+class EngineGenerator:
+    """A `rollout.Generator` on an `Engine` of `num_slots` slots of `max_length` positions.
+    Sequence seeds count the requests submitted since the last `set_model` (whose `seed` is
+    the engine's base seed), so a step's draws are reproducible from its seed."""
+
+    def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
+                 top_k: int, seed: int, record_routing: bool, num_slots: int, max_length: int,
+                 chunk_steps: int = 16, mesh=None):
+        self.eos = tuple(int(e) for e in eos)
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.engine = Engine(model, num_slots=num_slots, max_length=max_length,
+                             chunk_steps=chunk_steps, max_stop_ids=max(8, len(self.eos)),
+                             seed=seed, record_routing=record_routing, mesh=mesh)
+        self.submitted = 0
+
+    @classmethod
+    def from_config(cls, config: ConfigDict, model, eos: Sequence[int], *, seed: int,
+                    mesh=None) -> "EngineGenerator":
+        """The engine of `engine_shape(config, mesh)` with the config's sampling settings."""
+        r = config.rollout
+        slots, length = engine_shape(config, mesh)
+        return cls(model, eos, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                   seed=seed, record_routing=config.learner.routing_replay, num_slots=slots,
+                   max_length=length, chunk_steps=r.engine_chunk_steps, mesh=mesh)
+
+    def set_model(self, model, *, seed: int) -> None:
+        """Decodes with `model`'s current arrays from now on; `seed` starts a new seed series."""
+        self.engine.update_weights(model)
+        self.engine.seed = seed % (1 << 32)
+        self.submitted = 0
+
+    def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        if jax.process_count() == 1:
+            return self._decode(requests)
+        everyone = distributed.allgather_json([[list(r.prompt_ids), r.max_new_tokens, r.role]
+                                               for r in requests])
+        start = sum(len(rows) for rows in everyone[:jax.process_index()])
+        merged = [GenerationRequest(tuple(ids), budget, role)
+                  for rows in everyone for ids, budget, role in rows]
+        return self._decode(merged)[start:start + len(requests)]
+
+    def _decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        groups: dict[tuple, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault((tuple(request.prompt_ids), request.max_new_tokens), []).append(index)
+        request_ids: dict[int, int] = {}
+        for (prompt, budget), indices in groups.items():
+            ids = self.engine.submit(prompt, max_new_tokens=budget, stop_ids=self.eos,
+                                     seed=self.submitted, n=len(indices), **self.sampling)
+            self.submitted += len(indices)
+            request_ids.update(zip(indices, ids))
+        outputs = self.engine.run()
+        result = []
+        for index in range(len(requests)):
+            out = outputs[request_ids[index]]
+            result.append(GenerationOutput(tuple(out.tokens), tuple(out.logprobs),
+                                           "stop" if out.finish_reason == "stop" else "length",
+                                           out.expert_ids))
+        return result

@@ -1,0 +1,603 @@
+"""Continuous batching over fixed decode slots on the trainer's own parameter arrays.
+
+An `Engine` holds `num_slots` slots, each with its own KV cache of `max_length` positions and its
+own position, budget, stop ids, temperature / top-k / top-p and PRNG key. Submitted requests wait
+in a queue. `stream()` alternates two things: the host admits queued requests into free slots
+(the prompts admitted together are prefilled as one batch per prompt bucket, right-padded, in
+`prefill_chunk`-token pieces for long prompts, and each row is copied into its slot), then one
+jitted chunk of up to `chunk_steps` decode steps runs over all slots; after it the host streams
+finished requests out and frees their slots. While requests wait, a chunk ends early as soon
+as `admit_batch` slots are free, so they are refilled at once.
+
+Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece, batch
+bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only
+array values. When nothing waits, the running requests' rows are gathered into a smaller slot
+bucket (as `generate` compacts), so there is one decode chunk per slot bucket (num_slots, /2, ..1).
+
+Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
+request (same positions, same keys and values visible, sampling by
+`processors.choose_tokens_per_row`, which gives each row `choose_tokens`'s result under its own
+settings), and row b's PRNG key at step t is `fold_in(fold_in(key(seed), sequence_seed), t)`
+as in `generate` (`seed` is the engine's, `sequence_seed` the request's). Tokens and
+log-probabilities therefore do not depend on the other slots or on the admission time; they match
+`generate`'s up to float32 rounding (reductions run over `max_length` instead of `generate`'s
+cache length), which changes a token only at an exact near-tie.
+
+Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
+tokens); the next token is written at position `length` and sees positions `0..length`.
+Segments: a request submitted with `segment_tokens` pauses in its slot after that many tokens;
+`resume(id, mode='keep')` continues from the slot's KV cache (no prefill; the KV of the tokens
+so far stays that of the weights that produced them), `mode='recompute'` re-prefills prompt +
+tokens so far under the engine's current weights (`update_weights`): exactly on-policy KV for
+the cost of a prefill of that many tokens.
+
+KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
+(`kv_bytes_per_token`), times `max_length` per slot (`kv_bytes_per_slot`), logged at start.
+Every slot reserves `max_length` positions whatever its request's length (no paging).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from mars_jax import sharding
+from mars_jax.layers.attention import KVCache
+from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.models.qwen3 import Qwen3
+from mars_jax.sampling.processors import choose_tokens_per_row
+from mars_jax.sampling.sampler import _batch_multiple, prompt_bucket
+
+log = logging.getLogger(__name__)
+PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
+
+
+def kv_bytes_per_token(config) -> int:
+    """KV-cache bytes one token of context takes in a slot (keys and values of every layer)."""
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * jnp.dtype(config.compute_dtype).itemsize)
+
+
+@struct.dataclass
+class SlotState:
+    """Everything the decode chunk reads and writes, one row per slot."""
+
+    cache: tuple[KVCache, ...]  # per layer, [slots, ...] over max_length positions
+    next_logits: jax.Array      # [slots, V] logits of the next token
+    length: jax.Array           # [slots] filled cache positions = position of the next token
+    step: jax.Array             # [slots] tokens generated so far (the PRNG fold index)
+    budget: jax.Array           # [slots] new-token budget
+    pause_at: jax.Array         # [slots] step at which the request pauses (segment end)
+    active: jax.Array           # [slots] decoding now
+    keys: jax.Array             # [slots] fold_in(key(seed), sequence_seed)
+    temperature: jax.Array      # [slots] 0 = greedy
+    top_k: jax.Array            # [slots] 0 = off
+    top_p: jax.Array            # [slots] 1.0 = off
+    stop_ids: jax.Array         # [slots, E] -1 padded
+    experts: jax.Array | None   # [L_moe, slots, max_length, k] recorded routing, or None
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """A request's new tokens (stop token included), their log-probabilities, why it ended
+    ('stop' | 'length' | 'segment'), and with `record_routing` the expert ids
+    `[L_moe, prompt + new tokens, k]`. After 'segment', tokens are cumulative over segments."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    expert_ids: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class _Group:
+    """A prompt shared by `n` requests; its prefill is kept until every member has a slot."""
+
+    prompt: list[int]
+    waiting: int
+    prefilled: tuple | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    group: _Group
+    max_new: int
+    temperature: float
+    top_k: int
+    top_p: float
+    sequence_seed: int
+    stop_ids: tuple[int, ...]
+    segment_tokens: int | None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    pause_at: int = 0
+
+
+# --- device programs -------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "max_length", "max_stops",
+                                             "record"))
+def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops: int,
+                record: bool) -> SlotState:
+    model = nnx.merge(graphdef, weights)
+    cfg = model.config
+    zeros = lambda dtype=jnp.int32: jnp.zeros((num_slots,), dtype)
+    experts = None
+    if record:
+        experts = jnp.zeros((len(model.moe_layers), num_slots, max_length,
+                             cfg.num_experts_per_tok), jnp.int32)
+    return SlotState(
+        cache=model.init_cache(num_slots, max_length),
+        next_logits=jnp.zeros((num_slots, cfg.vocab_size), jnp.float32),
+        length=zeros(), step=zeros(), budget=zeros(), pause_at=zeros(), active=zeros(bool),
+        keys=jax.vmap(jax.random.key)(zeros(jnp.uint32)), temperature=zeros(jnp.float32),
+        top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
+        stop_ids=jnp.full((num_slots, max_stops), -1, jnp.int32), experts=experts)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("state",))
+def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *, steps: int):
+    """Up to `steps` decode steps over all slots; returns the state, the chunk's tokens and
+    log-probabilities `[slots, steps]` (a slot's first `step` increase entries are its own) and
+    the steps run. Stops early when every slot is idle, or once `stop_after` (> 0) requests
+    have ended."""
+    model = nnx.merge(graphdef, weights)
+    num_slots = state.length.shape[0]
+    max_length = state.cache[0].v.shape[2]
+
+    def cond(carry):
+        i, s, _, _, ended = carry
+        return (i < steps) & jnp.any(s.active) & ~((stop_after > 0) & (ended >= stop_after))
+
+    def body(carry):
+        i, s, tokens, logprobs, ended = carry
+        keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)
+        token, logprob = choose_tokens_per_row(s.next_logits, keys, temperature=s.temperature,
+                                               top_k=s.top_k, top_p=s.top_p)
+        active = s.active
+        token = jnp.where(active, token, 0)
+        logprob = jnp.where(active, logprob, 0.0)
+        step = s.step + active
+        finished = active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (step >= s.budget))
+        pausing = active & ~finished & (step >= s.pause_at)
+        out = model.forward(token[:, None], positions=s.length[:, None],
+                            mask=AttentionMask.filled(s.length + 1, max_length), cache=s.cache,
+                            cache_index=s.length)
+        experts = s.experts
+        if experts is not None:
+            write = lambda e, new, at: jax.lax.dynamic_update_slice_in_dim(e, new, at, axis=1)
+            experts = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(experts, out.expert_ids,
+                                                                      s.length)
+        next_logits = jnp.where(active[:, None], model.logits(out.hidden[:, 0]), s.next_logits)
+        s = s.replace(cache=out.cache, next_logits=next_logits, length=s.length + active,
+                      step=step, active=active & ~finished & ~pausing, experts=experts)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
+        logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], i, axis=1)
+        return i + 1, s, tokens, logprobs, ended + jnp.sum(finished)
+
+    carry = (jnp.zeros((), jnp.int32), state, jnp.zeros((num_slots, steps), jnp.int32),
+             jnp.zeros((num_slots, steps), jnp.float32), jnp.zeros((), jnp.int32))
+    i, state, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
+    return state, tokens, logprobs, i
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "fresh"),
+                   donate_argnames=("cache", "logits", "experts"))
+def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
+             fresh: bool):
+    """Prefills `tokens [G, T]` (G right-padded prompts) at positions start.. start+T into a
+    `[G, bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after
+    each row's position `last [G]` (rows whose `last` lies in this piece; the others keep
+    `logits`) and the recorded routing `[L_moe, G, bucket, k]` (or None)."""
+    model = nnx.merge(graphdef, weights)
+    rows, width = tokens.shape
+    if fresh:
+        cache = model.init_cache(rows, bucket)
+        logits = jnp.zeros((rows, model.config.vocab_size), jnp.float32)
+    mask = AttentionMask(q_segments=jnp.ones((rows, width), jnp.int32),
+                         kv_segments=jnp.ones((rows, bucket), jnp.int32),
+                         offset=jnp.asarray(start, jnp.int32))
+    positions = jnp.broadcast_to(start + jnp.arange(width), (rows, width))
+    out = model.forward(tokens, positions=positions, mask=mask, cache=cache, cache_index=start)
+    at = jnp.clip(last - start, 0, width - 1)
+    hidden = jnp.take_along_axis(out.hidden, at[:, None, None], axis=1)[:, 0]
+    here = (last >= start) & (last < start + width)
+    logits = jnp.where(here[:, None], model.logits(hidden), logits)
+    if out.expert_ids is not None:
+        if fresh:
+            experts = jnp.zeros(out.expert_ids.shape[:2] + (bucket,) + out.expert_ids.shape[3:],
+                                jnp.int32)
+        experts = jax.lax.dynamic_update_slice_in_dim(experts, out.expert_ids, start, axis=2)
+    return out.cache, logits, experts
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert(state: SlotState, slot, cache, logits, experts, row, length, step, budget, pause_at,
+            seed, sequence_seed, temperature, top_k, top_p, stop_ids) -> SlotState:
+    """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
+    `max_length` positions) and the request's settings, active."""
+    max_length = state.cache[0].v.shape[2]
+    span = min(cache[0].v.shape[2], max_length)
+    take = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)
+    new_cache = tuple(KVCache(
+        jax.lax.dynamic_update_slice(c.k, take(p.k)[..., :span].astype(c.k.dtype),
+                                     (slot, 0, 0, 0)),
+        jax.lax.dynamic_update_slice(c.v, take(p.v)[:, :, :span].astype(c.v.dtype),
+                                     (slot, 0, 0, 0)))
+        for c, p in zip(state.cache, cache))
+    new_experts = state.experts
+    if new_experts is not None:
+        new_experts = jax.lax.dynamic_update_slice(new_experts, take(experts, 1)[:, :, :span],
+                                                   (0, slot, 0, 0))
+    key = jax.random.fold_in(jax.random.key(seed), sequence_seed)
+    return state.replace(
+        cache=new_cache, next_logits=state.next_logits.at[slot].set(logits[row]),
+        length=state.length.at[slot].set(length), step=state.step.at[slot].set(step),
+        budget=state.budget.at[slot].set(budget), pause_at=state.pause_at.at[slot].set(pause_at),
+        active=state.active.at[slot].set(True), keys=state.keys.at[slot].set(key),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k), top_p=state.top_p.at[slot].set(top_p),
+        stop_ids=state.stop_ids.at[slot].set(stop_ids), experts=new_experts)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _unpause(state: SlotState, slot, pause_at) -> SlotState:
+    return state.replace(pause_at=state.pause_at.at[slot].set(pause_at),
+                         active=state.active.at[slot].set(True))
+
+
+@jax.jit
+def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
+    """The state of slots `index` (KV cache included); rows where `live` is False are idle."""
+    rows = {f.name: getattr(state, f.name)[index] for f in dataclasses.fields(state)
+            if f.name not in ("cache", "experts")}
+    rows["active"] = rows["active"] & live
+    return state.replace(cache=tuple(KVCache(c.k[index], c.v[index]) for c in state.cache),
+                         experts=None if state.experts is None else state.experts[:, index],
+                         **rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _put_slots(state: SlotState, part: SlotState, index: jax.Array) -> SlotState:
+    """`state` with `part`'s rows written to slots `index` (out-of-range entries dropped)."""
+    put = lambda x, y: x.at[index].set(y, mode="drop")
+    rows = {f.name: put(getattr(state, f.name), getattr(part, f.name))
+            for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
+    experts = state.experts
+    if experts is not None:
+        experts = experts.at[:, index].set(part.experts, mode="drop")
+    return state.replace(cache=tuple(KVCache(put(c.k, p.k), put(c.v, p.v))
+                                     for c, p in zip(state.cache, part.cache)),
+                         experts=experts, **rows)
+
+
+# --- host side -------------------------------------------------------------------------------
+
+class Engine:
+    """Continuous-batching decode (module docstring). `model`'s arrays are read at construction
+    and at each `update_weights`; `seed` is the base of every request's PRNG key. Queued
+    requests are admitted once `admit_batch` slots are free (fewer if fewer wait), so their
+    prompts are prefilled in one batch; decode chunks end early as soon as that many are."""
+
+    def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
+                 prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
+                 record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
+                 admit_batch: int = 1):
+        if num_slots < 1 or max_length < 2 or chunk_steps < 1:
+            raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
+                             f"got {num_slots}, {max_length}, {chunk_steps}")
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk: must be a power of two >= 16, got {prefill_chunk}")
+        multiple = _batch_multiple(mesh)
+        if num_slots % multiple:
+            raise ValueError(f"num_slots: {num_slots} is not a multiple of the mesh's batch "
+                             f"shards ({multiple})")
+        if model.config.capacity_factor is not None:
+            raise ValueError("Engine: capacity-based MoE drops tokens depending on the batch; "
+                             "set capacity_factor=None (dropless) for exact per-request outputs")
+        self.num_slots, self.max_length, self.chunk_steps = num_slots, max_length, chunk_steps
+        self.prefill_chunk, self.max_stop_ids, self.seed = prefill_chunk, max_stop_ids, seed
+        self.mesh, self.admit_batch = mesh, max(1, admit_batch)
+        self.record_routing = bool(record_routing) and bool(model.config.num_experts)
+        self.vocab_size = model.config.vocab_size
+        self.update_weights(model)
+        with self._mesh():
+            self._state = _init_state(self._graphdef, self._weights, num_slots=num_slots,
+                                      max_length=max_length, max_stops=max_stop_ids,
+                                      record=self.record_routing)
+        self.kv_bytes_per_token = kv_bytes_per_token(model.config)
+        self.kv_bytes_per_slot = self.kv_bytes_per_token * max_length
+        log.info("Engine: %d slots x %d positions; KV cache %d bytes per token, %d per slot, "
+                 "%d in all", num_slots, max_length, self.kv_bytes_per_token,
+                 self.kv_bytes_per_slot, self.kv_bytes_per_slot * num_slots)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._requests: dict[int, _Request] = {}
+        self._slots: list[int | None] = [None] * num_slots   # request id per slot
+        self._running: set[int] = set()                      # slots decoding
+        self._done: collections.deque[tuple[int, EngineOutput]] = collections.deque()
+        self._next_id = 0
+        self._full: SlotState | None = None   # all slots, while `_state` holds just a few
+        self._rows: dict[int, int] = {}       # slot -> row of `_state` while shrunk
+        self._multiple = multiple
+        self.stats = collections.Counter()
+
+    def _mesh(self):
+        return sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def update_weights(self, model: Qwen3) -> None:
+        """Reads `model`'s current arrays: later steps (and `recompute` resumes) use them."""
+        self._graphdef, self._weights = nnx.split(model)
+
+    # --- requests ---
+
+    def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
+               n: int = 1, segment_tokens: int | None = None) -> list[int]:
+        """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
+        is prefilled once, kept until every member has a slot) and returns their ids.
+        `temperature=0` is greedy; with `segment_tokens` each request pauses in its slot after
+        that many new tokens."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids: need at least one token")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise ValueError(f"prompt_ids: token ids must be in [0, {self.vocab_size})")
+        if max_new_tokens < 0 or len(prompt) + max_new_tokens > self.max_length:
+            raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
+                             f"({max_new_tokens}) must fit max_length ({self.max_length})")
+        if temperature < 0 or not 0 < top_p <= 1 or not 0 <= top_k <= self.vocab_size:
+            raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, "
+                             f"0 <= top_k <= vocab; got {temperature}, {top_p}, {top_k}")
+        if len(stop_ids) > self.max_stop_ids:
+            raise ValueError(f"stop_ids: at most {self.max_stop_ids} (max_stop_ids), got "
+                             f"{len(stop_ids)}")
+        if n < 1:
+            raise ValueError(f"n: need n >= 1, got {n}")
+        if segment_tokens is not None and segment_tokens < 1:
+            raise ValueError(f"segment_tokens: must be >= 1 or None, got {segment_tokens}")
+        group = _Group(prompt, waiting=n)
+        ids = []
+        for i in range(n):
+            request = _Request(self._next_id, group, int(max_new_tokens), float(temperature),
+                               int(top_k), float(top_p), int(seed) + i,
+                               tuple(int(s) for s in stop_ids), segment_tokens)
+            self._next_id += 1
+            self._requests[request.id] = request
+            ids.append(request.id)
+            if max_new_tokens == 0:
+                group.waiting -= 1
+                self._finish(request, "length")
+            else:
+                self._queue.append(request)
+        return ids
+
+    def resume(self, request_id: int, *, mode: str = "keep",
+               segment_tokens: int | None = None) -> None:
+        """Continues a paused request in its slot for `segment_tokens` more tokens (default: to
+        its budget): from its KV cache (`keep`), or re-prefilled under the current weights
+        (`recompute`)."""
+        request = self._requests.get(request_id)
+        if request is None or request.slot is None or request.slot in self._running:
+            raise ValueError(f"resume: request {request_id} is not paused in a slot")
+        if mode not in ("keep", "recompute"):
+            raise ValueError(f"mode: 'keep' or 'recompute', got {mode!r}")
+        self._expand()
+        request.segment_tokens = segment_tokens
+        request.pause_at = self._pause_at(request, len(request.tokens))
+        if mode == "keep":
+            self._state = _unpause(self._state, jnp.int32(request.slot),
+                                   jnp.int32(request.pause_at))
+        else:
+            self._insert(request, request.slot,
+                         self._prefill([request.group.prompt + request.tokens])[0])
+        self._running.add(request.slot)
+
+    def release(self, request_id: int) -> None:
+        """Frees the slot of a paused request (its output was already streamed)."""
+        request = self._requests.pop(request_id)
+        if request.slot is None or request.slot in self._running:
+            raise ValueError(f"release: request {request_id} is not paused in a slot")
+        self._slots[request.slot] = None
+
+    def kv_cache(self, request_id: int) -> tuple[KVCache, ...]:
+        """The filled part of a request's slot cache (host arrays, per layer `[K, D, L]` keys
+        and `[K, L, D]` values for its L = prompt + new tokens positions)."""
+        request = self._requests[request_id]
+        length = len(request.group.prompt) + len(request.tokens)
+        cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
+        return tuple(KVCache(np.asarray(c.k[row, :, :, :length]),
+                             np.asarray(c.v[row, :, :length])) for c in cache)
+
+    # --- the loop ---
+
+    def stream(self) -> Iterator[tuple[int, EngineOutput]]:
+        """Runs until no request waits or decodes, yielding `(request_id, output)` as each one
+        finishes or pauses at a segment end."""
+        while True:
+            while self._done:
+                yield self._done.popleft()
+            self._admit()
+            if not self._running:
+                self._expand()
+                return
+            self._shrink()
+            self._decode()
+
+    def run(self) -> dict[int, EngineOutput]:
+        """Drains everything submitted (and resumed); outputs by request id."""
+        return dict(self.stream())
+
+    def _pause_at(self, request: _Request, step: int) -> int:
+        if request.segment_tokens is None:
+            return request.max_new
+        return min(request.max_new, step + request.segment_tokens)
+
+    def _row(self, slot: int) -> int:
+        return slot if self._full is None else self._rows[slot]
+
+    def _shrink(self) -> None:
+        """Once nothing waits, nothing is paused and the running requests fit a slot bucket at
+        most half the current one, decodes just their rows (gathered, KV caches included) so
+        idle slots stop costing compute; tokens are unchanged (each row keeps its state)."""
+        rows = self._state.length.shape[0]
+        occupied = sum(s is not None for s in self._slots)
+        target = -(-(1 << (len(self._running) - 1).bit_length()) // self._multiple) * self._multiple
+        if (self._queue or occupied > len(self._running) or target > rows // 2
+                or any(self._requests[self._slots[s]].segment_tokens is not None
+                       for s in self._running)):
+            return
+        running = sorted(self._running)
+        index = [self._row(s) for s in running]
+        index += [index[0]] * (target - len(index))
+        live = np.arange(target) < len(running)
+        if self._full is None:
+            self._full = self._state
+        self._state = _take_slots(self._state, jnp.asarray(index, jnp.int32), jnp.asarray(live))
+        self._rows = {s: i for i, s in enumerate(running)}
+        self.stats["shrinks"] += 1
+
+    def _expand(self) -> None:
+        """Back to all slots (the shrunk rows written to theirs)."""
+        if self._full is None:
+            return
+        index = np.full((self._state.length.shape[0],), self.num_slots, np.int32)
+        for slot, row in self._rows.items():
+            index[row] = slot
+        self._state = _put_slots(self._full, self._state, jnp.asarray(index))
+        self._full, self._rows = None, {}
+
+    def _admission_size(self) -> int:
+        """Free slots wanted before admitting: `admit_batch`, or fewer if fewer requests wait."""
+        return min(self.admit_batch, len(self._queue))
+
+    def _stop_after(self) -> int:
+        """Finishes after which the next chunk ends early (0: never): enough for an admission."""
+        if not self._queue:
+            return 0
+        return max(1, self._admission_size() - self._slots.count(None))
+
+    def _admit(self) -> None:
+        """Fills free slots from the queue once `_admission_size` of them are free (or nothing
+        runs); the prompts not yet prefilled are prefilled together (one call per prompt bucket
+        and batch bucket)."""
+        if not self._queue or (self._running
+                               and self._slots.count(None) < self._admission_size()):
+            return
+        self._expand()
+        admitted = []
+        while self._queue and None in self._slots:
+            request = self._queue.popleft()
+            slot = self._slots.index(None)
+            self._slots[slot], request.slot = request.id, slot
+            request.pause_at = self._pause_at(request, 0)
+            admitted.append(request)
+        groups = list({id(r.group): r.group for r in admitted
+                       if r.group.prefilled is None}.values())
+        for group, prefilled in zip(groups, self._prefill([g.prompt for g in groups])):
+            group.prefilled = prefilled
+        for request in admitted:
+            self._insert(request, request.slot, request.group.prefilled)
+            self._running.add(request.slot)
+            request.group.waiting -= 1
+            if request.group.waiting == 0:
+                request.group.prefilled = None
+
+    def _prefill(self, sequences: list[list[int]]) -> list[tuple]:
+        """Per sequence: (prompt cache, logits, routing, row) of a batched prefill, sequences
+        right-padded to their prompt bucket and batched by bucket (batch a power of two)."""
+        if not sequences:
+            return []
+        start_time = time.perf_counter()
+        by_bucket: dict[int, list[int]] = {}
+        for i, seq in enumerate(sequences):
+            by_bucket.setdefault(prompt_bucket(len(seq)), []).append(i)
+        out: list[tuple | None] = [None] * len(sequences)
+        for bucket, members in by_bucket.items():
+            rows = 1 << (len(members) - 1).bit_length()
+            padded = np.zeros((rows, bucket), np.int32)
+            last = np.zeros((rows,), np.int32)
+            for row, i in enumerate(members):
+                padded[row, :len(sequences[i])] = sequences[i]
+                last[row] = len(sequences[i]) - 1
+            piece = min(bucket, self.prefill_chunk)
+            cache = logits = experts = None
+            with self._mesh():
+                for start in range(0, int(last.max()) + 1, piece):
+                    cache, logits, experts = _prefill(
+                        self._graphdef, self._weights, cache, logits, experts,
+                        jnp.asarray(padded[:, start:start + piece]), jnp.int32(start),
+                        jnp.asarray(last), bucket=bucket, fresh=start == 0)
+            for row, i in enumerate(members):
+                out[i] = (cache, logits, experts, row)
+            self.stats["prefills"] += len(members)
+            self.stats["prefill_calls"] += 1
+            self.stats["prefill_tokens"] += sum(len(sequences[i]) for i in members)
+        jax.block_until_ready(out[-1][1])
+        self.stats["prefill_seconds"] += time.perf_counter() - start_time
+        return out
+
+    def _insert(self, request: _Request, slot: int, prefilled: tuple) -> None:
+        cache, logits, experts, row = prefilled
+        step = len(request.tokens)
+        stops = np.full((self.max_stop_ids,), -1, np.int32)
+        stops[:len(request.stop_ids)] = request.stop_ids
+        with self._mesh():
+            self._state = _insert(
+                self._state, jnp.int32(slot), cache, logits, experts, jnp.int32(row),
+                jnp.int32(len(request.group.prompt) + step), jnp.int32(step),
+                jnp.int32(request.max_new), jnp.int32(request.pause_at),
+                jnp.uint32(self.seed), jnp.uint32(request.sequence_seed),
+                jnp.float32(request.temperature), jnp.int32(request.top_k),
+                jnp.float32(request.top_p), jnp.asarray(stops))
+
+    def _decode(self) -> None:
+        start_time = time.perf_counter()
+        with self._mesh():
+            self._state, tokens, logprobs, steps = _decode_chunk(
+                self._graphdef, self._weights, self._state, jnp.int32(self._stop_after()),
+                steps=self.chunk_steps)
+        tokens, logprobs, step, active, steps = sharding.fetch(
+            (tokens, logprobs, self._state.step, self._state.active, steps))
+        self.stats["decode_seconds"] += time.perf_counter() - start_time
+        self.stats["decode_steps"] += int(steps)
+        self.stats["slot_steps"] += int(steps) * self.num_slots
+        self.stats["row_steps"] += int(steps) * len(step)
+        for slot in sorted(self._running):
+            request, row = self._requests[self._slots[slot]], self._row(slot)
+            new = int(step[row]) - len(request.tokens)
+            request.tokens += tokens[row, :new].tolist()
+            request.logprobs += logprobs[row, :new].tolist()
+            self.stats["tokens"] += new
+            if active[row]:
+                continue
+            self._running.discard(slot)
+            if request.tokens and request.tokens[-1] in request.stop_ids:
+                self._finish(request, "stop")
+            elif len(request.tokens) >= request.max_new:
+                self._finish(request, "length")
+            else:
+                self._finish(request, "segment")
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        experts = None
+        if self.record_routing and request.slot is not None:
+            length = len(request.group.prompt) + len(request.tokens)
+            experts = np.asarray(sharding.fetch(
+                self._state.experts[:, self._row(request.slot), :length]))
+        self._done.append((request.id, EngineOutput(list(request.tokens), list(request.logprobs),
+                                                    reason, experts)))
+        if reason != "segment":
+            if request.slot is not None:
+                self._slots[request.slot] = None
+            del self._requests[request.id]

@@ -1,0 +1,28 @@
+"""`EngineGenerator`: rollout requests on the engine equal their own `generate` decodes."""
+import numpy as np
+
+from mars_jax.models import create_model, get_preset
+from mars_jax.rl.generator import EngineGenerator
+from mars_jax.rl.rollout import GenerationRequest
+from mars_jax.sampling import generate
+
+
+def test_requests_equal_their_own_decode_and_a_group_is_prefilled_once():
+    model = create_model(get_preset("tiny"), seed=0)
+    rng = np.random.default_rng(0)
+    shared = tuple(int(t) for t in rng.integers(1, 500, size=9))
+    prompts = [tuple(int(t) for t in rng.integers(1, 500, size=n)) for n in (5, 40, 7)]
+    requests = ([GenerationRequest(p, 6 + i, "solver") for i, p in enumerate(prompts)]
+                + [GenerationRequest(shared, 12, "verifier")] * 4)
+    generator = EngineGenerator(model, (), temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                                record_routing=False, num_slots=4, max_length=64, chunk_steps=4)
+    outputs = generator(requests)
+    assert generator.engine.stats["prefills"] == 4  # three prompts + the group's shared one
+    for request, output in zip(requests, outputs):
+        alone = generate(model, [list(request.prompt_ids)], max_new_tokens=request.max_new_tokens,
+                         temperature=0.0)
+        assert list(output.token_ids) == alone.tokens[0]
+        np.testing.assert_allclose(output.logprobs, alone.logprobs[0], atol=1e-5)
+        assert output.finish_reason == "length"
+    generator.set_model(model, seed=0)
+    assert generator(requests) == outputs  # same weights and seed: same outputs

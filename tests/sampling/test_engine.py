@@ -1,0 +1,220 @@
+"""The continuous-batching engine against `generate`, HF generate, the full forward, itself."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mars_jax import sharding
+from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.models import from_pretrained
+from mars_jax.sampling import Engine, engine as engine_module, generate
+from tests import hf_fixtures
+
+STOP = (3,)
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9),
+            dict(temperature=1.2, top_k=5)]
+
+
+def _requests():
+    """10 requests: prompt lengths 1..19 (buckets 16 and 32), budgets 1..29, four settings."""
+    rng = np.random.default_rng(0)
+    return [dict(prompt=rng.integers(4, 96, int(rng.integers(1, 20))).tolist(),
+                 max_new_tokens=int(rng.integers(1, 30)), seed=100 + i, **SETTINGS[i % 4])
+            for i in range(10)]
+
+
+REQUESTS = _requests()
+
+
+@pytest.fixture(scope="module")
+def model(hf_moe_dir):
+    return from_pretrained(hf_moe_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """`generate` on each request alone (engine seed 0 = `generate`'s seed, request seed =
+    its sequence seed)."""
+    out = []
+    for r in REQUESTS:
+        sampling = {k: v for k, v in r.items() if k in ("temperature", "top_p", "top_k")}
+        out.append(generate(model, [r["prompt"]], max_new_tokens=r["max_new_tokens"],
+                            eos_token_ids=STOP, seed=0, sequence_seeds=[r["seed"]],
+                            record_routing=True, **sampling))
+    return out
+
+
+def _serve(engine, order):
+    ids = {}
+    for i in order:
+        r = dict(REQUESTS[i])
+        ids[i] = engine.submit(r.pop("prompt"), stop_ids=STOP, **r)[0]
+    outputs = engine.run()
+    return {i: outputs[rid] for i, rid in ids.items()}
+
+
+@pytest.mark.parametrize("order", [list(range(10)), list(range(9, -1, -1)),
+                                   [3, 8, 0, 5, 9, 1, 6, 2, 7, 4]])
+def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order):
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True)
+    outputs = _serve(engine, order)
+    assert engine.stats["prefills"] == 10
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+        assert outputs[i].finish_reason == ref.finish_reasons[0]
+        np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+        np.testing.assert_array_equal(outputs[i].expert_ids, ref.expert_ids[0])
+    assert {o.finish_reason for o in outputs.values()} == {"stop", "length"}
+
+
+def test_greedy_equals_transformers_generate_on_a_padded_batch(model, hf_moe_dir):
+    prompts = [r["prompt"] for r in REQUESTS[:4]]
+    engine = Engine(model, num_slots=2, max_length=48, chunk_steps=4)
+    ids = [engine.submit(p, max_new_tokens=16, temperature=0.0)[0] for p in prompts]
+    outputs = engine.run()
+    width = max(len(p) for p in prompts)
+    batch = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(batch)
+    for i, p in enumerate(prompts):
+        batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_moe_dir).eval()
+    expected = hf.generate(torch.tensor(batch), attention_mask=torch.tensor(mask),
+                           max_new_tokens=16, do_sample=False, pad_token_id=0)[:, width:]
+    for rid, row in zip(ids, expected.tolist()):
+        assert outputs[rid].tokens == row
+
+
+def test_logprobs_equal_full_forward_log_softmax(model):
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True)
+    outputs = _serve(engine, range(10))
+    for i, r in enumerate(REQUESTS):
+        out = outputs[i]
+        ids = jnp.asarray([r["prompt"] + out.tokens], jnp.int32)
+        length = ids.shape[1]
+        fwd = model.forward(ids, positions=jnp.arange(length)[None],
+                            mask=AttentionMask.causal(jnp.ones((1, length), jnp.int32)),
+                            expert_ids=jnp.asarray(out.expert_ids)[:, None])
+        logits = model.logits(fwd.hidden)[0]
+        temperature = r.get("temperature", 1.0)
+        scaled = logits / (temperature if temperature > 0 else 1.0)
+        expected = jax.nn.log_softmax(scaled, axis=-1)[
+            np.arange(len(r["prompt"]) - 1, length - 1), np.asarray(out.tokens)]
+        np.testing.assert_allclose(out.logprobs, np.asarray(expected), atol=1e-5)
+
+
+def test_8_device_mesh_gives_the_same_tokens(hf_moe_dir, reference):
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
+    sharded = from_pretrained(hf_moe_dir, mesh=mesh)
+    engine = Engine(sharded, num_slots=8, max_length=64, chunk_steps=4, mesh=mesh)
+    outputs = _serve(engine, range(10))
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+        np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+
+
+def test_group_prompt_is_prefilled_once(model, monkeypatch):
+    calls = []
+    prefill = engine_module._prefill
+    monkeypatch.setattr(engine_module, "_prefill",
+                        lambda *a, **k: calls.append(k["bucket"]) or prefill(*a, **k))
+    prompt = REQUESTS[2]["prompt"]
+    grouped = Engine(model, num_slots=3, max_length=48, chunk_steps=4)
+    group_ids = grouped.submit(prompt, max_new_tokens=20, temperature=1.0, seed=40, n=5)
+    group_out = grouped.run()
+    assert len(calls) == 1 and grouped.stats["prefills"] == 1  # 5 requests, 3 slots, one prefill
+    alone = Engine(model, num_slots=3, max_length=48, chunk_steps=4)
+    alone_ids = [alone.submit(prompt, max_new_tokens=20, temperature=1.0, seed=40 + i)[0]
+                 for i in range(5)]
+    alone_out = alone.run()
+    assert alone.stats["prefills"] == 5
+    tokens = [group_out[g].tokens for g in group_ids]
+    assert tokens == [alone_out[a].tokens for a in alone_ids]
+    assert len({tuple(t) for t in tokens}) > 1  # different sequence seeds, different samples
+
+
+def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model):
+    prompt, other = REQUESTS[0]["prompt"], REQUESTS[1]["prompt"]
+    settings = dict(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=7)
+    whole = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    rid = whole.submit(prompt, **settings)[0]
+    expected = whole.run()[rid]
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    rid = engine.submit(prompt, segment_tokens=8, **settings)[0]
+    neighbour = engine.submit(other, max_new_tokens=40, temperature=1.0)[0]
+    lengths = []
+    for _ in range(3):
+        out = dict(engine.stream())[rid]
+        assert out.finish_reason == "segment"
+        lengths.append(len(out.tokens))
+        engine.resume(rid, mode="keep", segment_tokens=8)
+    out = engine.run()[rid]
+    assert lengths == [8, 16, 24]
+    assert engine.stats["prefills"] == 2  # the request's and its neighbour's: no re-prefill
+    assert out.tokens == expected.tokens and out.finish_reason == expected.finish_reason
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-6)
+    assert neighbour not in engine._requests
+
+
+def test_recompute_resume_equals_a_fresh_prefill_under_new_weights(model, tmp_path):
+    new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
+    prompt = REQUESTS[2]["prompt"]
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    rid = engine.submit(prompt, max_new_tokens=30, temperature=0.0, segment_tokens=10)[0]
+    first = engine.run()[rid]
+    assert first.finish_reason == "segment" and len(first.tokens) == 10
+    engine.update_weights(new_model)
+    engine.resume(rid, mode="recompute")
+    sequence = prompt + first.tokens
+    length = len(sequence)
+    fresh = new_model.forward(jnp.asarray([sequence], jnp.int32),
+                              positions=jnp.arange(length)[None],
+                              mask=AttentionMask.causal(jnp.ones((1, length), jnp.int32)),
+                              cache=new_model.init_cache(1, length), cache_index=0).cache
+    for got, want in zip(engine.kv_cache(rid), fresh):
+        np.testing.assert_allclose(got.k, np.asarray(want.k[0]), atol=1e-5)
+        np.testing.assert_allclose(got.v, np.asarray(want.v[0]), atol=1e-5)
+    out = engine.run()[rid]
+    continued = generate(new_model, [sequence], max_new_tokens=20, temperature=0)
+    assert out.tokens == first.tokens + continued.tokens[0]
+
+
+def test_slots_are_reused_without_recompiling(model):
+    """After one warm-up pass, further requests compile no prefill or insert; decode chunks
+    exist only per slot bucket (4 slots, and 2 and 1 once the tail is compacted)."""
+    fixed = (engine_module._prefill, engine_module._insert)
+    per_bucket = (engine_module._decode_chunk, engine_module._take_slots)
+    before = [p._cache_size() for p in per_bucket]
+    rng = np.random.default_rng(1)
+
+    def serve(engine):
+        ids = [engine.submit(rng.integers(4, 96, int(rng.integers(1, 16))).tolist(),
+                             max_new_tokens=int(rng.integers(1, 24)), temperature=1.0,
+                             top_p=float(rng.choice([1.0, 0.8])), seed=i)[0] for i in range(12)]
+        outputs = engine.run()
+        assert sorted(outputs) == sorted(ids)
+        assert all(o.finish_reason == "length" for o in outputs.values())
+
+    engine = Engine(model, num_slots=4, max_length=48, chunk_steps=4)
+    serve(engine)  # warm-up: 12 requests through 4 slots
+    compiled = [p._cache_size() for p in fixed]
+    serve(engine)
+    serve(Engine(model, num_slots=4, max_length=48, chunk_steps=4))
+    assert [p._cache_size() for p in fixed] == compiled
+    assert all(p._cache_size() - n <= 3 for p, n in zip(per_bucket, before))
+    assert engine.stats["shrinks"] > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_ids=[]), "at least one token"),
+    (dict(prompt_ids=[1000]), "token ids must be in"),
+    (dict(max_new_tokens=60), "must fit max_length"),
+    (dict(top_p=0.0), "0 < top_p"),
+    (dict(n=0), "n: need"),
+])
+def test_bad_requests_name_the_field(model, kwargs, message):
+    engine = Engine(model, num_slots=2, max_length=48)
+    kwargs = {"prompt_ids": [1, 2], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        engine.submit(**kwargs)
