@@ -45,6 +45,12 @@ class FakeServer:
                     if isinstance(step, tuple):
                         time.sleep(step[1])
                         step = "ok"
+                finally:
+                    # Out of flight before the reply leaves: once the client has it, it may
+                    # send its next request before this thread would get to run again.
+                    with fake.lock:
+                        fake.in_flight -= 1
+                try:
                     if isinstance(step, int):
                         self.send_error(step, "planned failure")
                         return
@@ -62,9 +68,6 @@ class FakeServer:
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and went away
-                finally:
-                    with fake.lock:
-                        fake.in_flight -= 1
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
