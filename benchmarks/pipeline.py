@@ -31,7 +31,8 @@ from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.pipeline import rollout_step
 from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, RolloutConfig
-from mars_jax.rl.trainer import SamplerGenerator, training_samples
+from mars_jax.rl.generator import SamplerGenerator
+from mars_jax.rl.trainer import training_samples
 from mars_jax.rl.batching import make_batch
 from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
 

@@ -20,7 +20,6 @@ the global token axis could not be partitioned and would replicate every token o
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax

@@ -1,5 +1,7 @@
-"""`EngineGenerator`: rollout decoding on the continuous-batching `mars_jax.sampling.Engine`.
+"""Rollout decoding: `SamplerGenerator` (static batches of `mars_jax.sampling.generate`) and
+`EngineGenerator` (the continuous-batching `mars_jax.sampling.Engine`).
 
+`EngineGenerator`:
 One engine (its slots and KV caches) lives across training steps; each step hands it the current
 weights (`set_model`). A call submits every request at once: requests with the same prompt and
 budget (the G rollouts of a group) are one `submit(n=G)`, so their prompt is prefilled once; slots
@@ -12,15 +14,78 @@ same programs), and each host gets its own outputs back.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from ml_collections import ConfigDict
 
 from mars_jax import distributed
 from mars_jax.rl.rollout import GenerationOutput, GenerationRequest
-from mars_jax.sampling import Engine
+from mars_jax.sampling import Engine, generate, prompt_bucket
 from mars_jax.sampling.sampler import _batch_multiple
+
+
+def across_hosts(requests: Sequence[GenerationRequest],
+                 decode: Callable[[Sequence[GenerationRequest]], list[GenerationOutput]]
+                 ) -> list[GenerationOutput]:
+    """`decode(requests)`; with several processes a collective: every host's requests are
+    gathered (in process order) and decoded together, and each host gets its own outputs back."""
+    if jax.process_count() == 1:
+        return decode(requests)
+    everyone = distributed.allgather_json([[list(r.prompt_ids), r.max_new_tokens, r.role]
+                                           for r in requests])
+    start = sum(len(rows) for rows in everyone[:jax.process_index()])
+    merged = [GenerationRequest(tuple(ids), budget, role)
+              for rows in everyone for ids, budget, role in rows]
+    return decode(merged)[start:start + len(requests)]
+
+
+class SamplerGenerator:
+    """Decodes `GenerationRequest`s with `mars_jax.sampling.generate` on one model version.
+
+    A pipeline step mixes short Solver prompts with long Verifier/Corrector prompts. `generate`
+    left-pads every row to the batch's prompt bucket, so requests are decoded in one call per
+    prompt-length bucket (`sampling.prompt_bucket`): no Solver row pays for a 512-token prefill.
+    `max_rows` caps the rows of one call (a decode's KV cache grows with its rows).
+    With several processes a call is a collective: every host's requests are gathered and decoded
+    together (same buckets, same calls on every host), and each host gets its own outputs back.
+    """
+
+    def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
+                 top_k: int, seed: int, record_routing: bool, mesh=None, max_rows: int = 0):
+        self.model, self.eos, self.seed, self.mesh = model, tuple(eos), seed, mesh
+        self.max_rows = max_rows
+        self.kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                           record_routing=record_routing)
+        self.calls = 0
+
+    def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        return across_hosts(requests, self._decode_by_bucket)
+
+    def _decode_by_bucket(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        by_bucket: dict[int, list[int]] = {}
+        for index, request in enumerate(requests):
+            by_bucket.setdefault(prompt_bucket(len(request.prompt_ids)), []).append(index)
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        for bucket in sorted(by_bucket):
+            indices = by_bucket[bucket]
+            size = self.max_rows or len(indices)
+            for start in range(0, len(indices), size):
+                chunk = indices[start:start + size]
+                for index, output in zip(chunk, self._decode([requests[i] for i in chunk])):
+                    outputs[index] = output
+        return outputs
+
+    def _decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        result = generate(self.model, [list(r.prompt_ids) for r in requests],
+                          max_new_tokens=[r.max_new_tokens for r in requests],
+                          eos_token_ids=self.eos, seed=self.seed + self.calls, mesh=self.mesh,
+                          **self.kwargs)
+        self.calls += 1
+        experts = result.expert_ids or [None] * len(requests)
+        return [GenerationOutput(tuple(t), tuple(lp), "stop" if reason == "stop" else "length", e)
+                for t, lp, reason, e in zip(result.tokens, result.logprobs,
+                                            result.finish_reasons, experts)]
 
 
 def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:
@@ -66,14 +131,7 @@ class EngineGenerator:
         self.submitted = 0
 
     def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        if jax.process_count() == 1:
-            return self._decode(requests)
-        everyone = distributed.allgather_json([[list(r.prompt_ids), r.max_new_tokens, r.role]
-                                               for r in requests])
-        start = sum(len(rows) for rows in everyone[:jax.process_index()])
-        merged = [GenerationRequest(tuple(ids), budget, role)
-                  for rows in everyone for ids, budget, role in rows]
-        return self._decode(merged)[start:start + len(requests)]
+        return across_hosts(requests, self._decode)
 
     def _decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         groups: dict[tuple, list[int]] = {}

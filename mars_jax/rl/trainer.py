@@ -36,14 +36,12 @@ from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
-from mars_jax.rl.generator import EngineGenerator
+from mars_jax.rl.generator import EngineGenerator, SamplerGenerator
 from mars_jax.rl.learner import LearnerConfig, ppo_update, summarize_updates
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
-from mars_jax.rl.rollout import (AgenticRollouts, GenerationOutput, GenerationRequest,
-                                 RolloutConfig, Rollout)
+from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig, Rollout
 from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer
-from mars_jax.sampling import generate, prompt_bucket
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
 
@@ -58,62 +56,6 @@ class NonFiniteUpdates(RuntimeError):
     """Too many non-finite updates in a row; the last good checkpoint is kept."""
 
     exit_code = 65  # EX_DATAERR: inspect metrics.jsonl, fix the config, rerun to resume
-
-
-class SamplerGenerator:
-    """Decodes `GenerationRequest`s with `mars_jax.sampling.generate` on one model version.
-
-    A pipeline step mixes short Solver prompts with long Verifier/Corrector prompts. `generate`
-    left-pads every row to the batch's prompt bucket, so requests are decoded in one call per
-    prompt-length bucket (`sampling.prompt_bucket`): no Solver row pays for a 512-token prefill.
-    `max_rows` caps the rows of one call (a decode's KV cache grows with its rows).
-    With several processes a call is a collective: every host's requests are gathered and decoded
-    together (same buckets, same calls on every host), and each host gets its own outputs back.
-    """
-
-    def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
-                 top_k: int, seed: int, record_routing: bool, mesh=None, max_rows: int = 0):
-        self.model, self.eos, self.seed, self.mesh = model, tuple(eos), seed, mesh
-        self.max_rows = max_rows
-        self.kwargs = dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                           record_routing=record_routing)
-        self.calls = 0
-
-    def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        if jax.process_count() == 1:
-            return self._decode_by_bucket(requests)
-        # One SPMD decode over every host's requests; each host keeps its own rows.
-        everyone = distributed.allgather_json([[list(r.prompt_ids), r.max_new_tokens, r.role]
-                                               for r in requests])
-        start = sum(len(rows) for rows in everyone[:jax.process_index()])
-        merged = [GenerationRequest(tuple(ids), budget, role)
-                  for rows in everyone for ids, budget, role in rows]
-        return self._decode_by_bucket(merged)[start:start + len(requests)]
-
-    def _decode_by_bucket(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        by_bucket: dict[int, list[int]] = {}
-        for index, request in enumerate(requests):
-            by_bucket.setdefault(prompt_bucket(len(request.prompt_ids)), []).append(index)
-        outputs: list[GenerationOutput | None] = [None] * len(requests)
-        for bucket in sorted(by_bucket):
-            indices = by_bucket[bucket]
-            size = self.max_rows or len(indices)
-            for start in range(0, len(indices), size):
-                chunk = indices[start:start + size]
-                for index, output in zip(chunk, self._decode([requests[i] for i in chunk])):
-                    outputs[index] = output
-        return outputs
-
-    def _decode(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        result = generate(self.model, [list(r.prompt_ids) for r in requests],
-                          max_new_tokens=[r.max_new_tokens for r in requests],
-                          eos_token_ids=self.eos, seed=self.seed + self.calls, mesh=self.mesh,
-                          **self.kwargs)
-        self.calls += 1
-        experts = result.expert_ids or [None] * len(requests)
-        return [GenerationOutput(tuple(t), tuple(lp), "stop" if reason == "stop" else "length", e)
-                for t, lp, reason, e in zip(result.tokens, result.logprobs,
-                                            result.finish_reasons, experts)]
 
 
 def rollout_config(config: ConfigDict) -> RolloutConfig:

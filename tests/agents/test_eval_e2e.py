@@ -1,7 +1,6 @@
 """End to end through the eval job: every role of the V–C system, scripted, with the loop's
 decisions checked against hand-computed expectations; and the tiny model on the real sampler."""
 import json
-import re
 
 import numpy as np
 import pytest

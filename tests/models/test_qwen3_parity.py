@@ -4,7 +4,6 @@ Logits of these random models are small (|logit| < 0.5), so errors are measured 
 largest reference logit: CPU float32 gives ~3e-7 of it; the tolerance is 1e-5 of it. A long
 sequence (positions up to 383) makes RoPE errors visible: a rope_theta 1% off already misses the
 tolerance (`test_a_wrong_rope_theta_fails_the_tolerance`)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

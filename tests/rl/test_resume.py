@@ -35,7 +35,6 @@ def _env():
 
 
 def _final_params(workdir):
-    from flax import nnx
     from mars_jax.models import create_model, get_preset
     from mars_jax.rl.update import init_train_state, make_optimizer
     model = create_model(get_preset("tiny"))

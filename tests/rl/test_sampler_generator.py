@@ -3,7 +3,7 @@ import numpy as np
 
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.rollout import GenerationRequest
-from mars_jax.rl.trainer import SamplerGenerator
+from mars_jax.rl.generator import SamplerGenerator
 from mars_jax.sampling import generate
 
 
