@@ -1,6 +1,7 @@
 """Shared helpers of the model benchmarks (`forward.py`, `decode.py`): checkpoints, timing, machine."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -132,3 +133,12 @@ def versions_line() -> str:
 
     return (f"jax {jax.__version__}, flax {flax.__version__}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}")
+
+
+def child_json(cmd: Sequence[str]) -> dict:
+    """Runs a benchmark child process; its last stdout line, parsed as JSON. Raises
+    `RuntimeError` with the end of its stderr when it fails."""
+    proc = subprocess.run(list(cmd), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -39,7 +39,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU benchmark: never probe fo
 import argparse
 import concurrent.futures
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -276,10 +275,7 @@ def spawn(engine: str, work: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--workdir", str(work),
            "--repeats", str(args.repeats), "--prompt-len", str(args.prompt_len),
            "--new-tokens", str(args.new_tokens), "--moe-impl", args.moe_impl]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"engine {engine} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return bench_utils.child_json(cmd)
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -216,11 +215,11 @@ def spawn(engine: str, work: Path, args) -> dict:
            "--chunk-steps", str(args.chunk_steps), "--admit-batch", str(args.admit_batch),
            "--hf-requests", str(args.hf_requests), "--repeats", str(args.repeats),
            "--dtype", args.dtype, "--preset", args.preset] + ["--with-tunix"] * args.with_tunix
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"  {engine}: failed\n{proc.stderr[-3000:]}", flush=True)
+    try:
+        return bench_utils.child_json(cmd)
+    except RuntimeError as e:
+        print(f"  {engine}: {e}", flush=True)
         return {}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
