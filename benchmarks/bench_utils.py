@@ -142,3 +142,12 @@ def child_json(cmd: Sequence[str]) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def engines_list(parser, value: str, known: Sequence[str]) -> list[str]:
+    """`--engines a,b` as a list; an unknown name is a usage error naming the choices."""
+    engines = value.split(",")
+    unknown = set(engines) - set(known)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {tuple(known)}")
+    return engines

@@ -67,10 +67,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child process
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)       # child process
     args = parser.parse_args()
-    args.engines = args.engines.split(",")
-    unknown = set(args.engines) - set(ENGINES)
-    if unknown:
-        parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
+    args.engines = bench_utils.engines_list(parser, args.engines, ENGINES)
     return args
 
 

@@ -13,9 +13,10 @@ recompute  one forward under the parameters at the start of the step, before its
            of the decoupled objective (AReaL): clipping around the recomputed (proximal)
            policy, each token weighted by `min(pi_prox / pi_behav, loss.behaviour_weight_cap)`.
 
-On the first mini-batch of the first epoch the parameters are pi_old's, so the ratio is 1 up to
-the sampler/trainer difference ('sampler') or exactly the recompute's rounding ('recompute');
-from the second update on it departs from 1 and the clip acts.
+On the first update of a step the parameters are those at its start: with 'recompute' the
+ratio is 1 up to the rounding of the two forwards; with 'sampler' it is 1 up to the
+sampler/trainer difference for samples decoded under these parameters (stale samples start off
+it). From the second update on the ratio departs from 1 and the clip acts.
 """
 from __future__ import annotations
 
