@@ -10,7 +10,9 @@ Normalisation: the loss is ``sum(token_weights * per_token_loss)``. ``token_weig
 builds the weights of one aggregation over a whole mini-batch; an update that splits
 the mini-batch into micro-batches passes each micro-batch its slice of those weights,
 so the summed gradient is that of the whole mini-batch's loss, whatever the
-micro-batch size or padding.
+micro-batch size or padding (one exception: the mastered-token mask's entropy gate,
+``target_entropy``, reads the entropy of the batch ``policy_loss`` is given, i.e. of
+each micro-batch).
 
 Policies: ``old_logprobs`` is pi_old, fixed for the whole RL step (the ratio's
 denominator, the centre of the clip). With the decoupled objective (AReaL) pi_old

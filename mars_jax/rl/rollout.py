@@ -57,7 +57,7 @@ class ContextOverflow(ValueError):
 
 
 def segments_needed(max_new_tokens: int, segment_tokens: int | None) -> int:
-    """Decodes an output of up to `max_new_tokens` tokens takes: ceil(max_new_tokens /
+    """How many decodes an output of up to `max_new_tokens` tokens takes: ceil(max_new_tokens /
     segment_tokens), 1 without segments. In pipeline mode it trains at most this minus 1 versions
     after its first segment."""
     return -(-max_new_tokens // segment_tokens) if segment_tokens else 1

@@ -6,7 +6,8 @@ sampler's convention). The ratio's denominator is `TrainBatch.old_logprobs` (pi_
 the RL step: the sampler's, or `policy_logprobs` under the parameters at the start of the step);
 when it is absent the sampler's log-probabilities are pi_old. The loss of a mini-batch is one
 aggregation over all its rows and tokens (`losses.token_weights` over the whole `[M, b, L]`
-batch): the gradient does not depend on the micro-batch size nor on padding micro-batches.
+batch): the gradient does not depend on the micro-batch size nor on padding micro-batches
+(except through the mastered-token mask's entropy gate, which reads each micro-batch's entropy).
 
 Logits are formed chunk by chunk along the sequence under `jax.checkpoint`, so no
 `[batch, length, vocab]` array is ever materialised, forward or backward.
