@@ -208,13 +208,6 @@ def token_weights(mask: jax.Array, mode: str, max_response_len: int | None = Non
     raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
 
 
-def aggregate_loss(
-    per_token: jax.Array, mask: jax.Array, mode: str, max_response_len: int | None = None
-) -> jax.Array:
-    """A ``[B, T]`` per-token loss reduced to a scalar in one piece (``token_weights``)."""
-    return jnp.sum(per_token * token_weights(mask, mode, max_response_len))
-
-
 def behaviour_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array,
                       cap: float) -> jax.Array:
     """The decoupled objective's ``min(exp(old - behaviour), cap)``, gradient-free: corrects
