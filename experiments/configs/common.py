@@ -41,6 +41,12 @@ def base_config() -> ConfigDict:
         decode_engine="generate",   # 'generate' (static batches) | 'engine' (continuous batching)
         engine_slots=0,             # engine slots; 0 = max_decode_rows, else 16
         engine_chunk_steps=16,      # engine decode steps between admissions
+        # 'step': one decode per training step (segments, `decode_engine`); 'stream': one engine
+        # runs across updates, each output graded as it finishes, the next stage submitted at
+        # once, an update every `samples_per_update` trained samples (mars_jax.rl.streaming).
+        scheduler="step",
+        samples_per_update=0,       # stream: 0 = prompts_per_step * group_size
+        resume="recompute",         # stream, after an update: 'recompute' | 'keep' the slots' KV
         # Pipeline mode: versions a trained sample may lag its first segment; a config whose
         # outputs need more than staleness_bound + 1 segments is rejected at start-up.
         staleness_bound=1, max_prompt_tokens=1024,
