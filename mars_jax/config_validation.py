@@ -9,11 +9,11 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
   choices      enumerated strings (job, rollout.mode, rollout.selection, ...);
   ranges       counts and sizes that must be positive or at least some minimum;
   consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
-               constant divisor, the mesh fits the devices, the segment
-               budget fits every role's max_new_tokens, no pipeline output needs more segments
-               than the staleness bound allows, the job's dataset can be found (manual dir
-               or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for eval_system),
-               an HTTP evaluation has a server URL and model name.
+               constant divisor, the mesh (or its rollout / training split) fits the devices,
+               the segment budget fits every role's max_new_tokens, no pipeline output needs
+               more segments than the staleness bound allows, the job's dataset can be found
+               (manual dir or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for
+               eval_system), an HTTP evaluation has a server URL and model name.
 
 Rules that read a field with a schema problem are skipped, so one wrong type yields one message.
 """
@@ -237,15 +237,29 @@ def _sum_norm(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "rollout.max_new_tokens)")
 
 
+_MESH_FIXES = {
+    "mesh": "make the product of mesh.data/fsdp/tensor/expert equal the device count (less "
+            "mesh.rollout.devices when split), or set one axis to -1",
+    "mesh.rollout": "make the product of mesh.rollout.data/fsdp/tensor/expert equal "
+                    "mesh.rollout.devices, or set one axis to -1",
+    "mesh.rollout.devices": "set it to fewer than the device count, or 0 for one shared mesh",
+    "mesh.dcn": "set mesh.dcn sizes whose product divides the device count; a split mesh "
+                "(mesh.rollout.devices > 0) needs them all 1",
+}
+
+
 @_rule("mesh")
 def _mesh(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     try:
-        sharding.MeshConfig.from_mapping(config.mesh.to_dict()).resolve(device_count)
+        sharding.MeshSplit.from_mapping(config.mesh.to_dict()).resolve(device_count)
     except (ValueError, TypeError) as e:
-        yield Problem("mesh", f"does not fit the {device_count} available device(s): "
-                      f"{str(e).removeprefix('mesh: ')}",
-                      "make the product of mesh.data/fsdp/tensor/expert equal the device count, "
-                      "or set one axis to -1")
+        field, _, problem = str(e).partition(": ")
+        section = next((f for f in sorted(_MESH_FIXES, key=len, reverse=True)
+                        if field == f or field.startswith(f + ".")), "mesh")
+        if not problem:
+            field, problem = "mesh", str(e)
+        yield Problem(field, f"{problem} ({device_count} device(s) available)",
+                      _MESH_FIXES[section])
 
 
 @_rule("rollout.segment_tokens", "rollout.max_new_tokens")

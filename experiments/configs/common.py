@@ -15,8 +15,12 @@ def base_config() -> ConfigDict:
 
     # Within-slice axis sizes (-1 = the rest); `dcn` sizes run across slices (TPU multi-slice) or
     # processes (GPU/CPU hosts): e.g. --config.mesh.dcn.data=2 for two slices doing data parallel.
+    # mesh.rollout.devices > 0 splits the devices: these axes (no dcn) then lay out the training
+    # mesh over the first devices, mesh.rollout's the rollout (engine) mesh over the last
+    # `devices`; after each update the weights are copied across (mars_jax.weight_sync).
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1,
-                             dcn=dict(data=1, fsdp=1, tensor=1, expert=1)))
+                             dcn=dict(data=1, fsdp=1, tensor=1, expert=1),
+                             rollout=dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1)))
 
     c.data = ConfigDict(dict(name="arith", split="train", manual_dir="", data_dir="", shuffle=True))
     # Difficulty of the generated `arith` problems (mars_jax.data.arith.generate_problems).
