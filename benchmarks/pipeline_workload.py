@@ -76,8 +76,8 @@ class ForcedLengths:
             out = dataclasses.replace(out, finish_reason="stop")
         return rid, out
 
-    def stream(self):
-        return map(self._as_stop, self.engine.stream())
+    def stream(self, stop=None):
+        return map(self._as_stop, self.engine.stream(stop))
 
     def finished(self):
         return [self._as_stop(item) for item in self.engine.finished()]

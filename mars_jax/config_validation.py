@@ -273,11 +273,16 @@ def _segments(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "one go")
 
 
-@_rule("rollout.scheduler", "rollout.decode_engine", "rollout.segment_tokens")
+@_rule("rollout.scheduler", "rollout.decode_engine", "rollout.segment_tokens",
+       "mesh.rollout.devices")
 def _stream(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     """The streaming scheduler runs on the engine and cuts no segments."""
     r = config.rollout
     if r.scheduler != "stream":
+        if config.mesh.rollout.devices:
+            yield Problem("mesh.rollout.devices", f"{config.mesh.rollout.devices} with "
+                          f"rollout.scheduler={r.scheduler!r}", "set rollout.scheduler='stream' "
+                          "(the engine on the rollout devices), or 0 for one shared mesh")
         return
     if r.decode_engine != "engine":
         yield Problem("rollout.decode_engine", f"{r.decode_engine!r} with rollout.scheduler="

@@ -7,8 +7,9 @@ the selection policy) are submitted to the running engine at once.
 
 pipeline    New problems are admitted while fewer than `max_inflight_rows` rollouts are in flight
             (submitted, or spawned and about to be). `collect` returns as soon as the complete
-            groups hold `samples_per_update` trained samples; decoding of everything else goes on
-            after the update, on the new weights.
+            groups hold `samples_per_update` trained samples, and hands out groups in completion
+            order up to that many (more complete during an overlapped update: the rest wait for
+            the next); decoding of everything else goes on after the update, on the new weights.
 sequential  The barriers of synchronous training on the same engine: `prompts_per_step` problems
             at a time, a stage's requests enter only when every request of the stage before
             (of every problem of the batch) has finished, and `collect` returns only when every
@@ -61,7 +62,8 @@ class DecodeEngine(Protocol):
                top_p: float, top_k: int, seed: int, stop_ids: Sequence[int], n: int,
                generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]: ...
 
-    def stream(self) -> Iterator[tuple[int, object]]: ...
+    def stream(self, stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[int, object]]: ...
 
     def finished(self) -> list[tuple[int, object]]: ...
 
@@ -139,7 +141,7 @@ class StreamingRollouts:
                 self._decode_sequential_batch(version)
         if deferred_since is not None:
             deferred = self.clock() - deferred_since
-        groups, self._ready = self._ready, []
+        groups, self._ready = self._hand_out(version)
         trained = [g for g in groups if g[0].role in self.roles]
         generated = self.engine.stats["tokens"] - tokens
         return StreamBatch(
@@ -150,10 +152,15 @@ class StreamingRollouts:
             staleness=[version - r.first_version for g in trained if self._size(g) for r in g])
 
     def decode_while(self, busy: Callable[[], bool], version: int) -> None:
-        """Pipeline mode: keeps decoding and admitting while `busy()` (an update running on
-        other devices); what completes meanwhile is handed out by the next `collect`."""
+        """Pipeline mode: keeps decoding and admitting while `busy()` (the update to
+        `version + 1` running on other devices; checked after every decode chunk); what completes
+        meanwhile is handed out by the next `collect`. Work started now is trained one version
+        later at the earliest, so with `staleness_bound=0` nothing starts (and by the staleness
+        gate nothing is in flight): the run then trains exactly what one shared mesh trains."""
         if self.mode != "pipeline":
             raise ValueError("decode_while: only pipeline mode overlaps rollout with an update")
+        if self.staleness_bound < 1:
+            return
         while busy():
             if not self._decode_pipeline(version, until=lambda: not busy()):
                 return
@@ -174,7 +181,7 @@ class StreamingRollouts:
         self._submit(version)
         if not self._inflight:
             return False
-        for request_id, output in self.engine.stream():
+        for request_id, output in self.engine.stream(stop=until):
             self._absorb(request_id, output, version)
             if until():
                 break
@@ -248,6 +255,24 @@ class StreamingRollouts:
             return 0
         return len(group)
 
+    def _hand_out(self, version: int) -> tuple[list[list[Rollout]], list[list[Rollout]]]:
+        """(groups for this update, groups kept for the next). Sequential: all. Pipeline: in
+        completion order until `samples_per_update` trained samples, plus every group that
+        would lag beyond the bound at the next update and every group with nothing to train."""
+        if self.mode == "sequential":
+            return self._ready, []
+        oldest = version + 1 - self.staleness_bound
+        now, later, count = [], [], 0
+        for group in self._ready:
+            size = self._size(group)
+            if (not size or count < self.samples_per_update
+                    or min(r.first_version for r in group) < oldest):
+                now.append(group)
+                count += size
+            else:
+                later.append(group)
+        return now, later
+
     def _ready_samples(self) -> int:
         return sum(self._size(g) for g in self._ready)
 
@@ -272,10 +297,9 @@ class StreamingRollouts:
     # --- checkpointing ---------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """JSON-serialisable state between updates: the rollouts (in-flight ones as pending
-        partial outputs, in submission order, ahead of those not yet submitted) and counters."""
-        if self._ready:
-            raise ValueError("state_dict: call between collect()s (complete groups not handed out)")
+        """JSON-serialisable state: the rollouts (in-flight ones as pending partial outputs, in
+        submission order, ahead of those not yet submitted), complete groups not yet handed out
+        and counters (recorded routing apart: `routing`)."""
         inflight = []
         for request_id in sorted(self._inflight):
             rollout = dataclasses.replace(self._inflight[request_id])
@@ -284,12 +308,21 @@ class StreamingRollouts:
             inflight.append(rollout.to_json())
         state = self.rollouts.state_dict()
         state["pending"] = inflight + state["pending"]
-        return dict(rollouts=state, problems_admitted=self.problems_admitted)
+        return dict(rollouts=state, problems_admitted=self.problems_admitted,
+                    ready=[[r.to_json() for r in g] for g in self._ready])
+
+    def routing(self) -> dict:
+        """Recorded expert ids, by uid, of every rollout still to be trained that has them."""
+        ready = {r.uid: r.expert_ids for g in self._ready for r in g if r.expert_ids is not None}
+        return {**self.rollouts.routing(), **ready}
 
     def load_state_dict(self, state: dict, routing=None) -> None:
         """Restores `state_dict()` output into a fresh engine's scheduler: the partial outputs
         are resubmitted (prefilled as prompt + tokens so far) at the next `collect`."""
         if self._inflight:
             raise ValueError("load_state_dict: the engine already has requests in flight")
+        routing = routing or {}
         self.rollouts.load_state_dict(state["rollouts"], routing)
         self.problems_admitted = state["problems_admitted"]
+        self._ready = [[dataclasses.replace(Rollout(**r), expert_ids=routing.get(r["uid"]))
+                        for r in g] for g in state.get("ready", [])]

@@ -5,6 +5,12 @@ parameters, train on the groups that completed, write metrics, checkpoint. Sampl
 share the same parameter arrays; the policy version is the number of steps whose update changed
 the parameters (a step makes `learner.ppo_epochs * learner.mini_batches` optimizer updates,
 `mars_jax.rl.learner`).
+
+With `rollout.scheduler='stream'` a step is one `StreamingRollouts.collect` (one engine across
+steps, `mars_jax.rl.streaming`). With `mesh.rollout.devices > 0` the engine runs on its own
+submesh with its own copy of the weights (`weight_sync`, copied after every update, metrics
+`sync/*`); in pipeline mode it keeps decoding while the update runs in a worker thread on the
+training mesh (`StreamingRollouts.decode_while`).
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
@@ -17,6 +23,7 @@ of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics ar
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -30,7 +37,7 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, distributed, sharding
+from mars_jax import builders, distributed, sharding, weight_sync
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
@@ -141,7 +148,8 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
 
 def _build_stream(config: ConfigDict, rollouts: AgenticRollouts, model, eos, problems,
                   mesh: jax.sharding.Mesh, inflight_cap: int) -> StreamingRollouts:
-    """The streaming scheduler (`rollout.scheduler='stream'`) on a fresh engine."""
+    """The streaming scheduler (`rollout.scheduler='stream'`) on a fresh engine over `model`
+    (whose arrays live on `mesh`, the rollout mesh)."""
     if jax.process_count() > 1:
         raise ValueError("rollout.scheduler='stream' runs on one process; use 'step' for "
                          "multi-process jobs")
@@ -242,7 +250,8 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
 
 def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dict[str, float]:
     workdir_path.mkdir(parents=True, exist_ok=True)
-    mesh = builders.build_mesh(config)
+    mesh, rollout_mesh = builders.build_meshes(config)
+    split = rollout_mesh is not mesh
     with sharding.use_mesh(mesh):
         model = builders.build_model(config, mesh)
     tokenizer = builders.build_tokenizer(config)
@@ -285,9 +294,15 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     metrics: dict[str, float] = {}
     generator = None
     stream = None
+    if split:
+        to_rollout = weight_sync.rollout_shardings(state.params, rollout_mesh)
     if config.rollout.scheduler == "stream":
-        stream = _build_stream(config, rollouts, nnx.merge(graphdef, state.params), eos, problems,
-                               mesh, inflight_cap)
+        policy = nnx.merge(graphdef, state.params)
+        if split:
+            policy = weight_sync.rollout_model(
+                graphdef, weight_sync.copy_weights(state.params, to_rollout)[0])
+        stream = _build_stream(config, rollouts, policy, eos, problems, rollout_mesh,
+                               inflight_cap)
         if saved_stream is not None:
             stream.load_state_dict(*saved_stream)
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
@@ -312,18 +327,34 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             if stream is None:
                 metrics["staleness/max"] = max_staleness(groups, version)
             if distributed.any_process(bool(samples)):
-                with sharding.use_mesh(mesh):
-                    state, history = ppo_update(
-                        state, samples,
-                        build_batch=lambda part: _global_batch(part, config, model.config, mesh),
-                        ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
-                        update_config=update_config, learner=learner,
-                        rng=np.random.default_rng([config.seed, step]))
+                def update(state=state, samples=samples, step=step):
+                    with sharding.use_mesh(mesh):
+                        return ppo_update(
+                            state, samples,
+                            build_batch=lambda part: _global_batch(part, config, model.config,
+                                                                   mesh),
+                            ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
+                            update_config=update_config, learner=learner,
+                            rng=np.random.default_rng([config.seed, step]))
+
+                if split and config.rollout.mode == "pipeline":  # decode during the update
+                    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                        running = pool.submit(update)
+                        stream.decode_while(lambda: not running.done(), version)
+                        state, history = running.result()
+                else:
+                    state, history = update()
                 update_metrics = summarize_updates(history)
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
                 if update_metrics["optimizer_steps"] > 0:
                     version += 1
-                    if stream is not None:
+                    if split:
+                        copied, transfer = weight_sync.copy_weights(state.params, to_rollout)
+                        stream.weights_updated(weight_sync.rollout_model(graphdef, copied),
+                                               version)
+                        metrics.update({"sync/seconds": transfer.seconds,
+                                        "sync/bytes": transfer.bytes})
+                    elif stream is not None:
                         stream.weights_updated(nnx.merge(graphdef, state.params), version)
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
@@ -342,7 +373,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             preempted = distributed.any_process(sigterm.raised)
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):
-                routing_index, routing = distributed.host_arrays(rollouts.routing())
+                routing_index, routing = distributed.host_arrays(
+                    (stream or rollouts).routing())
                 queue = ({"stream": stream.state_dict()} if stream is not None
                          else {"rollouts": rollouts.state_dict()})
                 checkpointer.save(step, state, distributed.gather_process_meta({

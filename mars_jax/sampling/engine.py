@@ -49,7 +49,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -478,12 +478,16 @@ class Engine:
 
     # --- the loop ---
 
-    def stream(self) -> Iterator[tuple[int, EngineOutput]]:
-        """Runs until no request waits or decodes, yielding `(request_id, output)` as each one
-        finishes or pauses at a segment end."""
+    def stream(self, stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[int, EngineOutput]]:
+        """Runs until no request waits or decodes (or, with `stop`, until `stop()` is true after
+        a decode chunk), yielding `(request_id, output)` as each one finishes or pauses at a
+        segment end."""
         while True:
             while self._done:
                 yield self._done.popleft()
+            if stop is not None and stop():
+                return
             self._admit()
             if not self._running:
                 self._expand()

@@ -73,10 +73,12 @@ class ScriptedEngine:
     def _unfinished_roles(self):
         return {self.requests[i]["role"] for i in self.queue + self.running}
 
-    def stream(self):
+    def stream(self, stop=None):
         while True:
             while self.done:
                 yield self.done.pop(0)
+            if stop is not None and stop():
+                return
             while self.queue and len(self.running) < self.num_slots:
                 self.running.append(self.queue.pop(0))
             if not self.running:
