@@ -6,11 +6,13 @@ second at a generation-dominated, long-tailed setting.
 
 Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float32, random
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
-update. Output lengths are log-normal (median `--median`, `--sigma`, cut at `--cap`), drawn per
+update (times net of XLA compilation, which the warm-up updates cannot all absorb: batch shapes
+vary). Output lengths are log-normal (median `--median`, `--sigma`, cut at `--cap`), drawn per
 rollout from its sequence seed and forced on the engine (`pipeline_workload.ForcedLengths`), so
 both modes decode the same lengths; grades are drawn at seeded rates (`SeededGrades`). The
 sequential mode decodes `--problems` problems stage by stage with barriers and trains only when
-every trajectory is done; the pipeline streams. Prints per mode the time split into rollout and
+every trajectory is done; the pipeline streams and updates on as many samples as a sequential
+batch had on average. Prints per mode the time split into rollout and
 update, slot occupancy and staleness, and the ratio; the first `--warmup` updates of each mode
 (compilation) are not counted. The bound printed beside it: sequential time per sample over the
 pipeline's update time per sample (one mesh: the update cannot overlap decoding).
@@ -42,7 +44,7 @@ from mars_jax.sampling import Engine
 MAX_PROMPT = 384
 
 
-def run(mode: str, args) -> dict:
+def run(mode: str, args, samples_per_update: int) -> dict:
     tokenizer = tiny_tokenizer()
     config = get_preset("bench").replace(vocab_size=512)  # the byte-level tokenizer's ids
     model = create_model(config, seed=0)
@@ -55,8 +57,6 @@ def run(mode: str, args) -> dict:
         max_new_tokens=budgets, max_prompt_tokens=MAX_PROMPT), seed=0, encode=encode_chat)
     engine = Engine(model, num_slots=args.slots, max_length=MAX_PROMPT + args.cap,
                     chunk_steps=16, seed=0)
-    per_problem = args.group * (1 + 2 * 4)
-    samples_per_update = args.problems * per_problem // 2
     stream = StreamingRollouts(
         rollouts, ForcedLengths(engine, LengthModel(args.median, args.sigma, args.cap)),
         ProblemIterator(datasets.load("arith", "train"), seed=0), mode=mode,
@@ -67,9 +67,9 @@ def run(mode: str, args) -> dict:
     learner = LearnerConfig(ppo_epochs=1, mini_batches=1, pi_old="sampler")
     rows = []
     for version in range(args.warmup + args.updates):
-        began = time.perf_counter()
+        began, compiled = time.perf_counter(), COMPILE_SECONDS[0]
         batch = stream.collect(version)
-        rolled = time.perf_counter()
+        rolled, compiled_rollout = time.perf_counter(), COMPILE_SECONDS[0]
         samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
             part, micro_batch_size=4, min_length=128), ref_params=None, graphdef=graphdef,
@@ -78,7 +78,9 @@ def run(mode: str, args) -> dict:
         jax.block_until_ready(state.params)
         updated = time.perf_counter()
         stream.weights_updated(nnx.merge(graphdef, state.params), version + 1)
-        rows.append(dict(rollout=rolled - began, update=updated - rolled, samples=len(samples),
+        rows.append(dict(rollout=rolled - began - (compiled_rollout - compiled),
+                         update=updated - rolled - (COMPILE_SECONDS[0] - compiled_rollout),
+                         compile=COMPILE_SECONDS[0] - compiled, samples=len(samples),
                          tokens=batch.generated_tokens, occupancy=batch.occupancy,
                          staleness=max(batch.staleness, default=0)))
     rows = rows[args.warmup:]
@@ -86,8 +88,16 @@ def run(mode: str, args) -> dict:
     seconds = total("rollout") + total("update")
     return dict(samples_per_s=total("samples") / seconds, samples=total("samples"),
                 rollout_s=total("rollout"), update_s=total("update"), seconds=seconds,
-                tokens=total("tokens"), occupancy=statistics.mean(r["occupancy"] for r in rows),
+                tokens=total("tokens"), compile_s=total("compile"), occupancy=statistics.mean(r["occupancy"] for r in rows),
                 staleness=max(r["staleness"] for r in rows))
+
+
+COMPILE_SECONDS = [0.0]  # XLA compilation so far; subtracted from the phase it fell in
+
+
+def _count_compiles(event: str, seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILE_SECONDS[0] += seconds
 
 
 def main() -> None:
@@ -101,17 +111,22 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--problems", type=int, default=2)
     args = parser.parse_args()
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
     print(bench_utils.machine_line())
     print(f"bench preset (vocab 512), float32, {args.slots} slots; lengths log-normal median "
           f"{args.median:g}, sigma {args.sigma:g}, cap {args.cap}; groups of {args.group}, "
           f"fan-out 2, 5 stages; {args.problems} problems per sequential batch")
-    results = {mode: run(mode, args) for mode in ("sequential", "pipeline")}
+    results = {"sequential": run("sequential", args, samples_per_update=1)}
+    # The pipeline updates on as many samples as a sequential batch trained on average.
+    per_update = round(results["sequential"]["samples"] / args.updates)
+    results["pipeline"] = run("pipeline", args, samples_per_update=per_update)
+    print(f"samples per update: {per_update} (the sequential mean)")
     for mode, r in results.items():
         print(f"{mode:10s} {r['samples_per_s']:6.3f} samples/s  ({r['samples']} samples in "
               f"{r['seconds']:.1f} s: rollout {r['rollout_s']:.1f} s "
               f"({100 * r['rollout_s'] / r['seconds']:.0f}%), update {r['update_s']:.1f} s; "
               f"{r['tokens']} tokens; occupancy {r['occupancy']:.2f}; max staleness "
-              f"{r['staleness']})")
+              f"{r['staleness']}; {r['compile_s']:.1f} s of compilation left out)")
     seq, pipe = results["sequential"], results["pipeline"]
     bound = (seq["seconds"] / seq["samples"]) / (pipe["update_s"] / pipe["samples"])
     print(f"pipeline / sequential trained samples/s: "

@@ -250,3 +250,18 @@ def test_a_restored_stream_with_requests_in_flight_trains_what_the_uninterrupted
     assert [(u, t) for u, t, _ in first] == [(u, t) for u, t, _ in whole]
     for (_, _, a), (_, _, b) in zip(first, whole):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("resume", ["recompute", "keep"])
+def test_after_an_update_requests_in_slots_are_recomputed_or_kept(resume):
+    engine = ScriptedEngine()
+    stream = _stream("pipeline", engine, resume=resume)
+    seen = 0
+    for version in range(4):
+        stream.collect(version)
+        in_slots = len(engine.in_slots())
+        seen += in_slots
+        before = engine.stats["recomputes"]
+        stream.weights_updated(None, version + 1)
+        assert engine.stats["recomputes"] - before == (in_slots if resume == "recompute" else 0)
+    assert seen  # some update found requests mid-decode
