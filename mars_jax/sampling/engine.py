@@ -59,7 +59,7 @@ from mars_jax.sampling.sampler import _batch_multiple, prompt_bucket
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
-MIN_SPAN = 64  # the shortest KV span a decode chunk attends over
+MIN_SPAN = 128  # default shortest KV span a decode chunk attends over
 
 
 def kv_bytes_per_token(config) -> int:
@@ -212,10 +212,10 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
         stop_ids=jnp.full((num_slots, max_stops), -1, jnp.int32), experts=experts))
 
 
-def span_bucket(needed: int, max_length: int) -> int:
+def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
     """The KV span a decode chunk attends over: `needed` positions rounded up to a power of two
-    (at least `MIN_SPAN`), at most `max_length`."""
-    return min(max_length, max(MIN_SPAN, 1 << max(0, needed - 1).bit_length()))
+    (at least `min_span`), at most `max_length`."""
+    return min(max_length, max(min_span, 1 << max(0, needed - 1).bit_length()))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span"),
@@ -384,10 +384,12 @@ class Engine:
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
                  record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
-                 admit_batch: int = 1):
+                 admit_batch: int = 1, min_span: int = MIN_SPAN):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
+        if min_span < 1:
+            raise ValueError(f"min_span: must be >= 1, got {min_span}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk: must be a power of two >= 16, got {prefill_chunk}")
         multiple = _batch_multiple(mesh)
@@ -399,7 +401,7 @@ class Engine:
                              "set capacity_factor=None (dropless) for exact per-request outputs")
         self.num_slots, self.max_length, self.chunk_steps = num_slots, max_length, chunk_steps
         self.prefill_chunk, self.max_stop_ids, self.seed = prefill_chunk, max_stop_ids, seed
-        self.mesh, self.admit_batch = mesh, max(1, admit_batch)
+        self.mesh, self.admit_batch, self.min_span = mesh, max(1, admit_batch), min_span
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
         self.vocab_size = model.config.vocab_size
         self.update_weights(model)
@@ -658,7 +660,7 @@ class Engine:
         it (prompt + tokens + at most `chunk_steps`, up to its pause or budget), bucketed."""
         needed = max(len(r.group.prompt) + min(len(r.tokens) + self.chunk_steps, r.pause_at)
                      for r in (self._requests[self._slots[s]] for s in self._running))
-        return span_bucket(needed, self.max_length)
+        return span_bucket(needed, self.max_length, self.min_span)
 
     def _decode(self) -> None:
         start_time = time.perf_counter()
