@@ -14,8 +14,11 @@ Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `
   engine_prefill  with `rollout.decode_engine='engine'` instead of the two above: one
             `prefill_chunk` piece of a prefill of every slot's prompt at once (`engine._prefill`)
   engine_insert   a prefilled row copied into a slot (`engine._insert`)
-  engine_decode   one decode chunk over all slots (`engine._decode_chunk`); the engine's KV
-            bytes per token / per slot / per device are printed with it
+  engine_decode   one decode chunk over all slots at the full KV span (`engine._decode_chunk`);
+            the engine's KV bytes per token / per slot / per device are printed with it and
+            written to the JSON report (`kv_bytes`)
+  engine_shrink / engine_expand (only when asked) the running half of the slots gathered into
+            a half-size state and written back (`engine._take_slots` / `_put_slots`)
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
   update    `rl.update.train_step` over one step's micro-batches
 By default the programs the config's decode path runs (`step_programs`).
@@ -67,10 +70,14 @@ from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optim
                                 opt_state_shardings, token_logprobs, train_step)
 from mars_jax.rl.generator import engine_shape  # noqa: E402
 from mars_jax.sampling import engine, sampler  # noqa: E402
+from mars_jax.sampling.sampler import _batch_multiple as sharding_multiple  # noqa: E402
 
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
 ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs", "update")
-ALL_PROGRAMS = PROGRAMS[:2] + ENGINE_PROGRAMS
+# Run when the engine compacts its running slots (`Engine._shrink` / `_expand`); compiled for
+# half the slots, where the mesh's batch shards allow it.
+SHRINK_PROGRAMS = ("engine_shrink", "engine_expand")
+ALL_PROGRAMS = PROGRAMS[:2] + ENGINE_PROGRAMS + SHRINK_PROGRAMS
 TRAIN_PROGRAMS = ("logprobs", "update")  # on the training submesh; the rest on the rollout one
 GiB = 1 << 30
 # HBM per device by `device_kind` (TPU compile-only devices do not report it).
@@ -298,10 +305,12 @@ class StepPrograms:
             self.graphdef, self.weights, self.decode_state(), _scalar(self.mesh, jnp.float32),
             _scalar(self.mesh, jnp.int32), params=self.sampling)
 
-    def engine_state(self) -> engine.SlotState:
-        """The abstract slot state of the config's engine, sharded by the logical rules."""
+    def engine_state(self, slots: int = 0) -> engine.SlotState:
+        """The abstract slot state of the config's engine (or of `slots` of its slots), sharded
+        by the logical rules."""
         cfg, mesh = self.cfg, self.mesh
-        slots, length = engine_shape(self.config, mesh)
+        all_slots, length = engine_shape(self.config, mesh)
+        slots = slots or all_slots
         state = jax.eval_shape(functools.partial(
             engine._init_state, self.graphdef, num_slots=slots, max_length=length,
             max_stops=STOP_IDS, record=self.sampling.record_routing), self.weights)
@@ -352,25 +361,57 @@ class StepPrograms:
                                     i32, i32, i32, u32, u32, f32, i32, f32, stops)
 
     def _engine_decode(self) -> jax.stages.Lowered:
+        """The decode chunk at its largest KV span (all `max_length` positions)."""
+        _, length = engine_shape(self.config, self.mesh)
         return engine._decode_chunk.lower(
             self.graphdef, self.weights, self.engine_state(), _scalar(self.mesh, jnp.int32),
-            steps=self.config.rollout.engine_chunk_steps)
+            steps=self.config.rollout.engine_chunk_steps, span=length)
 
-    def kv_line(self) -> str:
-        """The engine's KV-cache bytes per token, per slot and per device (its slots' caches
-        spread over the batch and KV-head axes)."""
+    def _shrink_index(self):
+        slots, _ = engine_shape(self.config, self.mesh)
+        rows = slots // 2
+        if rows % sharding_multiple(self.mesh):
+            raise ValueError(f"engine_shrink / engine_expand: {slots} slots cannot be halved "
+                             f"on this mesh (batch shards {sharding_multiple(self.mesh)})")
+        return _sharded(self.mesh, (rows,), jnp.int32, (None,)), rows
+
+    def _engine_shrink(self) -> jax.stages.Lowered:
+        """The running half of the slots gathered into a slot bucket of half the size."""
+        index, rows = self._shrink_index()
+        live = _sharded(self.mesh, (rows,), jnp.bool_, (None,))
+        return engine._take_slots.lower(self.engine_state(), index, live)
+
+    def _engine_expand(self) -> jax.stages.Lowered:
+        """Half the slots written back into all of them."""
+        index, rows = self._shrink_index()
+        part = jax.eval_shape(engine._take_slots, self.engine_state(), index,
+                              jax.ShapeDtypeStruct((rows,), jnp.bool_))
+        state = self.engine_state(rows)
+        part = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                                              sharding=s.sharding), part, state)
+        return engine._put_slots.lower(self.engine_state(), part, index,
+                                       _scalar(self.mesh, jnp.int32))
+
+    def kv_bytes(self) -> dict[str, int]:
+        """The engine's KV-cache bytes per token and per slot (`Engine.kv_bytes_per_token` /
+        `kv_bytes_per_slot`), and per device: its slots' caches spread over the batch and
+        KV-head axes."""
         cfg = self.cfg
         slots, length = engine_shape(self.config, self.mesh)
         per_token = engine.kv_bytes_per_token(cfg)
-        total = per_token * length * slots
-        shards = int(np.prod([self.mesh.shape[a] for a in sharding.spec_axes(
-            sharding.logical_to_spec(("batch",))[0])]))
         kv_shards = min(cfg.num_key_value_heads, int(np.prod([self.mesh.shape[a] for a in
                         sharding.spec_axes(sharding.logical_to_spec(("act_kv_heads",))[0])])))
-        return (f"engine  {slots} slots x {length} positions; KV cache {per_token:,} bytes per "
-                f"token, {per_token * length / 2**20:,.1f} MiB per slot, "
-                f"{total / GiB:,.2f} GiB in all, {total / shards / kv_shards / 2**20:,.1f} MiB "
-                f"per device")
+        return dict(slots=slots, positions=length, per_token=per_token,
+                    per_slot=per_token * length, total=per_token * length * slots,
+                    per_device=per_token * length * slots // sharding_multiple(self.mesh)
+                    // kv_shards)
+
+    def kv_line(self) -> str:
+        kv = self.kv_bytes()
+        return (f"engine  {kv['slots']} slots x {kv['positions']} positions; KV cache "
+                f"{kv['per_token']:,} bytes per token, {kv['per_slot'] / 2**20:,.1f} MiB per "
+                f"slot, {kv['total'] / GiB:,.2f} GiB in all, {kv['per_device'] / 2**20:,.1f} "
+                f"MiB per device")
 
     def _train_rows(self, *lead: int, dtype=jnp.int32):
         s = self.shapes
@@ -473,6 +514,7 @@ class Report:
     shapes: Shapes
     hbm_bytes: int
     results: list[Result]
+    kv_bytes: dict[str, int] | None = None  # the engine's, when an engine program was compiled
     rollout_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     weight_copy_bytes: int = 0
     weight_copy_bytes_per_device: int = 0
@@ -497,7 +539,9 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
     cfg = model_config(config, num_layers)
     train = StepPrograms(config, cfg, train_mesh)
     rollout = StepPrograms(config, cfg, rollout_mesh) if split else train
+    kv_bytes = None
     if any(p.startswith("engine") for p in programs):
+        kv_bytes = rollout.kv_bytes()
         print(rollout.kv_line())
     copy_bytes = weight_sync.transfer_bytes(
         train.weights, jax.tree.map(lambda x: x.sharding, rollout.weights))
@@ -508,8 +552,9 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
                                        target.hbm_bytes, where if split else "shared"))
     return Report(target.description, dict(train_mesh.shape),
                   config.model.checkpoint or config.model.preset, cfg.num_hidden_layers,
-                  train.shapes, target.hbm_bytes, results, rollout_mesh=dict(rollout_mesh.shape),
-                  weight_copy_bytes=copy_bytes[0], weight_copy_bytes_per_device=copy_bytes[1])
+                  train.shapes, target.hbm_bytes, results, kv_bytes,
+                  rollout_mesh=dict(rollout_mesh.shape), weight_copy_bytes=copy_bytes[0],
+                  weight_copy_bytes_per_device=copy_bytes[1])
 
 
 def main(argv):

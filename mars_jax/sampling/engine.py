@@ -65,6 +65,7 @@ from mars_jax.sampling.sampler import _batch_multiple, prompt_bucket
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
+MIN_SPAN = 128  # default shortest KV span a decode chunk attends over
 
 
 def kv_bytes_per_token(config) -> int:
@@ -131,6 +132,71 @@ class _Request:
 
 
 # --- device programs -------------------------------------------------------------------------
+#
+# The slot state is sharded over slots (`batch`) and KV heads; every program that writes it takes
+# it donated and updates it in place: a slot's row is written with a dynamic-update-slice (each
+# shard writes its own rows; a scatter on a sharded axis would gather the whole array first) and
+# a row is read with a one-index gather (each shard reads its rows, one all-reduce of the row),
+# and its outputs are pinned to the logical shardings the state was created with.
+
+def _slot_axis(name: str) -> int:
+    """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`)."""
+    return 1 if name == "experts" else 0
+
+
+def _state_names(state: SlotState) -> dict[str, object]:
+    """Logical axis names of each field of `state` (the cache per layer as `cache_layout`)."""
+    names = {f.name: ("batch",) + (None,) * (getattr(state, f.name).ndim - 1)
+             for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
+    names["next_logits"] = ("batch", "act_vocab")
+    names["cache"] = KVCache(("batch", "act_kv_heads", None, "cache_length"),
+                             ("batch", "act_kv_heads", "cache_length", None))
+    names["experts"] = (None, "batch", None, None)
+    return names
+
+
+def _pinned(state: SlotState) -> SlotState:
+    """`state` constrained to its logical shardings (a no-op without a mesh)."""
+    names = _state_names(state)
+    fields = {f.name: sharding.constrain(getattr(state, f.name), names[f.name])
+              for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
+    cache = tuple(KVCache(sharding.constrain(c.k, names["cache"].k),
+                          sharding.constrain(c.v, names["cache"].v)) for c in state.cache)
+    experts = None if state.experts is None else sharding.constrain(state.experts,
+                                                                    names["experts"])
+    return state.replace(cache=cache, experts=experts, **fields)
+
+
+def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
+    """Row `index` of `x` along `axis`, the axis kept (size 1)."""
+    return jnp.take(x, jnp.reshape(index, (1,)), axis=axis, mode="clip")
+
+
+def _set_row(x: jax.Array, index: jax.Array, value, axis: int = 0) -> jax.Array:
+    """`x` with row `index` along `axis` set to `value` (with or without that axis)."""
+    value = jnp.asarray(value, x.dtype)
+    if value.ndim < x.ndim:
+        value = jnp.expand_dims(value, axis)
+    return jax.lax.dynamic_update_slice_in_dim(x, value, index, axis=axis)
+
+
+def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
+    """`fn(field, *others' fields, slot_axis)` over every array field (and layer) of `state`."""
+    fields = {}
+    for f in dataclasses.fields(state):
+        x = getattr(state, f.name)
+        if x is None:
+            continue
+        axis = _slot_axis(f.name)
+        ys = [getattr(o, f.name) for o in others]
+        if f.name == "cache":
+            fields[f.name] = tuple(KVCache(fn(c.k, *(y[i].k for y in ys), axis),
+                                           fn(c.v, *(y[i].v for y in ys), axis))
+                                   for i, c in enumerate(x))
+        else:
+            fields[f.name] = fn(x, *ys, axis)
+    return state.replace(**fields)
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "max_length", "max_stops",
                                              "record"))
@@ -143,24 +209,37 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
     if record:
         experts = jnp.zeros((len(model.moe_layers), num_slots, max_length,
                              cfg.num_experts_per_tok), jnp.int32)
-    return SlotState(
+    return _pinned(SlotState(
         cache=model.init_cache(num_slots, max_length),
         next_logits=jnp.zeros((num_slots, cfg.vocab_size), jnp.float32),
         length=zeros(), step=zeros(), budget=zeros(), pause_at=zeros(), active=zeros(bool),
         keys=jax.vmap(jax.random.key)(zeros(jnp.uint32)), temperature=zeros(jnp.float32),
         top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
-        stop_ids=jnp.full((num_slots, max_stops), -1, jnp.int32), experts=experts)
+        stop_ids=jnp.full((num_slots, max_stops), -1, jnp.int32), experts=experts))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnames=("state",))
-def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *, steps: int):
-    """Up to `steps` decode steps over all slots; returns the state, the chunk's tokens and
-    log-probabilities `[slots, steps]` (a slot's first `step` increase entries are its own) and
-    the steps run. Stops early when every slot is idle, or once `stop_after` (> 0) requests
-    have ended."""
+def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
+    """The KV span a decode chunk attends over: `needed` positions rounded up to a power of two
+    (at least `min_span`), at most `max_length`."""
+    return min(max_length, max(min_span, 1 << max(0, needed - 1).bit_length()))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span"),
+                   donate_argnames=("state",))
+def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *, steps: int,
+                  span: int):
+    """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
+    only (the caller guarantees that every active slot's `length + steps <= span`); returns
+    the state, the chunk's tokens and log-probabilities `[slots, steps]` (a slot's first `step`
+    increase entries are its own) and the steps run. Stops early when every slot is idle, or
+    once `stop_after` (> 0) requests have ended. Slots idle at the start keep their cache."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
     max_length = state.cache[0].v.shape[2]
+    full_cache, was_active = state.cache, state.active
+    if span < max_length:
+        state = state.replace(cache=tuple(KVCache(c.k[..., :span], c.v[:, :, :span])
+                                          for c in state.cache))
 
     def cond(carry):
         i, s, _, _, ended = carry
@@ -178,8 +257,8 @@ def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *,
         finished = active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (step >= s.budget))
         pausing = active & ~finished & (step >= s.pause_at)
         out = model.forward(token[:, None], positions=s.length[:, None],
-                            mask=AttentionMask.filled(s.length + 1, max_length), cache=s.cache,
-                            cache_index=s.length)
+                            mask=AttentionMask.filled(s.length + 1, span), cache=s.cache,
+                            cache_index=jnp.minimum(s.length, span - 1))
         experts = s.experts
         if experts is not None:
             write = lambda e, new, at: jax.lax.dynamic_update_slice_in_dim(e, new, at, axis=1)
@@ -195,7 +274,16 @@ def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *,
     carry = (jnp.zeros((), jnp.int32), state, jnp.zeros((num_slots, steps), jnp.int32),
              jnp.zeros((num_slots, steps), jnp.float32), jnp.zeros((), jnp.int32))
     i, state, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
-    return state, tokens, logprobs, i
+    if span < max_length:  # the span written back for the slots that decoded
+        keep = lambda new, old: jnp.where(
+            was_active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+        state = state.replace(cache=tuple(
+            KVCache(jax.lax.dynamic_update_slice(
+                        full.k, keep(c.k, full.k[..., :span]), (0, 0, 0, 0)),
+                    jax.lax.dynamic_update_slice(
+                        full.v, keep(c.v, full.v[:, :, :span]), (0, 0, 0, 0)))
+            for c, full in zip(state.cache, full_cache)))
+    return _pinned(state), tokens, logprobs, i
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "fresh"),
@@ -232,65 +320,68 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
 def _insert(state: SlotState, slot, cache, logits, experts, row, length, step, budget, pause_at,
             seed, sequence_seed, temperature, top_k, top_p, stop_ids) -> SlotState:
     """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
-    `max_length` positions) and the request's settings, active."""
+    `max_length` positions) and the request's settings, active; written in place."""
     max_length = state.cache[0].v.shape[2]
     span = min(cache[0].v.shape[2], max_length)
-    take = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=axis)
     new_cache = tuple(KVCache(
-        jax.lax.dynamic_update_slice(c.k, take(p.k)[..., :span].astype(c.k.dtype),
+        jax.lax.dynamic_update_slice(c.k, _row(p.k, row)[..., :span].astype(c.k.dtype),
                                      (slot, 0, 0, 0)),
-        jax.lax.dynamic_update_slice(c.v, take(p.v)[:, :, :span].astype(c.v.dtype),
+        jax.lax.dynamic_update_slice(c.v, _row(p.v, row)[:, :, :span].astype(c.v.dtype),
                                      (slot, 0, 0, 0)))
         for c, p in zip(state.cache, cache))
     new_experts = state.experts
     if new_experts is not None:
-        new_experts = jax.lax.dynamic_update_slice(new_experts, take(experts, 1)[:, :, :span],
+        new_experts = jax.lax.dynamic_update_slice(new_experts, _row(experts, row, 1)[:, :, :span],
                                                    (0, slot, 0, 0))
     key = jax.random.fold_in(jax.random.key(seed), sequence_seed)
-    return state.replace(
-        cache=new_cache, next_logits=state.next_logits.at[slot].set(logits[row]),
-        length=state.length.at[slot].set(length), step=state.step.at[slot].set(step),
-        budget=state.budget.at[slot].set(budget), pause_at=state.pause_at.at[slot].set(pause_at),
-        active=state.active.at[slot].set(True), keys=state.keys.at[slot].set(key),
-        temperature=state.temperature.at[slot].set(temperature),
-        top_k=state.top_k.at[slot].set(top_k), top_p=state.top_p.at[slot].set(top_p),
-        stop_ids=state.stop_ids.at[slot].set(stop_ids), experts=new_experts)
+    put = lambda x, value: _set_row(x, slot, value)
+    return _pinned(state.replace(
+        cache=new_cache, next_logits=put(state.next_logits, _row(logits, row)),
+        length=put(state.length, length), step=put(state.step, step),
+        budget=put(state.budget, budget), pause_at=put(state.pause_at, pause_at),
+        active=put(state.active, True), keys=put(state.keys, key),
+        temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
+        top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids),
+        experts=new_experts))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _unpause(state: SlotState, slot, pause_at) -> SlotState:
-    return state.replace(pause_at=state.pause_at.at[slot].set(pause_at),
-                         active=state.active.at[slot].set(True))
+    return _pinned(state.replace(pause_at=_set_row(state.pause_at, slot, pause_at),
+                                 active=_set_row(state.active, slot, True)))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _pause(state: SlotState, slot) -> SlotState:
-    return state.replace(active=state.active.at[slot].set(False))
+    return _pinned(state.replace(active=_set_row(state.active, slot, False)))
 
 
 @jax.jit
 def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
-    """The state of slots `index` (KV cache included); rows where `live` is False are idle."""
-    rows = {f.name: getattr(state, f.name)[index] for f in dataclasses.fields(state)
-            if f.name not in ("cache", "experts")}
-    rows["active"] = rows["active"] & live
-    return state.replace(cache=tuple(KVCache(c.k[index], c.v[index]) for c in state.cache),
-                         experts=None if state.experts is None else state.experts[:, index],
-                         **rows)
+    """The state of slots `index` (KV cache included); rows where `live` is False are idle.
+    Copied one row at a time into a state sharded like `state` (no gather of all slots)."""
+    rows = index.shape[0]
+    empty = lambda x, axis: jnp.zeros(x.shape[:axis] + (rows,) + x.shape[axis + 1:], x.dtype)
+    part = _pinned(_map_rows(empty, state))
+
+    def copy(i, part):
+        return _pinned(_map_rows(lambda y, x, axis: _set_row(y, i, _row(x, index[i], axis), axis),
+                                 part, state))
+
+    part = jax.lax.fori_loop(0, rows, copy, part)
+    return _pinned(part.replace(active=part.active & live))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _put_slots(state: SlotState, part: SlotState, index: jax.Array) -> SlotState:
-    """`state` with `part`'s rows written to slots `index` (out-of-range entries dropped)."""
-    put = lambda x, y: x.at[index].set(y, mode="drop")
-    rows = {f.name: put(getattr(state, f.name), getattr(part, f.name))
-            for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
-    experts = state.experts
-    if experts is not None:
-        experts = experts.at[:, index].set(part.experts, mode="drop")
-    return state.replace(cache=tuple(KVCache(put(c.k, p.k), put(c.v, p.v))
-                                     for c, p in zip(state.cache, part.cache)),
-                         experts=experts, **rows)
+def _put_slots(state: SlotState, part: SlotState, index: jax.Array, count: jax.Array
+               ) -> SlotState:
+    """`state` with `part`'s first `count` rows written to slots `index[:count]`, one row at a
+    time, in place."""
+    def copy(i, state):
+        return _pinned(_map_rows(lambda x, y, axis: _set_row(x, index[i], _row(y, i, axis), axis),
+                                 state, part))
+
+    return _pinned(jax.lax.fori_loop(0, count, copy, state))
 
 
 # --- host side -------------------------------------------------------------------------------
@@ -304,10 +395,12 @@ class Engine:
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
                  record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
-                 admit_batch: int = 1):
+                 admit_batch: int = 1, min_span: int = MIN_SPAN):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
+        if min_span < 1:
+            raise ValueError(f"min_span: must be >= 1, got {min_span}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk: must be a power of two >= 16, got {prefill_chunk}")
         multiple = _batch_multiple(mesh)
@@ -319,7 +412,7 @@ class Engine:
                              "set capacity_factor=None (dropless) for exact per-request outputs")
         self.num_slots, self.max_length, self.chunk_steps = num_slots, max_length, chunk_steps
         self.prefill_chunk, self.max_stop_ids, self.seed = prefill_chunk, max_stop_ids, seed
-        self.mesh, self.admit_batch = mesh, max(1, admit_batch)
+        self.mesh, self.admit_batch, self.min_span = mesh, max(1, admit_batch), min_span
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
         self.vocab_size = model.config.vocab_size
         self._queue: collections.deque[_Request] = collections.deque()
@@ -532,10 +625,11 @@ class Engine:
         """Back to all slots (the shrunk rows written to theirs)."""
         if self._full is None:
             return
-        index = np.full((self._state.length.shape[0],), self.num_slots, np.int32)
-        for slot, row in self._rows.items():
+        index = np.zeros((self._state.length.shape[0],), np.int32)
+        for slot, row in self._rows.items():  # rows 0 .. len(_rows) - 1 (`_shrink`)
             index[row] = slot
-        self._state = _put_slots(self._full, self._state, jnp.asarray(index))
+        self._state = _put_slots(self._full, self._state, jnp.asarray(index),
+                                 jnp.int32(len(self._rows)))
         self._full, self._rows = None, {}
 
     def _admission_size(self) -> int:
@@ -628,18 +722,27 @@ class Engine:
                 jnp.float32(request.temperature), jnp.int32(request.top_k),
                 jnp.float32(request.top_p), jnp.asarray(stops))
 
+    def _span(self) -> int:
+        """The KV span of the next decode chunk: the longest a running request can grow to in
+        it (prompt + tokens + at most `chunk_steps`, up to its pause or budget), bucketed."""
+        needed = max(len(r.group.prompt) + min(len(r.tokens) + self.chunk_steps, r.pause_at)
+                     for r in (self._requests[self._slots[s]] for s in self._running))
+        return span_bucket(needed, self.max_length, self.min_span)
+
     def _decode(self) -> None:
         start_time = time.perf_counter()
+        span = self._span()
         with self._mesh():
             self._state, tokens, logprobs, steps = _decode_chunk(
                 self._graphdef, self._weights, self._state, jnp.int32(self._stop_after()),
-                steps=self.chunk_steps)
+                steps=self.chunk_steps, span=span)
         tokens, logprobs, step, active, steps = sharding.fetch(
             (tokens, logprobs, self._state.step, self._state.active, steps))
         self.stats["decode_seconds"] += time.perf_counter() - start_time
         self.stats["decode_steps"] += int(steps)
         self.stats["slot_steps"] += int(steps) * self.num_slots
         self.stats["row_steps"] += int(steps) * len(step)
+        self.stats["span_steps"] += int(steps) * span * len(step)
         for slot in sorted(self._running, key=lambda s: self._slots[s]):  # by request id
             request, row = self._requests[self._slots[slot]], self._row(slot)
             new = int(step[row]) - len(request.tokens)

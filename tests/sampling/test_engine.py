@@ -58,7 +58,8 @@ def _serve(engine, order):
 @pytest.mark.parametrize("order", [list(range(10)), list(range(9, -1, -1)),
                                    [3, 8, 0, 5, 9, 1, 6, 2, 7, 4]])
 def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order):
-    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True)
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True,
+                    min_span=16)  # decode chunks over KV spans of 16, 32 and 64 positions
     outputs = _serve(engine, order)
     assert engine.stats["prefills"] == 10
     for i, ref in enumerate(reference):
@@ -71,7 +72,7 @@ def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order):
 
 def test_greedy_equals_transformers_generate_on_a_padded_batch(model, hf_moe_dir):
     prompts = [r["prompt"] for r in REQUESTS[:4]]
-    engine = Engine(model, num_slots=2, max_length=48, chunk_steps=4)
+    engine = Engine(model, num_slots=2, max_length=48, chunk_steps=4, min_span=16)
     ids = [engine.submit(p, max_new_tokens=16, temperature=0.0)[0] for p in prompts]
     outputs = engine.run()
     width = max(len(p) for p in prompts)
@@ -107,7 +108,7 @@ def test_logprobs_equal_full_forward_log_softmax(model):
 def test_8_device_mesh_gives_the_same_tokens(hf_moe_dir, reference):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
     sharded = from_pretrained(hf_moe_dir, mesh=mesh)
-    engine = Engine(sharded, num_slots=8, max_length=64, chunk_steps=4, mesh=mesh)
+    engine = Engine(sharded, num_slots=8, max_length=64, chunk_steps=4, mesh=mesh, min_span=16)
     outputs = _serve(engine, range(10))
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
@@ -140,7 +141,7 @@ def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model):
     whole = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
     rid = whole.submit(prompt, **settings)[0]
     expected = whole.run()[rid]
-    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, min_span=16)
     rid = engine.submit(prompt, segment_tokens=8, **settings)[0]
     neighbour = engine.submit(other, max_new_tokens=40, temperature=1.0)[0]
     lengths = []
@@ -160,7 +161,7 @@ def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model):
 def test_recompute_resume_equals_a_fresh_prefill_under_new_weights(model, tmp_path):
     new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
     prompt = REQUESTS[2]["prompt"]
-    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, min_span=16)
     rid = engine.submit(prompt, max_new_tokens=30, temperature=0.0, segment_tokens=10)[0]
     first = engine.run()[rid]
     assert first.finish_reason == "segment" and len(first.tokens) == 10
@@ -180,12 +181,17 @@ def test_recompute_resume_equals_a_fresh_prefill_under_new_weights(model, tmp_pa
     assert out.tokens == first.tokens + continued.tokens[0]
 
 
-def test_slots_are_reused_without_recompiling(model):
+def test_slots_are_reused_without_recompiling(model, monkeypatch):
     """After one warm-up pass, further requests compile no prefill or insert; decode chunks
-    exist only per slot bucket (4 slots, and 2 and 1 once the tail is compacted)."""
+    exist once per (slot bucket, KV span) pair run (4 slots, and 2 and 1 once the tail is
+    compacted; spans 16, 32, 48) and shrinking once per slot bucket."""
     fixed = (engine_module._prefill, engine_module._insert)
-    per_bucket = (engine_module._decode_chunk, engine_module._take_slots)
-    before = [p._cache_size() for p in per_bucket]
+    decode, take = engine_module._decode_chunk, engine_module._take_slots
+    before = decode._cache_size(), take._cache_size()
+    chunks = set()
+    monkeypatch.setattr(engine_module, "_decode_chunk", lambda graphdef, weights, state, *a, **k:
+                        chunks.add((state.length.shape[0], k["span"]))
+                        or decode(graphdef, weights, state, *a, **k))
     rng = np.random.default_rng(1)
 
     def serve(engine):
@@ -196,13 +202,15 @@ def test_slots_are_reused_without_recompiling(model):
         assert sorted(outputs) == sorted(ids)
         assert all(o.finish_reason == "length" for o in outputs.values())
 
-    engine = Engine(model, num_slots=4, max_length=48, chunk_steps=4)
+    engine = Engine(model, num_slots=4, max_length=48, chunk_steps=4, min_span=16)
     serve(engine)  # warm-up: 12 requests through 4 slots
     compiled = [p._cache_size() for p in fixed]
     serve(engine)
-    serve(Engine(model, num_slots=4, max_length=48, chunk_steps=4))
+    serve(Engine(model, num_slots=4, max_length=48, chunk_steps=4, min_span=16))
     assert [p._cache_size() for p in fixed] == compiled
-    assert all(p._cache_size() - n <= 3 for p, n in zip(per_bucket, before))
+    assert {span for _, span in chunks} == {16, 32, 48} and {rows for rows, _ in chunks} > {4}
+    assert decode._cache_size() - before[0] <= len(chunks)  # (earlier tests compiled some)
+    assert take._cache_size() - before[1] <= 2  # slot buckets 2 and 1
     assert engine.stats["shrinks"] > 0
 
 
