@@ -28,7 +28,7 @@ prints the bytes one weight copy from the training to the rollout submesh writes
 (`weight_sync.transfer_bytes`), e.g. for v5p-512 split 192:64 (3:1):
   python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b.py \
       --topology=v5p:8x8x4 --config.rollout.decode_engine=engine \
-      --config.mesh.rollout.devices=192 --config.mesh.rollout.data=1 \
+      --config.mesh.rollout.devices=192 --config.mesh.rollout.data=3 \
       --config.mesh.rollout.fsdp=-1 --config.learner.micro_batch_size=64
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
 FLOPs (`cost_analysis()`: per device, a loop body counted once) and whether it fits the chip;
