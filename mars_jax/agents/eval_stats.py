@@ -71,14 +71,16 @@ def per_problem(records: Sequence[Record], key: str,
     return np.array([sums[p] / counts[p] for p in problems])
 
 
-def score_matrix(runs: Sequence[Sequence[Record]], key: str) -> np.ndarray:
-    """`[runs, problems]` avg@k scores of `key`; every run must hold the same problems."""
+def score_matrix(runs: Sequence[Sequence[Record]], key: str,
+                 problems: Sequence[str] | None = None) -> np.ndarray:
+    """`[runs, problems]` avg@k scores of `key`, columns in the order of `problems` (default: the
+    first run's); raises ValueError unless every run holds exactly these problems."""
     if not runs:
         raise ValueError("no runs")
-    problems = problem_ids(runs[0])
-    for i, records in enumerate(runs[1:], 1):
+    problems = problem_ids(runs[0]) if problems is None else list(problems)
+    for i, records in enumerate(runs):
         if set(problem_ids(records)) != set(problems):
-            raise ValueError(f"run {i} was evaluated on other problems than run 0")
+            raise ValueError(f"run {i} was evaluated on other problems than the others")
     return np.stack([per_problem(records, key, problems) for records in runs])
 
 
@@ -210,6 +212,19 @@ def verification_pairs(records: Iterable[Record], *, first_only: bool) -> list[t
             verdicts = candidate["verdicts"][:1] if first_only else candidate["verdicts"]
             pairs += [(bool(candidate["correct"]), v) for v in verdicts]
     return pairs
+
+
+def correction_rates(records: Iterable[Record]) -> dict[str, float]:
+    """Over every correction (a candidate revised into the next one): `fixed`, the share of
+    wrong candidates whose revision is correct, and `broken`, the share of correct ones whose
+    revision is wrong."""
+    before_after = [(r["candidates"][i - 1]["correct"], r["candidates"][i]["correct"])
+                    for r in records for i in range(1, len(r["candidates"]))]
+    wrong = [after for before, after in before_after if not before]
+    right = [after for before, after in before_after if before]
+    return {"fixed": _ratio(sum(wrong), len(wrong)),
+            "broken": _ratio(len(right) - sum(right), len(right)),
+            "corrections": len(before_after)}
 
 
 def outcome_rates(records: Sequence[Record]) -> dict[str, float]:

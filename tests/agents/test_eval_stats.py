@@ -155,6 +155,16 @@ def test_record_statistics_by_hand():
         eval_stats.score_matrix([records, records[:2]], "correct")
 
 
+def test_correction_rates_by_hand():
+    chains = [[False, True], [False, False, True], [True, False], [True]]  # candidates' correctness
+    records = [_record("p", i, c[0], c[-1], "fallback", [(ok, [None]) for ok in c])
+               for i, c in enumerate(chains)]
+    # Revisions of wrong candidates: F->T, F->F, F->T (2 of 3 fixed); of right ones: T->F (broken).
+    assert eval_stats.correction_rates(records) == {"fixed": 2 / 3, "broken": 1.0,
+                                                    "corrections": 4}
+    assert math.isnan(eval_stats.correction_rates(records[3:])["fixed"])
+
+
 def test_statistics_of_real_evaluation_records():
     records, summary = evaluate(PROBLEMS, OraclePolicy(), num_samples=2, config=CONFIG)
     # A: the Solver is right, 4 passing verdicts. B: the Solver is wrong, flagged Wrong, the
@@ -169,3 +179,6 @@ def test_statistics_of_real_evaluation_records():
     assert system.mean() == summary["system_avg_at_k"] and solver.mean() == summary["solver_avg_at_k"]
     assert eval_stats.outcome_rates(records)["accepted_rate"] == summary["accepted_rate"]
     assert eval_stats.mean_tokens(records) == summary["mean_tokens"]
+    corrections = eval_stats.correction_rates(records)  # B's two runs: 2 -> 7, both fixed
+    assert (corrections["fixed"], corrections["corrections"]) == (1.0, 2)
+    assert math.isnan(corrections["broken"])
