@@ -24,7 +24,8 @@ percentile bootstrap, `--resamples` replicates, each drawing the row's seeds and
 them, the held-out problems with replacement; differences between rows draw the problems once
 for both (paired) and each row's seeds independently; System − Solver within a row draws its
 runs and problems jointly. Verifier metrics pool the row's verifications (positive class: an
-actually wrong solution). Writes to `--out`: `tables.md`, `summary.json` and the plots
+actually wrong solution); the first verification's balanced accuracy, and its gain over the
+base, get intervals by the same draws (confusion counts summed over the drawn runs x problems). Writes to `--out`: `tables.md`, `summary.json` and the plots
 `rewards.png`, `verifier.png`, `training_lengths.png` (over training, from each run's
 metrics.jsonl), `system_vs_solver.png`, `selection.png` (avg@k bars with interval whiskers),
 `lengths.png` (tokens per role at evaluation) and `sft_loss.png`.
@@ -192,6 +193,7 @@ def row_summary(runs: Sequence[list[dict]], problems: Sequence[str], settings: S
     system = eval_stats.score_matrix(runs, "correct", problems)
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
     pooled = [r for records in runs for r in records]
+    verdicts = eval_stats.confusion_counts(runs, problems, first_only=True)
     return {
         "runs": len(runs), "num_problems": len(problems), "num_records": len(pooled),
         "solver_avg_at_k": eval_stats.bootstrap(solver, **draws).to_json(),
@@ -200,6 +202,8 @@ def row_summary(runs: Sequence[list[dict]], problems: Sequence[str], settings: S
         "system_avg_at_k_per_run": system.mean(axis=1).tolist(),
         "verifier_first": eval_stats.confusion(
             eval_stats.verification_pairs(pooled, first_only=True)).to_json(),
+        "verifier_first_balanced_accuracy": eval_stats.bootstrap_statistic(
+            [verdicts], lambda t: eval_stats.balanced_accuracy(t[0]), **draws).to_json(),
         "verifier_all": eval_stats.confusion(
             eval_stats.verification_pairs(pooled, first_only=False)).to_json(),
         "corrector": eval_stats.correction_rates(pooled),
@@ -244,13 +248,15 @@ def check_targets(summaries: dict, scores: dict, settings: Settings) -> list[dic
 
     def verifier():
         after, before = summaries[marsrl], summaries[base]
-        gained = (after["verifier_first"]["balanced_accuracy"]
-                  - before["verifier_first"]["balanced_accuracy"])
+        balanced = eval_stats.balanced_accuracy
+        gained = eval_stats.bootstrap_statistic(
+            [scores[marsrl]["verdicts"], scores[base]["verdicts"]],
+            lambda t: balanced(t[0]) - balanced(t[1]), **draws)
         accepted = after["accepted_rate"]
-        return (gained >= 0.15 and 0.10 <= accepted <= 0.90,
+        return (gained.estimate >= 0.15 and 0.10 <= accepted <= 0.90,
                 f"balanced accuracy (1st verification) "
                 f"{100 * before['verifier_first']['balanced_accuracy']:.1f} -> "
-                f"{100 * after['verifier_first']['balanced_accuracy']:.1f} ({pts(gained)}); "
+                f"{100 * after['verifier_first']['balanced_accuracy']:.1f} ({interval(gained)}); "
                 f"acceptance {100 * accepted:.1f}%")
 
     target("Verifier balanced accuracy +15 points over the warm start, acceptance in [10%, 90%]",
@@ -289,10 +295,12 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, target
     for row in main_rows:
         s = summaries[row]
         both = lambda key: f"{pct(s['verifier_first'][key])} / {pct(s['verifier_all'][key])}"
+        balanced = (f"{_fmt(s['verifier_first_balanced_accuracy'])} / "
+                    f"{pct(s['verifier_all']['balanced_accuracy'])}")
         tokens = " / ".join(f"{s['mean_tokens'][r]:.0f}" for r in ROLES)
         rows.append(f"| {labels[row]} | {pct(s['accepted_rate'])} | {pct(s['fallback_rate'])} | "
                     f"{pct(s['failed_rate'])} | {s['mean_iterations']:.2f} | {both('accuracy')} | "
-                    f"{both('balanced_accuracy')} | {both('recall')} | {both('precision')} | "
+                    f"{balanced} | {both('recall')} | {both('precision')} | "
                     f"{pct(s['corrector']['fixed'])} / {pct(s['corrector']['broken'])} | "
                     f"{tokens} |")
     rows += ["", "| Target | met | numbers |", "|---|---|---|"]
@@ -455,7 +463,9 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         row_records = [records[r.name] for r in row_runs]
         summaries[row] = row_summary(row_records, problems, settings)
         summaries[row]["seeds"] = [r.seed for r in row_runs]
-        scores[row] = {"system": eval_stats.score_matrix(row_records, "correct", problems)}
+        scores[row] = {"system": eval_stats.score_matrix(row_records, "correct", problems),
+                       "verdicts": eval_stats.confusion_counts(row_records, problems,
+                                                               first_only=True)}
         run_steps = [0 if r.variant == "base" else rl_steps(root / r.name) for r in row_runs]
         steps[row] = ", ".join(sorted({str(s) if s is not None else "?" for s in run_steps}))
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)

@@ -10,7 +10,9 @@ independently, the problems with replacement, and takes the mean of the drawn su
 same drawn problems for every drawn run: seeds and problems are crossed factors, both treated as
 random). With one run this is the plain bootstrap over problems. A difference between two models
 evaluated on the same problems draws the problems once for both (paired) and each model's runs
-independently (its seeds are separate trainings).
+independently (its seeds are separate trainings). `bootstrap_statistic` applies the same draws
+to any statistic of summed per-(run, problem) values, e.g. balanced accuracy from confusion
+counts (`confusion_counts`, `balanced_accuracy`).
 
 Verifier metrics treat an actually wrong solution as the positive class: a verdict "Wrong" on a
 wrong solution is a true positive (an error detected). A verification without a readable verdict
@@ -84,27 +86,41 @@ def score_matrix(runs: Sequence[Sequence[Record]], key: str,
     return np.stack([per_problem(records, key, problems) for records in runs])
 
 
-def _replicates(scores: np.ndarray, problem_counts: np.ndarray,
-                rng: np.random.Generator) -> np.ndarray:
-    """Bootstrap replicates of the mean of `scores [S, P]`: seeds drawn here, problems given as
-    draw counts `[B, P]`."""
-    runs, problems = scores.shape
-    seed_counts = rng.multinomial(runs, np.full(runs, 1 / runs), size=len(problem_counts))
-    return np.einsum("bs,sp,bp->b", seed_counts, scores, problem_counts) / (runs * problems)
+def _check(array: np.ndarray) -> np.ndarray:
+    array = np.asarray(array, dtype=np.float64)
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim < 2 or array.shape[0] == 0 or array.shape[1] == 0:
+        raise ValueError(f"need a non-empty [runs, problems, ...] array, got {array.shape}")
+    return array
 
 
-def _check(scores: np.ndarray) -> np.ndarray:
-    scores = np.asarray(scores, dtype=np.float64)
-    if scores.ndim == 1:
-        scores = scores[None]
-    if scores.ndim != 2 or scores.size == 0:
-        raise ValueError(f"scores must be a non-empty [runs, problems] matrix, got {scores.shape}")
-    return scores
+def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
+                        resamples: int = RESAMPLES, seed: int = 0,
+                        level: float = LEVEL) -> Interval:
+    """A statistic of several models' per-(run, problem) values and its percentile interval.
 
-
-def _interval(estimate: float, replicates: np.ndarray, level: float) -> Interval:
+    `arrays[i]` is model i's `[runs, problems, *features]` array (`[problems]` is one run), all
+    over the same problems. `statistic(totals)` maps the list of each model's sums over runs x
+    problems (`[..., *features]`) to values `[...]`. Each replicate draws the problems once for
+    all models and each model's runs on its own (see the module docstring), and sums the drawn
+    sub-arrays (weights sum to runs x problems, as in the estimate's totals)."""
+    arrays = [_check(a) for a in arrays]
+    problems = arrays[0].shape[1]
+    if any(a.shape[1] != problems for a in arrays):
+        raise ValueError(f"paired values need the same problems: {[a.shape[1] for a in arrays]}")
+    rng = np.random.default_rng(seed)
+    problem_counts = rng.multinomial(problems, np.full(problems, 1 / problems), size=resamples)
+    sums = []
+    for a in arrays:
+        runs = a.shape[0]
+        run_counts = rng.multinomial(runs, np.full(runs, 1 / runs), size=resamples)
+        sums.append(np.einsum("bs,sp...,bp->b...", run_counts, a, problem_counts))
+    estimate = statistic([a.sum(axis=(0, 1)) for a in arrays])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        replicates = np.asarray(statistic(sums), dtype=np.float64)
     tail = (1 - level) / 2
-    low, high = np.quantile(replicates, [tail, 1 - tail])
+    low, high = np.nanquantile(replicates, [tail, 1 - tail])
     return Interval(float(estimate), float(low), float(high))
 
 
@@ -113,10 +129,8 @@ def bootstrap(scores: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
     """The mean of `scores` (`[runs, problems]`, or `[problems]`) and its percentile bootstrap
     interval (runs and problems resampled, see the module docstring)."""
     scores = _check(scores)
-    rng = np.random.default_rng(seed)
-    counts = rng.multinomial(scores.shape[1], np.full(scores.shape[1], 1 / scores.shape[1]),
-                             size=resamples)
-    return _interval(scores.mean(), _replicates(scores, counts, rng), level)
+    return bootstrap_statistic([scores], lambda t: t[0] / scores.size,
+                               resamples=resamples, seed=seed, level=level)
 
 
 def bootstrap_difference(a: np.ndarray, b: np.ndarray, *, resamples: int = RESAMPLES,
@@ -124,13 +138,8 @@ def bootstrap_difference(a: np.ndarray, b: np.ndarray, *, resamples: int = RESAM
     """mean(a) - mean(b) and its interval: the same problem draws for both (paired; columns are
     the same problems), each model's runs drawn independently."""
     a, b = _check(a), _check(b)
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"paired scores need the same problems: {a.shape[1]} vs {b.shape[1]}")
-    rng = np.random.default_rng(seed)
-    problems = a.shape[1]
-    counts = rng.multinomial(problems, np.full(problems, 1 / problems), size=resamples)
-    replicates = _replicates(a, counts, rng) - _replicates(b, counts, rng)
-    return _interval(a.mean() - b.mean(), replicates, level)
+    return bootstrap_statistic([a, b], lambda t: t[0] / a.size - t[1] / b.size,
+                               resamples=resamples, seed=seed, level=level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +209,30 @@ def confusion(pairs: Iterable[tuple[bool, bool | None]]) -> Confusion:
         else:
             none_on_correct += 1
     return Confusion(tp, fn, tn, fp, none_on_correct, passed)
+
+
+CONFUSION_FIELDS = ("tp", "fn", "tn", "fp", "no_verdict_on_correct", "passed")
+
+
+def confusion_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str], *,
+                     first_only: bool) -> np.ndarray:
+    """`[runs, problems, 6]` confusion counts (`CONFUSION_FIELDS`) of each run's verifications
+    of each problem (see `verification_pairs`), for `bootstrap_statistic`."""
+    column = {p: i for i, p in enumerate(problems)}
+    counts = np.zeros((len(runs), len(problems), len(CONFUSION_FIELDS)))
+    for i, records in enumerate(runs):
+        for record in records:
+            c = confusion(verification_pairs([record], first_only=first_only))
+            counts[i, column[record["problem_id"]]] += [getattr(c, f) for f in CONFUSION_FIELDS]
+    return counts
+
+
+def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
+    """Balanced accuracy of confusion totals `[..., 6]` (`CONFUSION_FIELDS`); NaN where a class
+    is absent."""
+    tp, fn, tn, fp, none_on_correct = np.moveaxis(np.asarray(totals, np.float64), -1, 0)[:5]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (tp / (tp + fn) + tn / (tn + fp + none_on_correct)) / 2
 
 
 def verification_pairs(records: Iterable[Record], *, first_only: bool) -> list[tuple[bool, bool | None]]:

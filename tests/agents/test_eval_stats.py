@@ -14,15 +14,18 @@ from tests.agents.test_agent_eval import CONFIG, PROBLEMS, OraclePolicy
 RESAMPLES = 20_000  # Monte Carlo sd of a 2.5% tail's probability: 0.0011
 
 
-def exact_interval(statistics: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """The percentile interval of an enumerated (equally likely) bootstrap distribution: the
-    inverse CDF at the two tails, checked to be >= 0.01 away from every jump of the CDF so that a
-    sampled bootstrap with RESAMPLES draws lands on the same atoms."""
-    values, counts = np.unique(np.round(statistics, 12), return_counts=True)
+def exact_interval(statistics: np.ndarray, level: float = 0.95,
+                   margin: float = 0.01) -> tuple[float, float]:
+    """The percentile interval of an enumerated (equally likely) bootstrap distribution, NaNs
+    left out: the inverse CDF at the two tails, checked to be >= `margin` away from every jump of
+    the CDF so that a sampled bootstrap with RESAMPLES draws lands on the same atoms."""
+    statistics = np.asarray(statistics)
+    values, counts = np.unique(np.round(statistics[~np.isnan(statistics)], 12),
+                               return_counts=True)
     cdf = np.cumsum(counts) / counts.sum()
     tails = ((1 - level) / 2, (1 + level) / 2)
     for q in tails:
-        assert np.min(np.abs(cdf - q)) > 0.01, "test data: a tail lies on a CDF jump"
+        assert np.min(np.abs(cdf - q)) > margin, "test data: a tail lies on a CDF jump"
     return tuple(float(values[np.searchsorted(cdf, q)]) for q in tails)
 
 
@@ -71,9 +74,10 @@ def test_seed_and_problem_bootstrap_matches_the_enumerated_crossed_scheme():
     assert (interval.low, interval.high) == pytest.approx(crossed) == (0.25, 0.875)
     # Nested resampling (fresh problem draws per drawn seed) would give another interval for
     # this data, so the test pins the crossed scheme.
-    nested = [np.mean([scores[s, list(p)].mean() for s, p in zip(seeds, ps)])
-              for seeds in itertools.product(range(2), repeat=2)
-              for ps in itertools.product(itertools.product(range(4), repeat=4), repeat=2)]
+    draws = np.array(list(itertools.product(range(4), repeat=4)))
+    per_seed = scores[:, draws].mean(axis=-1)  # [seed, problem draw]
+    nested = np.concatenate([(per_seed[s1][:, None] + per_seed[s2][None, :]).ravel() / 2
+                             for s1, s2 in itertools.product(range(2), repeat=2)])
     assert np.quantile(nested, [0.025, 0.975]) != pytest.approx(crossed, abs=0.02)
 
 
@@ -122,6 +126,60 @@ def test_confusion_against_a_hand_counted_matrix():
     always_wrong = eval_stats.confusion([(False, False)] * 9 + [(True, False)])
     assert (always_wrong.accuracy, always_wrong.balanced_accuracy) == (0.9, 0.5)
     assert math.isnan(eval_stats.confusion([(True, True)]).recall)
+
+
+def _verified(pairs_by_problem):
+    """One record per (solution correct, first verdict) pair, problems p0, p1, ..."""
+    return [{"problem_id": f"p{i}", "sample": j, "candidates": [{"correct": c, "verdicts": [v]}]}
+            for i, pairs in enumerate(pairs_by_problem) for j, (c, v) in enumerate(pairs)]
+
+
+def _enumerated_balanced_accuracy(*models):
+    """Balanced accuracy (difference, for two models) over every problem resample, from the
+    drawn problems' pairs."""
+    problems = len(models[0])
+    values = []
+    for draw in itertools.product(range(problems), repeat=problems):
+        scores = [eval_stats.confusion(p for i in draw for p in m[i]).balanced_accuracy
+                  for m in models]
+        values.append(scores[0] - scores[1] if len(models) == 2 else scores[0])
+    return np.array(values)
+
+
+BALANCED_RESAMPLES = 50_000  # these tails lie >= 0.0089 from a CDF jump: 12 Monte Carlo sd
+
+
+def test_balanced_accuracy_interval_matches_the_enumerated_distribution():
+    w, r = False, True  # a wrong / right solution
+    verifier = [[(w, None), (r, w)], [(w, w), (w, r)], [(w, w), (r, w)], [(w, r), (r, w)],
+                [(w, w), (r, w)]]
+    problems = [f"p{i}" for i in range(5)]
+    counts = eval_stats.confusion_counts([_verified(verifier)], problems, first_only=True)
+    assert counts.shape == (1, 5, 6)
+    np.testing.assert_array_equal(counts[0, 1], [1, 1, 0, 0, 0, 1])  # tp fn tn fp none passed
+    exact = exact_interval(_enumerated_balanced_accuracy(verifier), margin=0.0089)
+    interval = eval_stats.bootstrap_statistic(
+        [counts], lambda t: eval_stats.balanced_accuracy(t[0]), resamples=BALANCED_RESAMPLES)
+    whole = eval_stats.confusion(p for pairs in verifier for p in pairs)
+    assert interval.estimate == pytest.approx(whole.balanced_accuracy) == 0.25  # 3/6 and 0/4
+    assert (interval.low, interval.high) == pytest.approx(exact)
+
+
+def test_balanced_accuracy_difference_matches_the_enumerated_distribution():
+    w, r = False, True
+    a = [[(w, r), (r, r)], [(w, w), (w, None)], [(w, r), (r, r)], [(w, r), (w, r)],
+         [(w, None), (r, w)]]
+    b = [[(w, w), (r, r)], [(w, r), (w, r)], [(w, w), (r, r)], [(r, r), (r, None)],
+         [(w, r), (r, None)]]
+    problems = [f"p{i}" for i in range(5)]
+    counts = [eval_stats.confusion_counts([_verified(m)], problems, first_only=True)
+              for m in (a, b)]
+    exact = exact_interval(_enumerated_balanced_accuracy(a, b), margin=0.0089)
+    interval = eval_stats.bootstrap_statistic(
+        counts, lambda t: eval_stats.balanced_accuracy(t[0]) - eval_stats.balanced_accuracy(t[1]),
+        resamples=BALANCED_RESAMPLES, seed=4)
+    assert (interval.low, interval.high) == pytest.approx(exact)
+    assert interval.low < interval.estimate < interval.high
 
 
 def _record(problem, sample, solver_correct, correct, status, candidates, tokens=(1, 2, 3)):

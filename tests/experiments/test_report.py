@@ -97,7 +97,8 @@ def test_report_tables_and_targets_from_records(study):
     assert [t["met"] for t in summary["targets"]] == [True, False, True, True]
     assert "+35.0" in targets["MarsRL System >= base System + 10 points"]["detail"]
     assert "+3.3" in targets["MarsRL System - MarsRL-S System >= +5 points"]["detail"]
-    assert "acceptance 65.0%" in summary["targets"][3]["detail"]
+    assert "(+50.0 [+50.0, +50.0]); acceptance 65.0%" in summary["targets"][3]["detail"]
+    assert rows["marsrl"]["verifier_first_balanced_accuracy"]["estimate"] == 1.0
     assert "| MarsRL System >= base System + 10 points, interval excluding 0 | met |" in text
     assert "| MarsRL System - MarsRL-S System >= +5 points, interval excluding 0 | not met |" in text
     assert "| MarsRL (adaptive) | 2 | 65.0 [" in text
