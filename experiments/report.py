@@ -11,7 +11,9 @@ Layout under `--root`:
                                     random (absent: the config's `rollout.selection`); N the run's
                                     `--config.seed` (absent: one run of that row).
                                     E.g. marsrl_seed0, marsrl_seed1, marsrl_s_seed0,
-                                    marsrl_balanced_seed0, marsrl_random_seed0.
+                                    marsrl_balanced_seed0, marsrl_random_seed0. The name
+                                    is trusted: train the run with the seed and selection it
+                                    names. Other selections are reported for marsrl only.
   eval/<base | run name>/eval/records.jsonl   the evaluation records (`mars_jax.eval_job`)
 
 Without `--skip_eval`, each run's newest checkpoint is exported once to `<run>/final_model` (HF
@@ -25,8 +27,12 @@ them, the held-out problems with replacement; differences between rows draw the 
 for both (paired) and each row's seeds independently; System − Solver within a row draws its
 runs and problems jointly. Verifier metrics pool the row's verifications (positive class: an
 actually wrong solution); the first verification's balanced accuracy, and its gain over the
-base, get intervals by the same draws (confusion counts summed over the drawn runs x problems). Writes to `--out`: `tables.md`, `summary.json` and the plots
-`rewards.png`, `verifier.png`, `training_lengths.png` (over training, from each run's
+base, get intervals by the same draws (confusion counts summed over the drawn runs x problems).
+
+Writes to `--out`: `tables.md` (the main table, the Verifier / outcome table, the targets as
+met / not met with their numbers, the selection-policy table when MarsRL runs of several
+selections exist), `summary.json` and the plots `rewards.png`, `verifier.png` (accuracy,
+balanced accuracy, recall, pass rate), `training_lengths.png` (over training, from each run's
 metrics.jsonl), `system_vs_solver.png`, `selection.png` (avg@k bars with interval whiskers),
 `lengths.png` (tokens per role at evaluation) and `sft_loss.png`.
 """
@@ -86,10 +92,6 @@ class Run:
     variant: str
     selection: str | None = None
     seed: int | None = None
-
-    @property
-    def row(self) -> tuple[str, str | None]:
-        return self.variant, self.selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +168,8 @@ def evaluate(run: Run, settings: Settings) -> None:
         train_config = settings.train_config(run.variant)
         train_config.model.checkpoint = str(model_dir)  # the warm start the run began from
         model_dir, _ = export_final(train_config, root / run.name)
-    summary = eval_job.run(settings.eval_config(run.variant, model_dir), str(root / "eval" / run.name))
+    summary = eval_job.run(settings.eval_config(run.variant, model_dir),
+                           str(root / "eval" / run.name))
     if len(load_records(records_path(root, run.name))) != summary["num_records"]:
         raise ValueError(f"{records_path(root, run.name)} holds other runs than the "
                          f"{summary['num_records']} asked: it was written with other eval "
@@ -186,16 +189,23 @@ def rl_steps(run_dir: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def row_summary(runs: Sequence[list[dict]], problems: Sequence[str], settings: Settings) -> dict:
+def row_scores(runs: Sequence[list[dict]], problems: Sequence[str]) -> dict[str, np.ndarray]:
+    """A row's `[runs, problems]` Solver and System avg@k and `[runs, problems, 6]` confusion
+    counts of the first verifications, columns in the order of `problems`."""
+    return {"solver": eval_stats.score_matrix(runs, "solver_correct", problems),
+            "system": eval_stats.score_matrix(runs, "correct", problems),
+            "verdicts": eval_stats.confusion_counts(runs, problems, first_only=True)}
+
+
+def row_summary(runs: Sequence[list[dict]], scores: dict[str, np.ndarray],
+                settings: Settings) -> dict:
     """avg@k of Solver and System with intervals, System − Solver, Verifier metrics (first and
     all verifications), outcome rates, iterations and tokens per role, pooled over `runs`."""
-    solver = eval_stats.score_matrix(runs, "solver_correct", problems)
-    system = eval_stats.score_matrix(runs, "correct", problems)
+    solver, system, verdicts = scores["solver"], scores["system"], scores["verdicts"]
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
     pooled = [r for records in runs for r in records]
-    verdicts = eval_stats.confusion_counts(runs, problems, first_only=True)
     return {
-        "runs": len(runs), "num_problems": len(problems), "num_records": len(pooled),
+        "runs": len(runs), "num_problems": system.shape[1], "num_records": len(pooled),
         "solver_avg_at_k": eval_stats.bootstrap(solver, **draws).to_json(),
         "system_avg_at_k": eval_stats.bootstrap(system, **draws).to_json(),
         "system_minus_solver": eval_stats.bootstrap(system - solver, **draws).to_json(),
@@ -379,7 +389,8 @@ def plot_avg_at_k(summaries: dict, labels: dict, rows: Sequence, path: Path, tit
     """Solver and System avg@k bars per row with 95% interval whiskers."""
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(rows)), 3.8))
     x = np.arange(len(rows))
-    for offset, key, name in ((-0.2, "solver_avg_at_k", "Solver"), (0.2, "system_avg_at_k", "System")):
+    for offset, key, name in ((-0.2, "solver_avg_at_k", "Solver"),
+                              (0.2, "system_avg_at_k", "System")):
         est = np.array([summaries[r][key]["estimate"] for r in rows])
         err = np.array([[e - summaries[r][key]["low"], summaries[r][key]["high"] - e]
                         for r, e in zip(rows, est)]).T
@@ -461,11 +472,9 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
     summaries, scores, steps = {}, {}, {}
     for row, row_runs in grouped.items():
         row_records = [records[r.name] for r in row_runs]
-        summaries[row] = row_summary(row_records, problems, settings)
+        scores[row] = row_scores(row_records, problems)
+        summaries[row] = row_summary(row_records, scores[row], settings)
         summaries[row]["seeds"] = [r.seed for r in row_runs]
-        scores[row] = {"system": eval_stats.score_matrix(row_records, "correct", problems),
-                       "verdicts": eval_stats.confusion_counts(row_records, problems,
-                                                               first_only=True)}
         run_steps = [0 if r.variant == "base" else rl_steps(root / r.name) for r in row_runs]
         steps[row] = ", ".join(sorted({str(s) if s is not None else "?" for s in run_steps}))
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)

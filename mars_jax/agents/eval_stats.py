@@ -235,7 +235,8 @@ def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
         return (tp / (tp + fn) + tn / (tn + fp + none_on_correct)) / 2
 
 
-def verification_pairs(records: Iterable[Record], *, first_only: bool) -> list[tuple[bool, bool | None]]:
+def verification_pairs(records: Iterable[Record], *,
+                       first_only: bool) -> list[tuple[bool, bool | None]]:
     """(candidate actually correct, verdict) of every verification in `records`, or with
     `first_only` of each run's first one (the Solver's candidate; runs whose Solver failed have
     none)."""

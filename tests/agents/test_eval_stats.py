@@ -234,7 +234,8 @@ def test_statistics_of_real_evaluation_records():
     assert (every.tp, every.fn, every.tn, every.fp) == (2, 0, 16, 0)
     system = eval_stats.score_matrix([records], "correct")
     solver = eval_stats.score_matrix([records], "solver_correct")
-    assert system.mean() == summary["system_avg_at_k"] and solver.mean() == summary["solver_avg_at_k"]
+    assert system.mean() == summary["system_avg_at_k"]
+    assert solver.mean() == summary["solver_avg_at_k"]
     assert eval_stats.outcome_rates(records)["accepted_rate"] == summary["accepted_rate"]
     assert eval_stats.mean_tokens(records) == summary["mean_tokens"]
     corrections = eval_stats.correction_rates(records)  # B's two runs: 2 -> 7, both fixed

@@ -91,7 +91,8 @@ def test_report_tables_and_targets_from_records(study):
     assert rows["marsrl"]["verifier_first"]["balanced_accuracy"] == 1.0
     assert rows["marsrl"]["accepted_rate"] == pytest.approx(0.65)
     # Base: the Corrector broke the 6 right Solver answers of problems 18-23 (x 2 samples).
-    assert (rows["base"]["corrector"]["broken"], rows["base"]["corrector"]["corrections"]) == (1.0, 12)
+    corrector = rows["base"]["corrector"]
+    assert (corrector["broken"], corrector["corrections"]) == (1.0, 12)
     assert rows["marsrl"]["corrector"]["fixed"] == 1.0
     targets = {t["target"].split(",")[0]: t for t in summary["targets"]}
     assert [t["met"] for t in summary["targets"]] == [True, False, True, True]
@@ -100,7 +101,8 @@ def test_report_tables_and_targets_from_records(study):
     assert "(+50.0 [+50.0, +50.0]); acceptance 65.0%" in summary["targets"][3]["detail"]
     assert rows["marsrl"]["verifier_first_balanced_accuracy"]["estimate"] == 1.0
     assert "| MarsRL System >= base System + 10 points, interval excluding 0 | met |" in text
-    assert "| MarsRL System - MarsRL-S System >= +5 points, interval excluding 0 | not met |" in text
+    assert ("| MarsRL System - MarsRL-S System >= +5 points, interval excluding 0 | not met |"
+            in text)
     assert "| MarsRL (adaptive) | 2 | 65.0 [" in text
     assert "| MarsRL (balanced) | 1 | 75.0 [" in text and "| MarsRL (random) | 1 | 20.0 [" in text
     assert "| SFT warm start | 1 | 0 | 40.0 [" in text and "60 problems, avg@2" in text
