@@ -326,7 +326,7 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, target
             s = summaries[row]
             rows.append(f"| {labels[row]} | {s['runs']} | {_fmt(s['system_avg_at_k'])} | "
                         f"{_fmt(s['solver_avg_at_k'])} | "
-                        f"{pct(s['verifier_first']['balanced_accuracy'])} | "
+                        f"{_fmt(s['verifier_first_balanced_accuracy'])} | "
                         f"{pct(s['accepted_rate'])} |")
     return "\n".join(rows) + "\n"
 

@@ -68,6 +68,10 @@ def test_discover_runs_parses_the_layout(study):
     assert runs["marsrl_s_seed1"] == report.Run("marsrl_s_seed1", "marsrl_s", "adaptive", 1)
     assert runs["marsrl_vc"] == report.Run("marsrl_vc", "marsrl_vc", "adaptive", None)
     assert runs["marsrl_random_seed0"] == report.Run("marsrl_random_seed0", "marsrl", "random", 0)
+    # To evaluate, a run needs checkpoints.
+    (study / "marsrl_s_seed9" / "checkpoints").mkdir()
+    to_evaluate = report.discover_runs(report.Settings(study), evaluated_only=False)
+    assert [r.name for r in to_evaluate] == ["base", "marsrl_s_seed9"]
 
 
 def test_report_tables_and_targets_from_records(study):
