@@ -131,3 +131,19 @@ def test_runs_on_other_problems_are_refused(tmp_path):
     with pytest.raises(ValueError, match="other problems"):
         report.build_report(report.Settings(tmp_path, resamples=50), tmp_path / "out",
                             run_eval=False)
+
+
+def test_report_interval_is_the_exact_bootstrap_of_a_proportion(tmp_path):
+    """The base System is right on 18 of 60 problems (both samples alike), so a bootstrap mean
+    is Binomial(60, 0.3) / 60: its 2.5% / 97.5% quantiles are 11/60 and 25/60 (the CDF there is
+    0.0295 and 0.9804, > 6 Monte Carlo sd of 50,000 draws from the tails)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    _write(tmp_path, "base", _records(*RUNS["base"]))
+    _write(tmp_path, "marsrl", _records(*RUNS["marsrl_seed0"]))
+    report.build_report(report.Settings(tmp_path, resamples=50_000), tmp_path / "out",
+                        run_eval=False)
+    system = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]["base"][
+        "system_avg_at_k"]
+    low, high = scipy_stats.binom.ppf([0.025, 0.975], PROBLEMS, 0.3) / PROBLEMS
+    assert (low, high) == pytest.approx((11 / 60, 25 / 60))
+    assert (system["low"], system["high"]) == pytest.approx((low, high))
