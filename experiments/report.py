@@ -1,21 +1,51 @@
-r"""Tables 1–2 in miniature: Solver and V–C system avg@k of base / MarsRL-S / MarsRL-VC / MarsRL.
+r"""Tables 1–2 in miniature, with 95% bootstrap intervals: base / MarsRL-S / MarsRL-VC / MarsRL,
+the target checks, the selection-policy table and the plots.
 
-  python experiments/report.py --root=/tmp/mars_toy --out=experiments/results
+  python experiments/report.py --root=/tmp/mars_toy --out=experiments/results/study
+  python experiments/report.py --root=/tmp/mars_toy --out=... --skip_eval   # records on disk only
 
-Reads `<root>/sft/model` (the base: the SFT warm start) and the runs `<root>/{marsrl_s, marsrl_vc,
-marsrl}` of `experiments/configs/toy_marsrl.py`. Each run's newest checkpoint is exported once to
-`<root>/<run>/final_model` (HF format); every model is then evaluated with that config's `eval`
-section (held-out `arith` test problems) into `<root>/eval/<variant>/` (resumable with the same
-settings; delete that directory to evaluate with other ones). Writes to
-`--out`: `tables.md` (the tables), `summary.json`, and the plots `rewards.png` (per-role reward
-over training), `verifier.png` (Verifier accuracy and recall over training), `sft_loss.png` (the
-SFT stages `<root>/sft1`, `sft2`, `sft`) and `lengths.png` (output tokens per role at evaluation).
+Layout under `--root`:
+  sft/model                         the base (the SFT warm start); sft1/, sft2/, sft/ metrics
+  <variant>[_<selection>][_seed<N>] one RL run (`experiments/run.py --workdir=...`): variant
+                                    marsrl | marsrl_s | marsrl_vc; selection adaptive | balanced |
+                                    random (absent: the config's `rollout.selection`); N the run's
+                                    `--config.seed` (absent: one run of that row).
+                                    E.g. marsrl_seed0, marsrl_seed1, marsrl_s_seed0,
+                                    marsrl_balanced_seed0, marsrl_random_seed0. The name
+                                    is trusted: train the run with the seed and selection it
+                                    names. Other selections are reported for marsrl only.
+  eval/<base | run name>/eval/records.jsonl   the evaluation records (`mars_jax.eval_job`)
+
+Without `--skip_eval`, each run's newest checkpoint is exported once to `<run>/final_model` (HF
+format) and every model is evaluated with the `eval` section of `--config_module`'s config
+(resumable with the same settings; delete `eval/<name>` to evaluate with other ones). With it,
+only existing records are read (a run without records is left out).
+
+A row pools the runs of one (variant, selection) over their seeds. Intervals (`eval_stats`):
+percentile bootstrap, `--resamples` replicates, each drawing the row's seeds and, crossed with
+them, the held-out problems with replacement; differences between rows draw the problems once
+for both (paired) and each row's seeds independently; System − Solver within a row draws its
+runs and problems jointly. Verifier metrics pool the row's verifications (positive class: an
+actually wrong solution); the first verification's balanced accuracy, and its gain over the
+base, get intervals by the same draws (confusion counts summed over the drawn runs x problems).
+
+Writes to `--out`: `tables.md` (the main table, the Verifier / outcome table, the targets as
+met / not met with their numbers, the selection-policy table when MarsRL runs of several
+selections exist), `summary.json` and the plots `rewards.png`, `verifier.png` (accuracy,
+balanced accuracy, recall, pass rate), `training_lengths.png` (over training, from each run's
+metrics.jsonl), `system_vs_solver.png`, `selection.png` (avg@k bars with interval whiskers),
+`lengths.png` (tokens per role at evaluation) and `sft_loss.png`.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
+import re
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -28,21 +58,83 @@ from flax import nnx  # noqa: E402
 from ml_collections import ConfigDict  # noqa: E402
 
 from mars_jax import builders, eval_job  # noqa: E402
+from mars_jax.agents import eval_stats  # noqa: E402
+from mars_jax.agents.policy import ROLES  # noqa: E402
 from mars_jax.checkpoint import Checkpointer  # noqa: E402
 from mars_jax.models import save_pretrained  # noqa: E402
 from mars_jax.rl.update import init_train_state, make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
-import toy_marsrl  # noqa: E402
 
 _ROOT = flags.DEFINE_string("root", "/tmp/mars_toy", "Directory holding sft/ and the RL runs.")
 _OUT = flags.DEFINE_string("out", "experiments/results", "Where tables and plots are written.")
+_CONFIG = flags.DEFINE_string("config_module", "toy_marsrl",
+                              "Module in experiments/configs whose get_config(variant) trained "
+                              "the runs; its eval section evaluates them.")
+_SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "Read existing records; evaluate nothing.")
 _NUM_PROBLEMS = flags.DEFINE_integer("num_problems", None, "Override eval.num_problems.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", None, "Override eval.num_samples (k).")
+_RESAMPLES = flags.DEFINE_integer("resamples", eval_stats.RESAMPLES, "Bootstrap replicates.")
+_BOOTSTRAP_SEED = flags.DEFINE_integer("bootstrap_seed", 0, "Seed of the bootstrap draws.")
 
 VARIANTS = {"base": "SFT warm start", "marsrl_s": "MarsRL-S", "marsrl_vc": "MarsRL-VC",
             "marsrl": "MarsRL"}
-ROLES = ("solver", "verifier", "corrector")
+SELECTIONS = ("adaptive", "balanced", "random")
+RUN_NAME = re.compile(r"^(marsrl_vc|marsrl_s|marsrl)(?:_(adaptive|balanced|random))?"
+                      r"(?:_seed(\d+))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One evaluated model: the base, or an RL run of `variant` with `selection` and `seed`."""
+
+    name: str
+    variant: str
+    selection: str | None = None
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Where the runs are, how they are evaluated and how intervals are drawn."""
+
+    root: Path
+    config_module: str = "toy_marsrl"
+    num_problems: int | None = None
+    num_samples: int | None = None
+    resamples: int = eval_stats.RESAMPLES
+    bootstrap_seed: int = 0
+
+    def train_config(self, variant: str) -> ConfigDict:
+        return importlib.import_module(self.config_module).get_config(variant)
+
+    def eval_config(self, variant: str, model_dir: Path) -> ConfigDict:
+        config = self.train_config("marsrl" if variant == "base" else variant)
+        config.job, config.model.checkpoint = "eval_system", str(model_dir)
+        if self.num_problems is not None:
+            config.eval.num_problems = self.num_problems
+        if self.num_samples is not None:
+            config.eval.num_samples = self.num_samples
+        return config
+
+
+def records_path(root: Path, name: str) -> Path:
+    return root / "eval" / name / "eval" / "records.jsonl"
+
+
+def discover_runs(settings: Settings, *, evaluated_only: bool) -> list[Run]:
+    """The base and every RL run directory under the root named as in the module docstring that
+    has checkpoints (or, with `evaluated_only`, records); selection filled in from the config."""
+    root, runs = settings.root, [Run("base", "base")]
+    for path in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
+        match = RUN_NAME.match(path.name)
+        ready = (records_path(root, path.name).exists() if evaluated_only
+                 else (path / "checkpoints").is_dir())
+        if match and ready:
+            variant, selection, seed = match.groups()
+            selection = selection or settings.train_config(variant).rollout.selection
+            runs.append(Run(path.name, variant, selection, None if seed is None else int(seed)))
+    return runs
 
 
 def export_final(config: ConfigDict, run_dir: Path) -> tuple[Path, int]:
@@ -68,41 +160,175 @@ def export_final(config: ConfigDict, run_dir: Path) -> tuple[Path, int]:
     return out, step
 
 
-def eval_config(variant: str, model_dir: Path) -> ConfigDict:
-    config = toy_marsrl.get_config("marsrl" if variant == "base" else variant)
-    config.job, config.model.checkpoint = "eval_system", str(model_dir)
-    if _NUM_PROBLEMS.value is not None:
-        config.eval.num_problems = _NUM_PROBLEMS.value
-    if _NUM_SAMPLES.value is not None:
-        config.eval.num_samples = _NUM_SAMPLES.value
-    return config
-
-
-def first_verification(records: list[dict]) -> dict[str, float]:
-    """Verifier accuracy and recall on the Solver's candidate, from the first verdict of each run."""
-    judged = [(c["correct"], c["verdicts"][0]) for r in records for c in r["candidates"][:1]
-              if c["verdicts"]]
-    accuracy = np.mean([verdict is correct for correct, verdict in judged]) if judged else np.nan
-    flawed = [verdict for correct, verdict in judged if not correct]
-    recall = np.mean([verdict is False for verdict in flawed]) if flawed else np.nan
-    return {"verifier_accuracy": float(accuracy), "verifier_recall": float(recall)}
-
-
-def evaluate(variant: str, root: Path) -> dict:
-    """Exports (RL runs) and evaluates one variant; returns its summary plus run facts."""
-    model_dir, step = root / "sft" / "model", 0
-    if variant != "base":
-        train_config = toy_marsrl.get_config(variant)
+def evaluate(run: Run, settings: Settings) -> None:
+    """Exports (RL runs) and evaluates one model into `records_path(root, run.name)`."""
+    root = settings.root
+    model_dir = root / "sft" / "model"
+    if run.variant != "base":
+        train_config = settings.train_config(run.variant)
         train_config.model.checkpoint = str(model_dir)  # the warm start the run began from
-        model_dir, step = export_final(train_config, root / variant)
-    config = eval_config(variant, model_dir)
-    summary = eval_job.run(config, str(root / "eval" / variant))
-    path = root / "eval" / variant / "eval" / "records.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    if len(records) != summary["num_records"]:
-        raise ValueError(f"{path} holds {len(records)} runs, not the {summary['num_records']} "
-                         "asked: it was written with other eval settings; delete it")
-    return {**summary, **first_verification(records), "rl_steps": step, "model": str(model_dir)}
+        model_dir, _ = export_final(train_config, root / run.name)
+    summary = eval_job.run(settings.eval_config(run.variant, model_dir),
+                           str(root / "eval" / run.name))
+    if len(load_records(records_path(root, run.name))) != summary["num_records"]:
+        raise ValueError(f"{records_path(root, run.name)} holds other runs than the "
+                         f"{summary['num_records']} asked: it was written with other eval "
+                         "settings; delete it")
+
+
+def load_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rl_steps(run_dir: Path) -> int | None:
+    """The step of the exported model, else the last step in metrics.jsonl; None if neither."""
+    step_file = run_dir / "final_model" / "step.txt"
+    if step_file.exists():
+        return int(step_file.read_text())
+    steps = [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")]
+    return max(steps) if steps else None
+
+
+def row_scores(runs: Sequence[list[dict]], problems: Sequence[str]) -> dict[str, np.ndarray]:
+    """A row's `[runs, problems]` Solver and System avg@k and `[runs, problems, 6]` confusion
+    counts of the first verifications, columns in the order of `problems`."""
+    return {"solver": eval_stats.score_matrix(runs, "solver_correct", problems),
+            "system": eval_stats.score_matrix(runs, "correct", problems),
+            "verdicts": eval_stats.confusion_counts(runs, problems, first_only=True)}
+
+
+def row_summary(runs: Sequence[list[dict]], scores: dict[str, np.ndarray],
+                settings: Settings) -> dict:
+    """avg@k of Solver and System with intervals, System − Solver, Verifier metrics (first and
+    all verifications), outcome rates, iterations and tokens per role, pooled over `runs`."""
+    solver, system, verdicts = scores["solver"], scores["system"], scores["verdicts"]
+    draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
+    pooled = [r for records in runs for r in records]
+    return {
+        "runs": len(runs), "num_problems": system.shape[1], "num_records": len(pooled),
+        "solver_avg_at_k": eval_stats.bootstrap(solver, **draws).to_json(),
+        "system_avg_at_k": eval_stats.bootstrap(system, **draws).to_json(),
+        "system_minus_solver": eval_stats.bootstrap(system - solver, **draws).to_json(),
+        "system_avg_at_k_per_run": system.mean(axis=1).tolist(),
+        "verifier_first": eval_stats.confusion(
+            eval_stats.verification_pairs(pooled, first_only=True)).to_json(),
+        "verifier_first_balanced_accuracy": eval_stats.bootstrap_statistic(
+            [verdicts], lambda t: eval_stats.balanced_accuracy(t[0]), **draws).to_json(),
+        "verifier_all": eval_stats.confusion(
+            eval_stats.verification_pairs(pooled, first_only=False)).to_json(),
+        "corrector": eval_stats.correction_rates(pooled),
+        **eval_stats.outcome_rates(pooled),
+        "mean_iterations": float(np.mean([r["iterations"] for r in pooled])),
+        "mean_tokens": eval_stats.mean_tokens(pooled),
+    }
+
+
+def check_targets(summaries: dict, scores: dict, settings: Settings) -> list[dict]:
+    """Issue 17's targets, each {'target', 'met' (None: a row is missing), 'detail'}."""
+    draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
+    pts = lambda x: f"{100 * x:+.1f}"
+    interval = lambda i: f"{pts(i.estimate)} [{pts(i.low)}, {pts(i.high)}]"
+    base, marsrl, marsrl_s = ("base", None), ("marsrl", "default"), ("marsrl_s", "default")
+    out = []
+
+    def target(name: str, rows: Sequence, check) -> None:
+        missing = [r[0] for r in rows if r not in scores]
+        if missing:
+            out.append({"target": name, "met": None, "detail": f"no runs of {', '.join(missing)}"})
+        else:
+            met, detail = check()
+            out.append({"target": name, "met": bool(met), "detail": detail})
+
+    def gain(a, b, points):
+        d = eval_stats.bootstrap_difference(scores[a]["system"], scores[b]["system"], **draws)
+        return (d.estimate >= points and d.low > 0,
+                f"System difference {interval(d)} points (95% interval)")
+
+    target("MarsRL System >= base System + 10 points, interval excluding 0", (marsrl, base),
+           lambda: gain(marsrl, base, 0.10))
+    target("MarsRL System - MarsRL-S System >= +5 points, interval excluding 0",
+           (marsrl, marsrl_s), lambda: gain(marsrl, marsrl_s, 0.05))
+
+    def system_over_solver():
+        d = eval_stats.Interval(**summaries[marsrl]["system_minus_solver"])
+        return d.estimate > 0, (f"MarsRL System - Solver {interval(d)} points; interval "
+                                f"{'excludes' if d.excludes_zero else 'includes'} 0")
+
+    target("After MarsRL, System > Solver", (marsrl,), system_over_solver)
+
+    def verifier():
+        after, before = summaries[marsrl], summaries[base]
+        balanced = eval_stats.balanced_accuracy
+        gained = eval_stats.bootstrap_statistic(
+            [scores[marsrl]["verdicts"], scores[base]["verdicts"]],
+            lambda t: balanced(t[0]) - balanced(t[1]), **draws)
+        accepted = after["accepted_rate"]
+        return (gained.estimate >= 0.15 and 0.10 <= accepted <= 0.90,
+                f"balanced accuracy (1st verification) "
+                f"{100 * before['verifier_first']['balanced_accuracy']:.1f} -> "
+                f"{100 * after['verifier_first']['balanced_accuracy']:.1f} ({interval(gained)}); "
+                f"acceptance {100 * accepted:.1f}%")
+
+    target("Verifier balanced accuracy +15 points over the warm start, acceptance in [10%, 90%]",
+           (marsrl, base), verifier)
+    return out
+
+
+def _fmt(i: dict, signed: bool = False) -> str:
+    f = (lambda x: f"{100 * x:+.1f}") if signed else (lambda x: f"{100 * x:.1f}")
+    return f"{f(i['estimate'])} [{f(i['low'])}, {f(i['high'])}]"
+
+
+def tables(summaries: dict, labels: dict, steps: dict, differences: dict, targets: list[dict],
+           header: str) -> str:
+    """Markdown: main table, Verifier / outcome table, targets, selection-policy table."""
+    pct = lambda x: f"{100 * x:.1f}"
+    main_rows = [r for r in summaries if r[1] in (None, "default")]
+    rows = [header, "", "95% intervals: percentile bootstrap over problems (and over seeds where "
+            "a row has several runs); differences paired over problems.", "",
+            "| Model | runs | RL steps | Solver avg@k | System avg@k | System − Solver | "
+            "System vs base |", "|---|---|---|---|---|---|---|"]
+    for row in main_rows:
+        s = summaries[row]
+        vs_base = _fmt(differences[row], signed=True) if row in differences else "—"
+        rows.append(f"| {labels[row]} | {s['runs']} | {steps[row]} | {_fmt(s['solver_avg_at_k'])} "
+                    f"| {_fmt(s['system_avg_at_k'])} | {_fmt(s['system_minus_solver'], True)} | "
+                    f"{vs_base} |")
+    rows += ["", "Verifier: positive = an actually wrong solution (a Wrong verdict on it is a true "
+             "positive); 1st = the first verification of each run (the Solver's candidate), all = "
+             "every verification. Corrector: share of the wrong candidates it revised into right "
+             "ones / of the right ones it broke.", "",
+             "| Model | accepted | fallback | failed | mean iterations | Verifier acc 1st / all | "
+             "balanced acc 1st / all | recall 1st / all | precision 1st / all | "
+             "Corrector fixed / broke | tokens S / V / C |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in main_rows:
+        s = summaries[row]
+        both = lambda key: f"{pct(s['verifier_first'][key])} / {pct(s['verifier_all'][key])}"
+        balanced = (f"{_fmt(s['verifier_first_balanced_accuracy'])} / "
+                    f"{pct(s['verifier_all']['balanced_accuracy'])}")
+        tokens = " / ".join(f"{s['mean_tokens'][r]:.0f}" for r in ROLES)
+        rows.append(f"| {labels[row]} | {pct(s['accepted_rate'])} | {pct(s['fallback_rate'])} | "
+                    f"{pct(s['failed_rate'])} | {s['mean_iterations']:.2f} | {both('accuracy')} | "
+                    f"{balanced} | {both('recall')} | {both('precision')} | "
+                    f"{pct(s['corrector']['fixed'])} / {pct(s['corrector']['broken'])} | "
+                    f"{tokens} |")
+    rows += ["", "| Target | met | numbers |", "|---|---|---|"]
+    for t in targets:
+        met = {True: "met", False: "not met", None: "not evaluated"}[t["met"]]
+        rows.append(f"| {t['target']} | {met} | {t['detail']} |")
+    selection_rows = [r for r in summaries if r[0] == "marsrl"]
+    if len(selection_rows) > 1:
+        rows += ["", "Selection policies (MarsRL):", "",
+                 "| Selection | runs | System avg@k | Solver avg@k | Verifier balanced acc (1st) | "
+                 "accepted |", "|---|---|---|---|---|---|"]
+        for row in selection_rows:
+            s = summaries[row]
+            rows.append(f"| {labels[row]} | {s['runs']} | {_fmt(s['system_avg_at_k'])} | "
+                        f"{_fmt(s['solver_avg_at_k'])} | "
+                        f"{_fmt(s['verifier_first_balanced_accuracy'])} | "
+                        f"{pct(s['accepted_rate'])} |")
+    return "\n".join(rows) + "\n"
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -111,7 +337,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def curve(lines: list[dict], key: str, window: int = 5) -> tuple[np.ndarray, np.ndarray]:
     """(steps, moving average over `window` logged values) of `key`, skipping missing values."""
-    points = [(m["step"], m[key]) for m in lines if m.get(key) is not None]
+    points = [(m["step"], m[key]) for m in lines
+              if m.get(key) is not None and np.isfinite(m[key])]
     if not points:
         return np.array([]), np.array([])
     steps, values = map(np.array, zip(*points))
@@ -125,25 +352,55 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8)
 
 
-def _plot_runs(ax, runs: dict[str, list[dict]], key: str) -> None:
-    """One moving-average curve of metric `key` per run, on a [0, 1] axis."""
-    for variant, lines in runs.items():
-        steps, values = curve(lines, key)
-        if len(steps):
-            ax.plot(steps, values, label=VARIANTS[variant])
-    ax.set(title=f"{key} (moving avg of 5)", xlabel="RL step", ylim=(-0.02, 1.02))
-    _legend(ax)
+TRAINING_PLOTS = {
+    "rewards": ([f"reward/{role}" for role in ROLES], True),
+    "verifier": (["verifier/accuracy", "verifier/balanced_accuracy", "verifier/recall",
+                  "verifier/pass_rate"], True),
+    "training_lengths": ([f"length/{role}" for role in ROLES], False),
+}
 
 
-def plot_training(runs: dict[str, list[dict]], out: Path) -> None:
-    for name, keys in (("rewards", [f"reward/{role}" for role in ROLES]),
-                       ("verifier", ["verifier/accuracy", "verifier/recall"])):
+TITLES = {"verifier/pass_rate": "verifier/pass_rate (~acceptance)"}
+
+
+def plot_training(runs: dict[str, list[list[dict]]], out: Path) -> None:
+    """Per metric, a moving-average curve of every run, one colour per row (label -> runs'
+    metrics); `verifier/pass_rate` is the share of Correct verdicts, the training analogue of
+    the acceptance rate."""
+    for name, (keys, unit_range) in TRAINING_PLOTS.items():
         fig, axes = plt.subplots(1, len(keys), figsize=(4.4 * len(keys), 3.6))
         for ax, key in zip(axes, keys):
-            _plot_runs(ax, runs, key)
+            for color, (label, seeds) in enumerate(runs.items()):
+                for i, lines in enumerate(seeds):
+                    steps, values = curve(lines, key)
+                    if len(steps):
+                        ax.plot(steps, values, color=f"C{color}", alpha=0.85,
+                                label=label if i == 0 else None)
+            ax.set(title=f"{TITLES.get(key, key)} (moving avg of 5)", xlabel="RL step")
+            if unit_range:
+                ax.set_ylim(-0.02, 1.02)
+            _legend(ax)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
-    plt.close("all")
+        plt.close(fig)
+
+
+def plot_avg_at_k(summaries: dict, labels: dict, rows: Sequence, path: Path, title: str) -> None:
+    """Solver and System avg@k bars per row with 95% interval whiskers."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(rows)), 3.8))
+    x = np.arange(len(rows))
+    for offset, key, name in ((-0.2, "solver_avg_at_k", "Solver"),
+                              (0.2, "system_avg_at_k", "System")):
+        est = np.array([summaries[r][key]["estimate"] for r in rows])
+        err = np.array([[e - summaries[r][key]["low"], summaries[r][key]["high"] - e]
+                        for r, e in zip(rows, est)]).T
+        ax.bar(x + offset, 100 * est, 0.4, yerr=100 * err, capsize=3, label=name)
+    ax.set_xticks(x, [labels[r] for r in rows], fontsize=8)
+    ax.set(title=title, ylabel="avg@k (%), 95% interval")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def sft_metrics(root: Path) -> list[dict]:
@@ -170,13 +427,13 @@ def plot_sft(lines: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def plot_lengths(results: dict[str, dict], out: Path) -> None:
+def plot_lengths(summaries: dict, labels: dict, rows: Sequence, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(results)
-    for i, (variant, summary) in enumerate(results.items()):
-        ax.bar(np.arange(len(ROLES)) + i * width, [summary["mean_tokens"][r] for r in ROLES],
-               width, label=VARIANTS[variant])
-    ax.set_xticks(np.arange(len(ROLES)) + width * (len(results) - 1) / 2, ROLES)
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        ax.bar(np.arange(len(ROLES)) + i * width,
+               [summaries[row]["mean_tokens"][r] for r in ROLES], width, label=labels[row])
+    ax.set_xticks(np.arange(len(ROLES)) + width * (len(rows) - 1) / 2, ROLES)
     ax.set(title="generated tokens per evaluated run, by role", ylabel="tokens")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -184,46 +441,84 @@ def plot_lengths(results: dict[str, dict], out: Path) -> None:
     plt.close(fig)
 
 
-def tables(results: dict[str, dict]) -> str:
-    base = results["base"]
-    pct = lambda x: f"{100 * x:.1f}"
-    delta = lambda x, y: f"{100 * (x - y):+.1f}"
-    config = eval_config("base", Path(""))
-    k, n = config.eval.num_samples, config.eval.num_problems
-    rows = [f"Held-out `arith` test, {n} problems, avg@{k}, T={config.eval.temperature}, "
-            f"top_p={config.eval.top_p}, k_accept={config.eval.k_accept}, "
-            f"max_iterations={config.eval.max_iterations}.", "",
-            "| Model | RL steps | Solver avg@k | System avg@k | System − Solver | System vs base |",
-            "|---|---|---|---|---|---|"]
-    for variant, s in results.items():
-        rows.append(f"| {VARIANTS[variant]} | {s['rl_steps']} | {pct(s['solver_avg_at_k'])} | "
-                    f"{pct(s['system_avg_at_k'])} | "
-                    f"{delta(s['system_avg_at_k'], s['solver_avg_at_k'])} | "
-                    f"{delta(s['system_avg_at_k'], base['system_avg_at_k'])} |")
-    rows += ["", "| Model | accepted | fallback | failed | mean iterations | Verifier acc (1st) | "
-             "Verifier recall (1st) | tokens S / V / C |", "|---|---|---|---|---|---|---|---|"]
-    for variant, s in results.items():
-        tokens = " / ".join(f"{s['mean_tokens'][r]:.0f}" for r in ROLES)
-        rows.append(f"| {VARIANTS[variant]} | {pct(s['accepted_rate'])} | "
-                    f"{pct(s['fallback_rate'])} | {pct(s['failed_rate'])} | "
-                    f"{s['mean_iterations']:.2f} | {pct(s['verifier_accuracy'])} | "
-                    f"{pct(s['verifier_recall'])} | {tokens} |")
-    return "\n".join(rows) + "\n"
+def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
+    """Evaluates (if `run_eval`) and reports every run under the root; writes `out` and returns
+    the tables."""
+    root = settings.root
+    out.mkdir(parents=True, exist_ok=True)
+    default_selection = settings.train_config("marsrl").rollout.selection
+    runs = discover_runs(settings, evaluated_only=not run_eval)
+    if run_eval:
+        for run in runs:
+            evaluate(run, settings)
+    if not records_path(root, "base").exists():
+        raise FileNotFoundError(f"no base records at {records_path(root, 'base')}")
+    records = {run.name: load_records(records_path(root, run.name)) for run in runs}
+    problems = eval_stats.problem_ids(records["base"])
+    grouped: dict[tuple, list[Run]] = {}
+    for run in runs:
+        row = (run.variant, None if run.variant == "base" else
+               "default" if run.selection == default_selection else run.selection)
+        grouped.setdefault(row, []).append(run)
+    order = [("base", None), *((v, "default") for v in ("marsrl_s", "marsrl_vc", "marsrl")),
+             *(("marsrl", s) for s in SELECTIONS if s != default_selection)]
+    grouped = {row: sorted(grouped[row], key=lambda r: (r.seed is None, r.seed))
+               for row in order if row in grouped}
+    several_selections = len([row for row in grouped if row[0] == "marsrl"]) > 1
+    labels = {row: VARIANTS[row[0]] if row[1] in (None, "default") else
+              f"{VARIANTS[row[0]]} ({row[1]})" for row in grouped}
+    if several_selections and ("marsrl", "default") in grouped:
+        labels[("marsrl", "default")] = f"MarsRL ({default_selection})"
+    summaries, scores, steps = {}, {}, {}
+    for row, row_runs in grouped.items():
+        row_records = [records[r.name] for r in row_runs]
+        scores[row] = row_scores(row_records, problems)
+        summaries[row] = row_summary(row_records, scores[row], settings)
+        summaries[row]["seeds"] = [r.seed for r in row_runs]
+        run_steps = [0 if r.variant == "base" else rl_steps(root / r.name) for r in row_runs]
+        steps[row] = ", ".join(sorted({str(s) if s is not None else "?" for s in run_steps}))
+    draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
+    differences = {row: eval_stats.bootstrap_difference(
+        scores[row]["system"], scores[("base", None)]["system"], **draws).to_json()
+        for row in grouped if row != ("base", None)}
+    targets = check_targets(summaries, scores, settings)
+    config = settings.eval_config("base", Path(""))
+    e = config.eval
+    k = max(Counter(r["problem_id"] for r in records["base"]).values())
+    header = (f"Held-out `{e.dataset}` {e.split}, {len(problems)} problems, avg@{k}, "
+              f"T={e.temperature}, top_p={e.top_p}, k_accept={e.k_accept}, "
+              f"max_iterations={e.max_iterations} (`{settings.config_module}`'s eval section).")
+    text = tables(summaries, labels, steps, differences, targets, header)
+    main_rows = [r for r in grouped if r[1] in (None, "default")]
+    plot_avg_at_k(summaries, labels, main_rows, out / "system_vs_solver.png",
+                  "Solver vs System avg@k")
+    selection_rows = [r for r in grouped if r[0] == "marsrl"]
+    if several_selections:
+        plot_avg_at_k(summaries, labels, selection_rows, out / "selection.png",
+                      "MarsRL by selection policy")
+    plot_lengths(summaries, labels, main_rows, out)
+    plot_training({labels[row]: [read_metrics(root / r.name / "metrics.jsonl") for r in row_runs]
+                   for row, row_runs in grouped.items() if row[0] != "base"}, out)
+    plot_sft(sft_metrics(root), out)
+    key = lambda row: row[0] if row[1] in (None, "default") else f"{row[0]}_{row[1]}"
+    (out / "tables.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps({
+        "rows": {key(row): {**s, "label": labels[row], "rl_steps": steps[row]}
+                 for row, s in summaries.items()},
+        "system_vs_base": {key(row): d for row, d in differences.items()},
+        "targets": targets,
+        "bootstrap": {"resamples": settings.resamples, "seed": settings.bootstrap_seed,
+                      "level": eval_stats.LEVEL, "scheme": "percentile; seeds x problems "
+                      "crossed; differences paired over problems"},
+    }, indent=2, sort_keys=True))
+    return text
 
 
 def main(argv) -> None:
     del argv
-    root, out = Path(_ROOT.value), Path(_OUT.value)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = {v: read_metrics(root / v / "metrics.jsonl") for v in VARIANTS if v != "base"}
-    plot_training({v: lines for v, lines in runs.items() if lines}, out)
-    plot_sft(sft_metrics(root), out)
-    results = {v: evaluate(v, root) for v in VARIANTS
-               if v == "base" or (root / v / "checkpoints").is_dir()}
-    plot_lengths(results, out)
-    (out / "tables.md").write_text(tables(results))
-    (out / "summary.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    print(tables(results))
+    settings = Settings(Path(_ROOT.value), _CONFIG.value, _NUM_PROBLEMS.value, _NUM_SAMPLES.value,
+                        _RESAMPLES.value, _BOOTSTRAP_SEED.value)
+    print(build_report(settings, Path(_OUT.value), run_eval=not _SKIP_EVAL.value))
 
 
 if __name__ == "__main__":

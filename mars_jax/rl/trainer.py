@@ -38,6 +38,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from mars_jax import builders, distributed, sharding, weight_sync
+from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
@@ -96,18 +97,23 @@ def learner_config(config: ConfigDict) -> LearnerConfig:
 
 
 def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
-    """Mean reward per role, Verifier accuracy (verdict right) and recall (errors found)."""
+    """Mean reward and output tokens per role; the Verifier's accuracy (verdict right), recall
+    (wrong solutions flagged Wrong), specificity, balanced accuracy, precision and pass rate
+    (verdicts Correct: what lets the V-C loop accept), as in `mars_jax.agents.eval_stats`."""
     samples = [r for g in groups for r in g]
     metrics: dict[str, float] = {}
     for role in ("solver", "verifier", "corrector"):
-        rewards = [r.reward for r in samples if r.role == role]
-        metrics[f"reward/{role}"] = float(np.mean(rewards)) if rewards else float("nan")
-        metrics[f"samples/{role}"] = len(rewards)
-    verifiers = [r for r in samples if r.role == "verifier"]
+        members = [r for r in samples if r.role == role]
+        metrics[f"reward/{role}"] = (float(np.mean([r.reward for r in members])) if members
+                                     else float("nan"))
+        metrics[f"samples/{role}"] = len(members)
+        metrics[f"length/{role}"] = (float(np.mean([len(r.response_ids) for r in members]))
+                                     if members else float("nan"))
+    verdicts = confusion((bool(r.judged_correct), r.verdict) for r in samples
+                         if r.role == "verifier")
     metrics["verifier/accuracy"] = metrics["reward/verifier"]
-    wrong = [r for r in verifiers if not r.judged_correct]
-    metrics["verifier/recall"] = (float(np.mean([r.verdict is False for r in wrong]))
-                                  if wrong else float("nan"))
+    for key in ("recall", "specificity", "balanced_accuracy", "precision", "pass_rate"):
+        metrics[f"verifier/{key}"] = float(getattr(verdicts, key))
     return metrics
 
 

@@ -13,38 +13,47 @@ CUT = "**Final Verdict:** let me"  # truncated: no verdict
 VERDICTS = {CORRECT: True, WRONG: False, CUT: None}  # what grading records for each text
 
 
-def _rollout(stage: int, reward: float, text: str = "", judged_correct: bool | None = None):
+def _rollout(stage: int, reward: float, text: str = "", judged_correct: bool | None = None,
+             length: int = 3):
     return Rollout(uid=f"u{stage}-{reward}-{text[:5]}", problem_uid="p", stage=stage,
                    parent_uid=None, prompt_ids=[1], text=text, reward=reward,
-                   judged_correct=judged_correct, verdict=VERDICTS.get(text))
+                   judged_correct=judged_correct, verdict=VERDICTS.get(text),
+                   response_ids=[7] * length)
 
 
 def test_role_metrics_by_hand():
-    solvers = [_rollout(0, r) for r in (1.0, 0.0, 0.0, 1.0)]
+    solvers = [_rollout(0, r, length=n) for r, n in zip((1.0, 0.0, 0.0, 1.0), (2, 4, 6, 8))]
     # (judged solution correct?, verdict text, reward = verdict matches): stages 1 and 3 both count.
     verifiers = [_rollout(1, 1.0, CORRECT, True), _rollout(1, 1.0, CORRECT, True),
                  _rollout(1, 0.0, WRONG, True), _rollout(3, 1.0, WRONG, False),
                  _rollout(3, 1.0, WRONG, False), _rollout(3, 0.0, CORRECT, False),
                  _rollout(3, 0.0, CUT, False)]
-    correctors = [_rollout(2, 1.0), _rollout(4, 1.0), _rollout(4, 0.0)]
+    correctors = [_rollout(2, 1.0, length=1), _rollout(4, 1.0, length=2), _rollout(4, 0.0, length=6)]
     groups = [solvers, verifiers[:3], verifiers[3:], correctors[:1], correctors[1:]]
     metrics = role_metrics(groups)
     assert metrics == {
         "reward/solver": 0.5, "samples/solver": 4,
         "reward/verifier": 4 / 7, "samples/verifier": 7,
         "reward/corrector": 2 / 3, "samples/corrector": 3,
+        "length/solver": 5.0, "length/verifier": 3.0, "length/corrector": 3.0,
         # 4 of the 7 verdicts are right.
         "verifier/accuracy": 4 / 7,
-        # 4 Verifiers judged a wrong solution; 2 said Wrong (a cut output found nothing). Over all
-        # 7 Verifiers the Wrong verdicts would be 3 / 7.
+        # Positive = a wrong solution. Confusion matrix: TP 2 (Wrong on wrong), FN 2 (one Correct,
+        # one cut output that found nothing), TN 2 (Correct on correct), FP 1 (Wrong on correct).
+        # Over all 7 Verifiers the Wrong verdicts would be 3 / 7.
         "verifier/recall": 2 / 4,
+        "verifier/specificity": 2 / 3,
+        "verifier/balanced_accuracy": (2 / 4 + 2 / 3) / 2,
+        "verifier/precision": 2 / 3,  # 3 Wrong verdicts, 2 on wrong solutions
+        "verifier/pass_rate": 3 / 7,  # 3 Correct verdicts
     }
 
 
 def test_role_metrics_without_verifiers_or_wrong_solutions_are_nan():
     metrics = role_metrics([[_rollout(0, 1.0), _rollout(0, 0.0)]])
     assert (metrics["reward/solver"], metrics["samples/verifier"]) == (0.5, 0)
-    for key in ("reward/verifier", "reward/corrector", "verifier/accuracy", "verifier/recall"):
+    for key in ("reward/verifier", "reward/corrector", "verifier/accuracy", "verifier/recall",
+                "verifier/balanced_accuracy", "verifier/pass_rate", "length/verifier"):
         assert math.isnan(metrics[key]), key
     only_correct = role_metrics([[_rollout(1, 1.0, CORRECT, True), _rollout(1, 0.0, WRONG, True)]])
     assert only_correct["verifier/accuracy"] == 0.5

@@ -1,0 +1,149 @@
+"""`experiments/report.py` on synthetic records written to disk (no model is evaluated): run
+discovery, pooled rows, the target checks and the written tables / summary / plots."""
+import json
+
+import pytest
+
+from experiments import report
+
+PROBLEMS = 60
+
+
+def _records(solver_right: int, system_right: int, verifier: str, samples: int = 2) -> list[dict]:
+    """Per problem i (both samples alike): the Solver is right iff i < solver_right, the System
+    iff i < system_right. Verifier 'always_correct' passes everything and every run is
+    accepted; 'oracle' judges the Solver's candidate rightly and a run is accepted iff right."""
+    out = []
+    for i in range(PROBLEMS):
+        solver, system = i < solver_right, i < system_right
+        first = True if verifier == "always_correct" else solver
+        candidates = [{"correct": solver, "verdicts": [first]}]
+        if system != solver:
+            candidates.append({"correct": system, "verdicts": [True, True]})
+        accepted = verifier == "always_correct" or system
+        for sample in range(samples):
+            out.append({"problem_id": f"p{i}", "sample": sample, "solver_correct": solver,
+                        "correct": system, "status": "accepted" if accepted else "fallback",
+                        "iterations": len(candidates), "candidates": candidates,
+                        "tokens": {"solver": 10, "verifier": 20 * len(candidates),
+                                   "corrector": 5 * (len(candidates) - 1)}})
+    return out
+
+
+RUNS = {  # name: (Solver right, System right, Verifier) on the 60 problems
+    "base": (24, 18, "always_correct"),          # Solver 40%, System 30%
+    "marsrl_seed0": (30, 42, "oracle"),          # System 70%
+    "marsrl_seed1": (30, 36, "oracle"),          # System 60%
+    "marsrl_s_seed0": (30, 37, "oracle"),
+    "marsrl_s_seed1": (30, 37, "oracle"),        # System 61.7%: MarsRL - MarsRL-S = +3.3
+    "marsrl_vc": (24, 30, "oracle"),
+    "marsrl_balanced_seed0": (30, 45, "oracle"),  # System 75%
+    "marsrl_random_seed0": (30, 12, "oracle"),    # System 20%
+}
+
+
+def _write(root, name, records, metrics=None):
+    path = report.records_path(root, name)
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if name != "base":
+        (root / name).mkdir()
+        lines = metrics or [{"step": s, "reward/solver": 0.1 * s, "verifier/pass_rate": 0.5,
+                             "length/solver": 30 + s} for s in range(1, 8)]
+        (root / name / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+@pytest.fixture
+def study(tmp_path):
+    for name, spec in RUNS.items():
+        _write(tmp_path, name, _records(*spec))
+    (tmp_path / "notarun").mkdir()
+    (tmp_path / "marsrl_s_seed9").mkdir()  # no records: left out with skip_eval
+    return tmp_path
+
+
+def test_discover_runs_parses_the_layout(study):
+    runs = {r.name: r for r in report.discover_runs(report.Settings(study), evaluated_only=True)}
+    assert set(runs) == set(RUNS)
+    assert runs["marsrl_s_seed1"] == report.Run("marsrl_s_seed1", "marsrl_s", "adaptive", 1)
+    assert runs["marsrl_vc"] == report.Run("marsrl_vc", "marsrl_vc", "adaptive", None)
+    assert runs["marsrl_random_seed0"] == report.Run("marsrl_random_seed0", "marsrl", "random", 0)
+    # To evaluate, a run needs checkpoints.
+    (study / "marsrl_s_seed9" / "checkpoints").mkdir()
+    to_evaluate = report.discover_runs(report.Settings(study), evaluated_only=False)
+    assert [r.name for r in to_evaluate] == ["base", "marsrl_s_seed9"]
+
+
+def test_report_tables_and_targets_from_records(study):
+    out = study / "out"
+    text = report.build_report(report.Settings(study, resamples=500), out, run_eval=False)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["rows"]
+    assert rows["base"]["system_avg_at_k"]["estimate"] == pytest.approx(0.3)
+    assert rows["marsrl"]["runs"] == 2 and rows["marsrl"]["seeds"] == [0, 1]
+    assert rows["marsrl"]["system_avg_at_k"]["estimate"] == pytest.approx(0.65)
+    assert rows["marsrl"]["system_minus_solver"]["estimate"] == pytest.approx(0.15)
+    assert summary["system_vs_base"]["marsrl"]["estimate"] == pytest.approx(0.35)
+    assert rows["marsrl_random"]["system_avg_at_k"]["estimate"] == pytest.approx(0.2)
+    # The seed-0 / seed-1 spread (70% vs 60%) is inside MarsRL's interval.
+    interval = rows["marsrl"]["system_avg_at_k"]
+    assert interval["low"] < 0.6 and interval["high"] > 0.7
+    # Verifier: base passes everything (balanced accuracy 0.5, precision undefined), MarsRL is
+    # an oracle on the first verification.
+    assert rows["base"]["verifier_first"]["balanced_accuracy"] == 0.5
+    assert rows["base"]["accepted_rate"] == 1.0
+    assert rows["marsrl"]["verifier_first"]["balanced_accuracy"] == 1.0
+    assert rows["marsrl"]["accepted_rate"] == pytest.approx(0.65)
+    # Base: the Corrector broke the 6 right Solver answers of problems 18-23 (x 2 samples).
+    corrector = rows["base"]["corrector"]
+    assert (corrector["broken"], corrector["corrections"]) == (1.0, 12)
+    assert rows["marsrl"]["corrector"]["fixed"] == 1.0
+    targets = {t["target"].split(",")[0]: t for t in summary["targets"]}
+    assert [t["met"] for t in summary["targets"]] == [True, False, True, True]
+    assert "+35.0" in targets["MarsRL System >= base System + 10 points"]["detail"]
+    assert "+3.3" in targets["MarsRL System - MarsRL-S System >= +5 points"]["detail"]
+    assert "(+50.0 [+50.0, +50.0]); acceptance 65.0%" in summary["targets"][3]["detail"]
+    assert rows["marsrl"]["verifier_first_balanced_accuracy"]["estimate"] == 1.0
+    assert "| MarsRL System >= base System + 10 points, interval excluding 0 | met |" in text
+    assert ("| MarsRL System - MarsRL-S System >= +5 points, interval excluding 0 | not met |"
+            in text)
+    assert "| MarsRL (adaptive) | 2 | 65.0 [" in text
+    assert "| MarsRL (balanced) | 1 | 75.0 [" in text and "| MarsRL (random) | 1 | 20.0 [" in text
+    assert "| SFT warm start | 1 | 0 | 40.0 [" in text and "60 problems, avg@2" in text
+    for name in ("tables.md", "rewards.png", "verifier.png", "training_lengths.png",
+                 "system_vs_solver.png", "selection.png", "lengths.png", "sft_loss.png"):
+        assert (out / name).stat().st_size > 0, name
+
+
+def test_missing_rows_are_not_evaluated(tmp_path):
+    _write(tmp_path, "base", _records(*RUNS["base"]))
+    _write(tmp_path, "marsrl", _records(*RUNS["marsrl_seed0"]))
+    report.build_report(report.Settings(tmp_path, resamples=200), tmp_path / "out", run_eval=False)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [t["met"] for t in summary["targets"]] == [True, None, True, True]
+    assert summary["targets"][1]["detail"] == "no runs of marsrl_s"
+    assert not (tmp_path / "out" / "selection.png").exists()
+
+
+def test_runs_on_other_problems_are_refused(tmp_path):
+    _write(tmp_path, "base", _records(*RUNS["base"]))
+    _write(tmp_path, "marsrl", _records(*RUNS["marsrl_seed0"])[:-4])  # two problems fewer
+    with pytest.raises(ValueError, match="other problems"):
+        report.build_report(report.Settings(tmp_path, resamples=50), tmp_path / "out",
+                            run_eval=False)
+
+
+def test_report_interval_is_the_exact_bootstrap_of_a_proportion(tmp_path):
+    """The base System is right on 18 of 60 problems (both samples alike), so a bootstrap mean
+    is Binomial(60, 0.3) / 60: its 2.5% / 97.5% quantiles are 11/60 and 25/60 (the CDF there is
+    0.0295 and 0.9804, > 6 Monte Carlo sd of 50,000 draws from the tails)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    _write(tmp_path, "base", _records(*RUNS["base"]))
+    _write(tmp_path, "marsrl", _records(*RUNS["marsrl_seed0"]))
+    report.build_report(report.Settings(tmp_path, resamples=50_000), tmp_path / "out",
+                        run_eval=False)
+    system = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]["base"][
+        "system_avg_at_k"]
+    low, high = scipy_stats.binom.ppf([0.025, 0.975], PROBLEMS, 0.3) / PROBLEMS
+    assert (low, high) == pytest.approx((11 / 60, 25 / 60))
+    assert (system["low"], system["high"]) == pytest.approx((low, high))
