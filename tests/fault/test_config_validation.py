@@ -128,6 +128,14 @@ def test_run_py_exits_2_with_the_message_before_building_anything(tmp_path):
     print(f"run.py rejected the config in {time.monotonic() - start:.1f}s")
 
 
+def _streaming_smoke():
+    """The smoke config on the streaming scheduler, the one a rollout submesh serves."""
+    config = smoke.get_config()
+    config.rollout.scheduler, config.rollout.decode_engine = "stream", "engine"
+    config.rollout.segment_tokens = 0
+    return config
+
+
 @pytest.mark.parametrize("mesh, field, words", [
     (dict(rollout=dict(devices=8)), "mesh.rollout.devices", "leaves none of the 8 devices"),
     (dict(rollout=dict(devices=-2)), "mesh.rollout.devices", "0 (one shared mesh) or positive"),
@@ -143,7 +151,7 @@ def test_run_py_exits_2_with_the_message_before_building_anything(tmp_path):
     (dict(rollout=dict(devices=2, fsdp=0)), "mesh.rollout.fsdp", "must be positive or -1"),
 ])
 def test_a_rollout_training_split_that_does_not_fit_names_its_field(mesh, field, words):
-    config = smoke.get_config()
+    config = _streaming_smoke()
     for key, value in mesh.items():
         if isinstance(value, dict):
             for sub, size in value.items():
@@ -157,7 +165,23 @@ def test_a_rollout_training_split_that_does_not_fit_names_its_field(mesh, field,
 
 
 def test_a_split_that_fits_is_valid():
-    config = smoke.get_config()
+    config = _streaming_smoke()
     config.mesh.data, config.mesh.fsdp = 1, -1
     config.mesh.rollout.devices, config.mesh.rollout.expert = 2, 2
     validate(config, common.base_config(), device_count=8)
+
+
+def test_a_split_needs_the_streaming_scheduler():
+    config = smoke.get_config()
+    config.mesh.data, config.mesh.fsdp = 1, -1
+    config.mesh.rollout.devices = 2
+    problems = _problems(config, device_count=8)
+    assert set(problems) == {"mesh.rollout.devices"}
+    assert "rollout.scheduler='stream'" in problems["mesh.rollout.devices"]
+
+
+def test_streaming_needs_the_engine_and_no_segments():
+    config = smoke.get_config()
+    config.rollout.scheduler = "stream"
+    problems = _problems(config, device_count=8)
+    assert set(problems) == {"rollout.decode_engine", "rollout.segment_tokens"}
