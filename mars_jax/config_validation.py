@@ -69,6 +69,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.roles_trained": ROLES_TRAINED,
     "rollout.prompt_style": tuple(STYLES),
     "optimizer.schedule": ("constant", "cosine"),
+    "warm_start.schedule": ("constant", "cosine"),
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.aggregation": AGGREGATIONS,
     "loss.pi_old": PI_OLD,
@@ -88,6 +89,7 @@ AT_LEAST: dict[str, float] = {
     "loss.behaviour_weight_cap": 0,
     "optimizer.learning_rate": 0, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0,
     "optimizer.max_grad_norm": 0,
+    "warm_start.learning_rate": 0, "warm_start.warmup_steps": 0,
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
     "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
     "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
@@ -336,3 +338,21 @@ def _http_eval(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     if not e.served_model:
         yield Problem("eval.served_model", "empty, but eval.policy is 'http'",
                       "set it to the model name the server serves")
+
+
+@_rule("job", "warm_start.sft", "warm_start.cache_dir", "model.checkpoint", "sft.steps")
+def _warm_start(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    w = config.warm_start
+    if config.job != "train" or not w.sft:
+        return
+    if config.model.checkpoint:
+        yield Problem("model.checkpoint", f"{config.model.checkpoint!r} is set, but warm_start.sft "
+                      "builds the model to start from", "leave it empty, or set warm_start.sft "
+                      "to False to train from the checkpoint")
+    if not w.cache_dir:
+        yield Problem("warm_start.cache_dir", "empty, but warm_start.sft is on",
+                      "set it to a directory for cached warm starts, e.g. "
+                      "~/.cache/mars_jax/warm_start")
+    if config.sft.steps < 1:
+        yield Problem("sft.steps", f"{config.sft.steps} SFT steps build no warm start",
+                      "set it to 1 or more")
