@@ -13,7 +13,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                budget fits every role's max_new_tokens, no pipeline output needs more segments
                than the staleness bound allows, the job's dataset can be found (manual dir
                or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for eval_system),
-               an HTTP evaluation has a server URL and model name.
+               an HTTP evaluation has a server URL and model name, a warm start
+               (`warm_start.sft`) has a cache directory and no `model.checkpoint`.
 
 Rules that read a field with a schema problem are skipped, so one wrong type yields one message.
 """
