@@ -3,14 +3,14 @@ r"""The README's main job: a warm start built on first use, then MarsRL that vis
   python experiments/run.py --config=experiments/configs/quickstart.py --workdir=/tmp/marsrl_quickstart
 
 The first run trains the warm start (`warm_start.sft`): 300 SFT steps of a 0.16M-parameter dense
-Qwen3 (`sft.arch = "mini"`) on generated traces of all three roles for one-digit additions
-(`What is 7 + 5?`), 30% of the Solver traces with a wrong result. It is cached under
-`~/.cache/mars_jax/warm_start/<fingerprint>` and reused by later runs. MarsRL then trains the
-Solver -> Verifier -> Corrector pipeline (pipeline mode, 3 stages, groups of 8) on the same
-problems: the warm start's Solver is right on about a fifth of its samples at T=1, so most groups
-have reward variance, and its reward rises over the steps. The console shows a progress bar with
-each role's mean reward and, at the end, a summary (rewards of the first vs the last steps, where
-metrics, TensorBoard logs and checkpoints are, the command that resumes).
+Qwen3 (`sft.arch = "mini"`) on generated traces of all three roles (mostly the Solver's) for the
+one-digit additions (`What is 7 + 5?`); half of the Solver traces have a wrong result. It is
+cached under `~/.cache/mars_jax/warm_start/<fingerprint>` and reused by later runs. MarsRL then
+trains the Solver -> Verifier -> Corrector pipeline (pipeline mode, 3 stages, 8 problems a step,
+groups of 8) on the same problems. The warm start's Solver is right on about a quarter of its
+samples at T=1, so most groups have reward variance; RL raises it (the Verifier's and Corrector's
+rewards move too). Each step's rewards depend on which 8 problems it drew, so compare the
+summary's first and last steps, not two neighbouring steps.
 """
 import os
 import sys
@@ -30,20 +30,20 @@ def get_config():
     c.warm_start.sft = True
     c.warm_start.learning_rate, c.warm_start.schedule, c.warm_start.warmup_steps = 1e-2, "cosine", 10
     c.sft.arch, c.sft.steps = "mini", 300
-    c.sft.rows, c.sft.row_tokens = 4, 512
-    c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.3, 0.5
-    c.sft.keep.verifier, c.sft.keep.corrector = 0.1, 0.1
+    c.sft.rows, c.sft.row_tokens = 8, 512
+    c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5
+    c.sft.keep.verifier, c.sft.keep.corrector = 0.05, 0.05
     c.sft.holdout_problems, c.sft.eval_every = 16, 100
     # Rollouts: 8 new problems a step, groups of 8, one parent per later stage, 3 stages.
     c.rollout.mode = "pipeline"
-    c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 8, 8, 1
+    c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 4, 8, 1
     c.rollout.max_stages = 3
     c.rollout.max_new_tokens.update(dict(solver=32, verifier=128, corrector=32))
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0
     # Update.
-    c.optimizer.learning_rate = 3e-4
-    c.learner.micro_batch_size = 64
+    c.optimizer.learning_rate = 1e-3
+    c.learner.micro_batch_size = 48
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     return c
