@@ -21,11 +21,14 @@ from common import base_config  # noqa: E402
 
 def get_config():
     c = base_config()
-    c.total_steps = 40
+    c.total_steps = 20
     c.tokenizer = "tiny"
     # Data: the 100 one-digit additions, 90 to train on (RL and SFT), 10 held out.
     c.data.name, c.data.split = "arith", "train"
     c.data.arith.update(dict(num_ops=(1, 1), max_operand=9, operators="+", sizes=(90, 10)))
+    # In order, 6 a step: steps 16-20 revisit the problems of steps 1-5, so the summary's first
+    # and last quarters (5 steps each) compare the Solver on the same 30 problems.
+    c.data.shuffle = False
     # Warm start: SFT on generated role traces, mostly the Solver's (short, cheap) examples.
     c.warm_start.sft = True
     c.warm_start.learning_rate, c.warm_start.schedule, c.warm_start.warmup_steps = 1e-2, "cosine", 10
@@ -34,16 +37,16 @@ def get_config():
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5
     c.sft.keep.verifier, c.sft.keep.corrector = 0.05, 0.05
     c.sft.holdout_problems, c.sft.eval_every = 16, 100
-    # Rollouts: 8 new problems a step, groups of 8, one parent per later stage, 3 stages.
+    # Rollouts: 6 new problems a step, groups of 8, one parent per later stage, 3 stages.
     c.rollout.mode = "pipeline"
-    c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 4, 8, 1
+    c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 6, 8, 1
     c.rollout.max_stages = 3
     c.rollout.max_new_tokens.update(dict(solver=32, verifier=128, corrector=32))
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0
     # Update.
-    c.optimizer.learning_rate = 1e-3
-    c.learner.micro_batch_size = 48
+    c.optimizer.learning_rate = 5e-4
+    c.learner.micro_batch_size = 72  # a step trains at most 144 samples: 2 micro-batches
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     return c

@@ -44,6 +44,7 @@ def fingerprint(config: ConfigDict) -> str:
     sft = sft_config(config)
     fields = {"tokenizer": sft.tokenizer, "seed": sft.seed,
               **{name: sft[name].to_dict() for name in _SFT_SECTIONS}}
+    del fields["data"]["shuffle"]  # the RL problem order; SFT draws its own
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode())
     root = Path(mars_jax.__file__).parent
     for path in sorted(p for pattern in SOURCES for p in root.glob(pattern)):
