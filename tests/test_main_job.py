@@ -1,7 +1,6 @@
 """README.md's main command, as CI runs it: the warm start is built (a fresh cache), MarsRL trains
 all three roles with non-zero rewards and gradients, the Solver's reward rises, the console shows
 the summary and no library INFO logs; a rerun reuses the warm start and resumes."""
-import json
 import os
 import re
 import subprocess
