@@ -18,7 +18,7 @@ def _run(workdir: Path, cache: Path) -> str:
                f"--workdir={workdir}", f"--config.warm_start.cache_dir={cache}",
                f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}"]
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device, as on a laptop
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     return output
