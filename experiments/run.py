@@ -5,22 +5,27 @@ r"""Entry point of every mars_jax job: MarsRL training, V–C system evaluation 
   python experiments/run.py --config=experiments/configs/toy_sft.py --workdir=/tmp/mars_toy/sft
 
 `--config.<field>=value` overrides any config field. Rerunning a training command on the same
-workdir resumes it. Exit codes: 2 the config is invalid (checked before anything is built; the
+workdir resumes it. A training config with `warm_start.sft` first builds (or reuses) its cached SFT
+model (`mars_jax.sft.warm_start`). The console shows notes, progress bars and, after training, a
+summary (`mars_jax.console`); library INFO logs (orbax, absl) appear only with `--verbosity=0`
+(the default here shows warnings and errors). Exit codes: 2 the config is invalid (checked before anything is built; the
 message lists each field with its fix), 65 too many non-finite updates in a row, 74 a checkpoint
 could not be saved, 75 preempted (SIGTERM) after a final checkpoint.
 """
 import os
 import sys
+import time
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mars_jax import distributed, eval_job
+from mars_jax import console, distributed, eval_job
 from mars_jax.checkpoint import CheckpointSaveError
 from mars_jax.config_validation import ConfigError, validate
 from mars_jax.rl import trainer
 from mars_jax.sft import job as sft_job
+from mars_jax.sft import warm_start
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
 from common import base_config  # noqa: E402
@@ -33,6 +38,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    started = time.perf_counter()
     distributed.initialize_from_flags()  # several processes: before anything starts a backend
     config = _CONFIG.value
     try:  # jax.device_count() starts the backend: keep this after any distributed init
@@ -44,11 +52,16 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if config.job == "train":
+        if config.warm_start.sft:
+            config.model.checkpoint = str(warm_start.ensure(config))
         try:
             trainer.train(config, _WORKDIR.value)
         except (trainer.Preempted, trainer.NonFiniteUpdates, CheckpointSaveError) as e:
             logging.error("%s: %s", type(e).__name__, e)
             sys.exit(e.exit_code)
+        if jax.process_index() == 0:
+            console.note(console.summary(_WORKDIR.value, ["python", *sys.argv],
+                                         time.perf_counter() - started))
     elif config.job == "eval_system":
         eval_job.run(config, _WORKDIR.value)
     elif config.job == "sft":

@@ -11,9 +11,11 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
   consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
                constant divisor, the mesh (or its rollout / training split) fits the devices,
                the segment budget fits every role's max_new_tokens, no pipeline output needs
-               more segments than the staleness bound allows, the job's dataset can be found
-               (manual dir or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for
-               eval_system), an HTTP evaluation has a server URL and model name.
+               more segments than the staleness bound allows, the streaming scheduler runs on
+               the engine, the job's dataset can be found (manual dir or a prepared TFDS dir;
+               `data` for train and sft, `eval.dataset` for eval_system), an HTTP evaluation
+               has a server URL and model name, a warm start (`warm_start.sft`) has a cache
+               directory and no `model.checkpoint`.
 
 Rules that read a field with a schema problem are skipped, so one wrong type yields one message.
 """
@@ -72,6 +74,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.roles_trained": ROLES_TRAINED,
     "rollout.prompt_style": tuple(STYLES),
     "optimizer.schedule": ("constant", "cosine"),
+    "warm_start.schedule": ("constant", "cosine"),
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.aggregation": AGGREGATIONS,
     "loss.pi_old": PI_OLD,
@@ -92,6 +95,7 @@ AT_LEAST: dict[str, float] = {
     "loss.behaviour_weight_cap": 0,
     "optimizer.learning_rate": 0, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0,
     "optimizer.max_grad_norm": 0,
+    "warm_start.learning_rate": 0, "warm_start.warmup_steps": 0,
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
     "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
     "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
@@ -375,3 +379,21 @@ def _http_eval(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     if not e.served_model:
         yield Problem("eval.served_model", "empty, but eval.policy is 'http'",
                       "set it to the model name the server serves")
+
+
+@_rule("job", "warm_start.sft", "warm_start.cache_dir", "model.checkpoint", "sft.steps")
+def _warm_start(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    w = config.warm_start
+    if config.job != "train" or not w.sft:
+        return
+    if config.model.checkpoint:
+        yield Problem("model.checkpoint", f"{config.model.checkpoint!r} is set, but warm_start.sft "
+                      "builds the model to start from", "leave it empty, or set warm_start.sft "
+                      "to False to train from the checkpoint")
+    if not w.cache_dir:
+        yield Problem("warm_start.cache_dir", "empty, but warm_start.sft is on",
+                      "set it to a directory for cached warm starts, e.g. "
+                      "~/.cache/mars_jax/warm_start")
+    if config.sft.steps < 1:
+        yield Problem("sft.steps", f"{config.sft.steps} SFT steps build no warm start",
+                      "set it to 1 or more")

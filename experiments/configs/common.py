@@ -4,7 +4,7 @@ from ml_collections import ConfigDict, config_dict
 
 def base_config() -> ConfigDict:
     """Every field a run reads, with its default. Sections: data, model, rollout, loss,
-    optimizer, learner (the update step), checkpoint, eval, sft."""
+    optimizer, learner (the update step), checkpoint, eval, warm_start, sft."""
     c = ConfigDict()
     c.job = "train"                 # 'train' | 'eval_system' | 'sft'
     c.seed = 0
@@ -23,8 +23,10 @@ def base_config() -> ConfigDict:
                              rollout=dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1)))
 
     c.data = ConfigDict(dict(name="arith", split="train", manual_dir="", data_dir="", shuffle=True))
-    # Difficulty of the generated `arith` problems (mars_jax.data.arith.generate_problems).
-    c.data.arith = ConfigDict(dict(num_ops=(1, 3), max_operand=20, operators="+-*"))
+    # Difficulty of the generated `arith` problems (mars_jax.data.arith.generate_problems) and
+    # the (train, test) split sizes (mars_jax.data.arith.load_split).
+    c.data.arith = ConfigDict(dict(num_ops=(1, 3), max_operand=20, operators="+-*",
+                                   sizes=(20_000, 500)))
 
     c.model = ConfigDict(dict(preset="tiny", checkpoint="", dtype="", param_dtype="",
                               moe_impl="", moe_block_size=config_dict.placeholder(int),
@@ -98,6 +100,12 @@ def base_config() -> ConfigDict:
                              vc_base_url="", solver_base_url="", served_model="",
                              timeout_s=600.0, max_concurrency=32,
                              engine_slots=0))  # > 0: the sampler policy on an Engine
+
+    # A train job with `warm_start.sft` starts from an SFT model built on first use by the 'sft'
+    # job from this config's data, model, sft and seed, with this learning rate, schedule and
+    # warm-up, and cached under cache_dir by a fingerprint of all that (mars_jax.sft.warm_start).
+    c.warm_start = ConfigDict(dict(sft=False, cache_dir="~/.cache/mars_jax/warm_start",
+                                   learning_rate=2e-3, schedule="cosine", warmup_steps=10))
 
     # The 'sft' job (mars_jax.sft): packed supervised steps on generated role traces; `keep` is the
     # probability that a problem's example of each role is trained on.

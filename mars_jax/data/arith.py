@@ -6,7 +6,8 @@ random binary expression tree over non-negative integer literals, printed with o
 parentheses that precedence requires, and evaluated on the tree (no text is evaluated).
 
 Difficulty knobs: `num_ops` (operators per problem, or an inclusive range),
-`max_operand` (largest literal) and `operators` (a subset of "+-*").
+`max_operand` (largest literal) and `operators` (a subset of "+-*"); `sizes` (train, test) sets
+the number of problems of each split, for settings with few distinct problems.
 """
 
 from __future__ import annotations
@@ -101,20 +102,23 @@ def generate_problems(
     return problems
 
 
-def load_split(split: str, **knobs) -> list[dict]:
+def load_split(split: str, *, sizes: tuple[int, int] | None = None, **knobs) -> list[dict]:
     """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from test.
 
     `knobs` (`num_ops`, `max_operand`, `operators`; defaults of `generate_problems`) set the
-    difficulty; train and test are drawn with the same knobs.
+    difficulty; train and test are drawn with the same knobs. `sizes` (train, test) replaces
+    the splits' sizes of `SPLITS`.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} of 'arith'; valid splits: {', '.join(SPLITS)}")
     unknown = set(knobs) - {"num_ops", "max_operand", "operators"}
     if unknown:
-        raise ValueError(f"unknown arith knob(s) {sorted(unknown)}; valid: num_ops, max_operand, operators")
-    seed, num = SPLITS[split]
+        raise ValueError(f"unknown arith knob(s) {sorted(unknown)}; valid: num_ops, max_operand, "
+                         "operators, sizes")
+    size = dict(zip(SPLITS, sizes)) if sizes is not None else {k: n for k, (_, n) in SPLITS.items()}
+    seed, num = SPLITS[split][0], size[split]
     exclude: frozenset[str] = frozenset()
     if split == "train":
-        test_seed, test_num = SPLITS["test"]
-        exclude = frozenset(p["problem"] for p in generate_problems(test_num, test_seed, **knobs))
+        test_seed = SPLITS["test"][0]
+        exclude = frozenset(p["problem"] for p in generate_problems(size["test"], test_seed, **knobs))
     return generate_problems(num, seed, id_prefix=f"arith-{split}", exclude=exclude, **knobs)

@@ -37,7 +37,7 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, distributed, sharding, weight_sync
+from mars_jax import builders, console, distributed, sharding, weight_sync
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
@@ -290,7 +290,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             rollouts.load_state_dict(meta["rollouts"], routing)
         nonfinite_streak = meta["nonfinite_streak"]
         version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
-        logging.info("resumed from step %d", start)
+        console.note(f"resumed from step {start}")
     # Rollout metrics are this host's; host 0 writes workdir/metrics.jsonl, host i workdir/host{i}/.
     host = jax.process_index()
     writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path, resume_step=start)
@@ -371,8 +371,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             metrics["time/update"] = time.perf_counter() - t1
             metrics["policy_version"] = version
             writer.write(step, metrics)
-            bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("reward/solver", "reward/verifier")
-                             if np.isfinite(metrics[k])})
+            bar.set_postfix(console.postfix(metrics))
             if nonfinite_streak >= config.max_nonfinite_updates:
                 raise NonFiniteUpdates(f"{nonfinite_streak} non-finite updates in a row at step "
                                        f"{step}; the last good checkpoint is kept")

@@ -98,3 +98,15 @@ def test_split_difficulty_from_config():
         assert problem["answer"] == str(_independent_value(expression))
     with pytest.raises(ValueError, match="max_operands"):
         arith.load_split("test", max_operands=3)
+
+
+def test_split_sizes_knob_covers_a_small_problem_space():
+    """The 100 one-digit additions split 90 / 10, disjoint: together, all of them."""
+    knobs = dict(num_ops=1, max_operand=9, operators="+", sizes=(90, 10))
+    train, test = arith.load_split("train", **knobs), arith.load_split("test", **knobs)
+    assert (len(train), len(test)) == (90, 10)
+    every = {f"What is {a} + {b}?" for a in range(10) for b in range(10)}
+    assert {p["problem"] for p in train} | {p["problem"] for p in test} == every
+    assert not {p["problem"] for p in train} & {p["problem"] for p in test}
+    with pytest.raises(ValueError, match="distinct problems"):
+        arith.load_split("train", **{**knobs, "sizes": (91, 10)})

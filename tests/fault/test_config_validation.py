@@ -6,7 +6,7 @@ import time
 import pytest
 from ml_collections import ConfigDict
 
-from experiments.configs import common, eval_system, smoke
+from experiments.configs import common, eval_system, quickstart, smoke
 from mars_jax.config_validation import ConfigError, validate
 from tests.fault import harness
 
@@ -21,6 +21,20 @@ def test_shipped_configs_are_valid():
     validate(smoke.get_config(), common.base_config(), device_count=1)
     validate(common.base_config(), common.base_config(), device_count=8)
     validate(eval_system.get_config(), common.base_config(), device_count=8)
+    validate(quickstart.get_config(), common.base_config(), device_count=1)
+
+
+def test_a_warm_start_with_a_checkpoint_or_no_cache_is_named_with_the_fix():
+    config = quickstart.get_config()
+    config.model.checkpoint = "/some/model"
+    config.warm_start.cache_dir = ""
+    config.warm_start.schedule = "linear"
+    problems = _problems(config)
+    assert set(problems) == {"model.checkpoint", "warm_start.cache_dir", "warm_start.schedule"}
+    assert "warm_start.sft builds the model" in problems["model.checkpoint"]
+    config = quickstart.get_config()
+    config.model.checkpoint, config.warm_start.sft = "/some/model", False
+    validate(config, common.base_config(), device_count=1)  # no warm start: the checkpoint is used
 
 
 def test_unknown_missing_and_mistyped_fields_are_named_with_the_fix():

@@ -1,0 +1,53 @@
+"""The cached warm start: keyed by what trains it, built once, reused, never read half-built."""
+from experiments.configs import quickstart
+from mars_jax.sft import warm_start
+
+
+def test_fingerprint_follows_the_fields_that_train_the_warm_start():
+    base = quickstart.get_config()
+    same = quickstart.get_config()
+    same.optimizer.learning_rate = 0.5      # the RL learning rate: replaced by warm_start's
+    same.rollout.group_size = 3             # rollouts do not train the warm start
+    same.warm_start.cache_dir = "/elsewhere"
+    assert warm_start.fingerprint(same) == warm_start.fingerprint(base)
+    for field, value in [("sft.steps", 7), ("warm_start.learning_rate", 0.5), ("seed", 1),
+                         ("data.arith.max_operand", 8), ("optimizer.b2", 0.9),
+                         ("sft.arch", "toy")]:
+        changed = quickstart.get_config()
+        *path, key = field.split(".")
+        node = changed
+        for part in path:
+            node = node[part]
+        node[key] = value
+        assert warm_start.fingerprint(changed) != warm_start.fingerprint(base), field
+
+
+def test_sft_config_trains_with_the_warm_start_optimizer():
+    config = quickstart.get_config()
+    sft = warm_start.sft_config(config)
+    assert sft.job == "sft" and sft.model.checkpoint == ""
+    assert sft.optimizer.learning_rate == config.warm_start.learning_rate
+    assert sft.optimizer.schedule == config.warm_start.schedule
+    assert config.job == "train"  # the run's own config is left as it was
+
+
+def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
+    builds = []
+
+    def fake_sft(config, workdir):  # stands in for the SFT job: writes what it would
+        builds.append(workdir)
+        model = warm_start.Path(workdir) / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text("{}")
+        return {"loss": 0.5, "loss/solver": 0.25}
+
+    monkeypatch.setattr(warm_start.sft_job, "run", fake_sft)
+    config = quickstart.get_config()
+    config.warm_start.cache_dir = str(tmp_path / "cache")
+    first = warm_start.ensure(config)
+    assert first == tmp_path / "cache" / warm_start.fingerprint(config) / "model"
+    assert (first / "config.json").exists()
+    assert builds and builds[0] != str(first.parent)  # built elsewhere, then renamed into place
+    assert warm_start.ensure(config) == first and len(builds) == 1
+    config.sft.steps += 1
+    assert warm_start.ensure(config) != first and len(builds) == 2

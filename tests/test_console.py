@@ -1,0 +1,37 @@
+"""The console summary of a run, against hand-computed numbers from a hand-written metrics.jsonl."""
+import json
+
+from mars_jax import console
+
+
+def _write(workdir, rows):
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_summary_reports_steps_samples_rewards_and_paths(tmp_path):
+    solver = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.9]  # 8 steps: windows of 2
+    rows = [{"step": i + 1, "reward/solver": r, "samples/solver": 8, "samples/verifier": 4,
+             "samples/corrector": 0, "samples/trained": 10, "policy_version": i + 1,
+             "reward/verifier": 0.5 if i else None, "reward/corrector": None}
+            for i, r in enumerate(solver)]
+    _write(tmp_path, rows[::-1])  # read back in step order whatever the file order
+    text = console.summary(tmp_path, ["python", "experiments/run.py", "--workdir=/a b"], 12.0)
+    assert "8 steps to step 8 (policy version 8)" in text
+    assert "solver 64 · verifier 32 · corrector 0 (80 in the loss)" in text
+    assert "first 2 steps -> last 2 steps" in text
+    assert "solver          0.150 -> 0.800 (+0.650)" in text  # (0.1+0.2)/2, (0.7+0.9)/2
+    assert "verifier        0.500 -> 0.500 (+0.000)" in text  # step 1 has no Verifier reward
+    assert "    corrector" not in text  # no Corrector reward at any step: no line
+    assert f"metrics      {tmp_path / 'metrics.jsonl'}" in text
+    assert f"tensorboard --logdir {tmp_path / 'tensorboard'}" in text
+    assert f"checkpoints  {tmp_path / 'checkpoints'}" in text
+    assert "resume       python experiments/run.py '--workdir=/a b'" in text
+
+
+def test_summary_without_metrics_says_so(tmp_path):
+    assert "no steps recorded" in console.summary(tmp_path, ["python"], 0.0)
+
+
+def test_postfix_shows_the_roles_that_had_samples():
+    metrics = {"reward/solver": 0.25, "reward/verifier": float("nan"), "reward/corrector": 1.0}
+    assert console.postfix(metrics) == {"solver": "0.25", "corrector": "1.00"}
