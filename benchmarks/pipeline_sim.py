@@ -1,0 +1,269 @@
+r"""The pipeline's speed-up at the paper's scale, computed by our scheduler against a simulated
+engine whose clock follows a roofline cost model (`benchmarks/sim/`).
+
+  python benchmarks/pipeline_sim.py                       # 8 x H200 and v5p-64, Solver mean 19k and 28k
+  python benchmarks/pipeline_sim.py --hardware=h200x8 --progress=0 --updates=4
+  python benchmarks/pipeline_sim.py --profile=cpu         # calibration: this CPU's measured costs
+
+Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
+(Solver, V, C, V, C), 64k output budget per role decoded in 16k segments, 32k prompt cap,
+`adaptive` selection, every role trained. Output lengths: `sim.lengths.LengthModel`; grading:
+`sim.agents.SimRollouts` (seeded correctness per role). The scheduler: `sim.scheduler` (a
+stand-in for `mars_jax.rl.streaming.StreamingRollouts`, same contract).
+
+Modes, each on the whole machine:
+  sequential        one mesh; stage barriers; the update waits for every trajectory of its 128
+                    problems, decoding waits for the update.
+  pipeline          one mesh; agent-granularity streaming; an update is due once as many samples
+                    are complete as a sequential step trains (measured first); decoding stops
+                    while it runs.
+  pipeline+overlap  rollout submesh + training submesh; the engine keeps decoding
+                    (`decode_while`) while the update runs; then the bf16 weights are copied to
+                    the rollout submesh at the link rate (decoding waits for the copy).
+Slots per chip = (0.9 x HBM - resident) / KV bytes of one slot (32k + 64k positions, reserved in
+full as `Engine` does); resident on one mesh: the train state's share (8 B per parameter: bf16
+weights, AdamW mu and nu, gradients) + the update's temporaries from our AOT record (launch/
+README.md: 69.3 GiB per H200, 57.0 GiB per v5p chip), since in-flight KV stays through the
+update; on a rollout submesh: the bf16 weights' share. The training submesh must hold its
+train-state share + those temporaries in HBM.
+Accelerator-hours per 1,000 trained samples are measured between the end of update `--warmup`
+and the end of the last update (all chips of the machine, busy or not).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sim.agents import SimRollouts, SimTokenizer, problems, role_of_prompt, sim_encode  # noqa: E402
+from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slots_per_chip  # noqa: E402
+from benchmarks.sim.engine import SimEngine  # noqa: E402
+from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
+from benchmarks.sim.scheduler import ContractScheduler as Scheduler  # noqa: E402
+from mars_jax.models import get_preset  # noqa: E402
+from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
+
+GiB = 1 << 30
+TRAIN_STATE_BYTES_PER_PARAM = 8  # bf16 weights + AdamW mu, nu (param dtype) + gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    chip: str
+    chips: int
+    split: tuple[int, int]       # rollout, training chips with overlap
+    update_temp_bytes: float     # update temporaries per chip (AOT record)
+    hbm_bytes: float             # as aot_compile.py counts it
+
+
+HARDWARE = {
+    "h200x8": Hardware("h200", 8, (4, 4), 69.27 * GiB, 151_397_597_184),
+    "v5p-64": Hardware("v5p", 32, (24, 8), 57.01 * GiB, 95.74 * GiB),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int = 128
+    group_size: int = 8
+    fan_out: int = 2
+    max_stages: int = 5
+    max_new_tokens: int = 64 * 1024
+    segment_tokens: int = 16 * 1024
+    max_prompt_tokens: int = 32 * 1024
+    problem_words: int = 150
+    answer_tokens: tuple = (("solver", 1000), ("verifier", 600), ("corrector", 1000))
+    correct_rates: tuple = (("solver", 0.6), ("verifier", 0.8), ("corrector", 0.5))
+
+    def rollout_config(self) -> RolloutConfig:
+        return RolloutConfig(group_size=self.group_size, fan_out=self.fan_out,
+                             selection="adaptive", max_stages=self.max_stages,
+                             max_new_tokens={r: self.max_new_tokens
+                                             for r in ("solver", "verifier", "corrector")},
+                             segment_tokens=self.segment_tokens,
+                             max_prompt_tokens=self.max_prompt_tokens, enable_thinking=True,
+                             prompt_style="full")
+
+
+def mesh_slots(hw: Hardware, model: ModelCost, chips: int, *, one_mesh: bool,
+               positions: int) -> int:
+    chip = dataclasses.replace(CHIPS[hw.chip], hbm_bytes=hw.hbm_bytes)
+    if one_mesh:
+        resident = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / chips + hw.update_temp_bytes
+    else:
+        resident = model.weight_bytes / chips
+    return chips * slots_per_chip(model, chip, resident_bytes=resident, slot_positions=positions)
+
+
+def check_train_memory(hw: Hardware, model: ModelCost, chips: int) -> None:
+    need = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / chips + hw.update_temp_bytes
+    if need > hw.hbm_bytes:
+        raise ValueError(f"training submesh of {chips} x {hw.chip}: {need / GB:.0f} GB per chip "
+                         f"needed, {hw.hbm_bytes / GB:.0f} GB held")
+
+
+@dataclasses.dataclass
+class Costs:
+    decode: object      # MeshCost / ProfileCost of the rollout chips
+    train: object       # of the training chips
+    slots: int
+    chips_total: int
+    copy_seconds: float
+
+
+def paper_costs(hw: Hardware, mode: str, args) -> Costs:
+    model = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    chip = CHIPS[hw.chip]
+    overlap = mode == "pipeline+overlap"
+    rollout_chips, train_chips = hw.split if overlap else (hw.chips, hw.chips)
+    if overlap:
+        check_train_memory(hw, model, train_chips)
+    make = lambda n: MeshCost(model, chip, n, step_overhead_s=args.step_overhead_ms / 1e3,
+                              prefill_mfu=args.prefill_mfu, update_mfu=args.update_mfu)
+    workload = Workload()
+    slots = mesh_slots(hw, model, rollout_chips, one_mesh=not overlap,
+                       positions=workload.max_prompt_tokens + workload.max_new_tokens)
+    copy = make(train_chips).weight_copy_seconds(rollout_chips) if overlap else 0.0
+    return Costs(make(rollout_chips), make(train_chips), slots, hw.chips, copy)
+
+
+def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthModel, updates: int,
+             warmup: int, samples_per_update: int, max_inflight_rows: int, resume: str = "keep",
+             seed: int = 0) -> dict:
+    """Runs `updates` updates of `mode`; returns the measured window's figures."""
+    tokenizer = SimTokenizer()
+    rollouts = SimRollouts(tokenizer, workload.rollout_config(), seed=seed, encode=sim_encode,
+                           correct_rates=dict(workload.correct_rates))
+    max_length = workload.max_prompt_tokens + workload.max_new_tokens
+    engine = SimEngine(costs.decode, lengths, num_slots=costs.slots, max_length=max_length,
+                       role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens))
+    overlap = mode == "pipeline+overlap"
+    scheduler = Scheduler(
+        rollouts, engine, problems(workload.problem_words, seed), mode=mode.split("+")[0],
+        prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
+        max_inflight_rows=max_inflight_rows, staleness_bound=3, resume=resume,
+        roles_trained="all", sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
+        stop_ids=(tokenizer.eos_token_id,), seed=seed, clock=engine.clock)
+    version, train_free = 0, 0.0
+    ends, trained, staleness, update_s = [], [], collections.Counter(), []
+    lengths_seen = collections.defaultdict(list)
+    window_stats = None
+    for _ in range(updates):
+        batch = scheduler.collect(version)
+        samples = [r for g in batch.groups for r in g]
+        if not samples:
+            break
+        seconds = sum(costs.train.update_seconds(len(r.prompt_ids) + len(r.response_ids))
+                      for r in samples)
+        if len(ends) >= warmup:
+            staleness.update(version - r.first_version for r in samples)
+            for r in samples:
+                lengths_seen[r.role].append(len(r.response_ids))
+        if overlap:
+            end = max(engine.now, train_free) + seconds
+            scheduler.decode_while(lambda: engine.now < end, version)
+            if engine.now < end:
+                engine.advance(end - engine.now)
+            train_free = end
+            engine.advance(costs.copy_seconds)
+        else:
+            engine.advance(seconds)
+        version += 1
+        scheduler.weights_updated(None, version)
+        ends.append(engine.now)
+        trained.append(len(samples))
+        update_s.append(seconds)
+        if len(ends) == warmup:
+            window_stats = collections.Counter(engine.stats)
+    if len(ends) <= warmup:
+        raise RuntimeError(f"{mode}: only {len(ends)} updates ran; need more than {warmup}")
+    window = ends[-1] - ends[warmup - 1] if warmup else ends[-1]
+    samples = sum(trained[warmup:])
+    stats = collections.Counter(engine.stats)
+    stats.subtract(window_stats or {})
+    return dict(
+        mode=mode, slots=costs.slots, updates=len(ends), samples=samples,
+        samples_per_update=statistics.mean(trained[warmup:]),
+        hours_per_1k=costs.chips_total * window / 3600 / (samples / 1000),
+        wall_h_per_update=window / 3600 / (len(ends) - warmup),
+        update_h_per_update=statistics.mean(update_s[warmup:]) / 3600,
+        occupancy=stats["live_slot_seconds"] / (costs.slots * window),
+        decode_occupancy=stats["live_slot_seconds"] / max(stats["decode_seconds"], 1e-12) / costs.slots,
+        decode_share=stats["decode_seconds"] / window,
+        prefill_share=stats["prefill_seconds"] / window,
+        staleness=dict(sorted(staleness.items())),
+        mean_length={role: statistics.mean(v) for role, v in sorted(lengths_seen.items())},
+        truncated=sum(r.finish_reason == "length" for g in batch.groups for r in g))
+
+
+def run_hardware(name: str, progress: float, args) -> list[dict]:
+    hw = HARDWARE[name]
+    lengths = LengthModel(sigma=args.sigma, progress=progress, seed=args.seed)
+    workload = Workload()
+    results = []
+    samples_per_update = 0
+    for mode in ("sequential", "pipeline", "pipeline+overlap"):
+        costs = paper_costs(hw, mode, args)
+        cap = args.max_inflight_rows or 2 * costs.slots
+        began = time.perf_counter()
+        result = simulate(costs, mode, workload=workload, lengths=lengths,
+                          updates=args.updates, warmup=args.warmup,
+                          samples_per_update=samples_per_update or 1, max_inflight_rows=cap,
+                          resume=args.resume, seed=args.seed)
+        result["sim_seconds"] = time.perf_counter() - began
+        if mode == "sequential":
+            samples_per_update = round(result["samples_per_update"])
+        results.append(result)
+    return results
+
+
+def print_results(title: str, results: list[dict]) -> None:
+    base = results[0]["hours_per_1k"]
+    print(f"\n{title}")
+    print(f"{'mode':17} {'slots':>5} {'acc-h/1k':>9} {'vs seq':>7} {'h/update':>9} "
+          f"{'update h':>9} {'occupancy':>9} {'decode occ':>10} {'samples/upd':>11} "
+          f"staleness (versions: samples)   sim s")
+    for r in results:
+        print(f"{r['mode']:17} {r['slots']:5d} {r['hours_per_1k']:9.2f} "
+              f"{base / r['hours_per_1k']:6.2f}x {r['wall_h_per_update']:9.2f} "
+              f"{r['update_h_per_update']:9.2f} {r['occupancy']:9.1%} "
+              f"{r['decode_occupancy']:10.1%} {r['samples_per_update']:11.0f} "
+              f"{r['staleness']}   {r['sim_seconds']:.0f}")
+    lengths = results[0]["mean_length"]
+    print("mean trained output length: " + ", ".join(f"{k} {v:,.0f}" for k, v in lengths.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hardware", default="h200x8,v5p-64")
+    parser.add_argument("--progress", default="0,1",
+                        help="training progress points (Solver mean 19k at 0, 28k at 1)")
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sigma", type=float, default=0.7)
+    parser.add_argument("--step_overhead_ms", type=float, default=2.0)
+    parser.add_argument("--prefill_mfu", type=float, default=0.5)
+    parser.add_argument("--update_mfu", type=float, default=0.3)
+    parser.add_argument("--max_inflight_rows", type=int, default=0, help="0: 2 x slots")
+    parser.add_argument("--resume", default="keep", choices=("keep", "recompute"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name in args.hardware.split(","):
+        for progress in (float(p) for p in args.progress.split(",")):
+            lengths = LengthModel(sigma=args.sigma, progress=progress)
+            fit = ", ".join(f"{role} mean {lengths.mean(role):,.0f} "
+                            f"(median {2.718281828 ** lengths.mu(role):,.0f}, "
+                            f"{lengths.truncated_fraction(role):.1%} at the cap)"
+                            for role in ROLE_SCALE)
+            results = run_hardware(name, progress, args)
+            print_results(f"{name}, progress {progress:g}: {fit}", results)
+
+
+if __name__ == "__main__":
+    main()
