@@ -135,7 +135,7 @@ def paper_costs(hw: Hardware, mode: str, args) -> Costs:
 
 def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthModel, updates: int,
              warmup: int, samples_per_update: int, max_inflight_rows: int, resume: str = "keep",
-             seed: int = 0) -> dict:
+             staleness_bound: int = 3, seed: int = 0) -> dict:
     """Runs `updates` updates of `mode`; returns the measured window's figures."""
     tokenizer = SimTokenizer()
     rollouts = SimRollouts(tokenizer, workload.rollout_config(), seed=seed, encode=sim_encode,
@@ -147,24 +147,25 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     scheduler = Scheduler(
         rollouts, engine, problems(workload.problem_words, seed), mode=mode.split("+")[0],
         prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
-        max_inflight_rows=max_inflight_rows, staleness_bound=3, resume=resume,
-        roles_trained="all", sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
-        stop_ids=(tokenizer.eos_token_id,), seed=seed, clock=engine.clock)
+        max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
+        roles_trained="all", drop_zero_variance=True,
+        sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
+        stop_ids=(tokenizer.eos_token_id,), clock=engine.clock)
     version, train_free = 0, 0.0
     ends, trained, staleness, update_s = [], [], collections.Counter(), []
     lengths_seen = collections.defaultdict(list)
-    window_stats = None
+    window_stats, deferred, truncated = None, 0.0, 0
     for _ in range(updates):
         batch = scheduler.collect(version)
-        samples = [r for g in batch.groups for r in g]
-        if not samples:
-            break
+        samples = [r for g in batch.groups if scheduler.size(g) for r in g]
         seconds = sum(costs.train.update_seconds(len(r.prompt_ids) + len(r.response_ids))
                       for r in samples)
         if len(ends) >= warmup:
-            staleness.update(version - r.first_version for r in samples)
+            staleness.update(batch.staleness)
+            deferred += batch.deferred_seconds
             for r in samples:
                 lengths_seen[r.role].append(len(r.response_ids))
+                truncated += r.finish_reason == "length"
         if overlap:
             end = max(engine.now, train_free) + seconds
             scheduler.decode_while(lambda: engine.now < end, version)
@@ -198,8 +199,9 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
         decode_share=stats["decode_seconds"] / window,
         prefill_share=stats["prefill_seconds"] / window,
         staleness=dict(sorted(staleness.items())),
+        deferred_share=deferred / window,
         mean_length={role: statistics.mean(v) for role, v in sorted(lengths_seen.items())},
-        truncated=sum(r.finish_reason == "length" for g in batch.groups for r in g))
+        truncated_share=truncated / samples)
 
 
 def run_hardware(name: str, progress: float, args) -> list[dict]:

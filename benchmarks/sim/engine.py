@@ -88,9 +88,12 @@ class SimEngine:
         self.stats["idle_seconds"] += seconds
 
     def update_weights(self, model) -> None:
-        """Counts a new policy version (the simulated engine has no weights)."""
+        """Counts a new policy version (the simulated engine has no weights); a group prompt
+        prefilled under the old weights is prefilled again for members still queued."""
         del model
         self.version += 1
+        for request in self._queue:
+            request.group.prefilled = False
 
     # --- requests ---
 
@@ -99,21 +102,24 @@ class SimEngine:
                n: int = 1, segment_tokens: int | None = None,
                generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...); with
-        `generated` = (tokens, logprobs) they continue a restored partial output."""
+        `generated` = (tokens, logprobs) one request continues a partial output (they count
+        against `max_new_tokens`, as in `Engine`)."""
         del temperature, top_p, top_k
         prompt_len = len(prompt_ids)
         done = len(generated[0]) if generated else 0
-        if prompt_len < 1 or prompt_len + done + max_new_tokens > self.max_length:
-            raise ValueError(f"submit: prompt ({prompt_len}) + generated ({done}) + "
-                             f"max_new_tokens ({max_new_tokens}) must fit max_length "
-                             f"({self.max_length})")
+        if prompt_len < 1 or prompt_len + max_new_tokens > self.max_length:
+            raise ValueError(f"submit: prompt ({prompt_len}) + max_new_tokens "
+                             f"({max_new_tokens}) must fit max_length ({self.max_length})")
+        if generated and (n != 1 or done >= max_new_tokens):
+            raise ValueError(f"generated: continues one request with fewer tokens than "
+                             f"max_new_tokens; got n={n}, {done} tokens")
         role = self.role_of(prompt_ids)
         group = _Group(prompt_len)
         ids = []
         for i in range(n):
             request = _Request(self._next_id, group, role,
                                target=self.lengths.draw(role, int(seed) + i),
-                               max_new=done + int(max_new_tokens), segment_tokens=segment_tokens,
+                               max_new=int(max_new_tokens), segment_tokens=segment_tokens,
                                stop_id=int(stop_ids[0]) if stop_ids else EOS,
                                answer=self.answer_tokens.get(role, 0), generated=done)
             if generated:
@@ -138,6 +144,25 @@ class SimEngine:
         if mode == "recompute":
             self._prefill(request.context)
         self._running.add(request_id)
+
+    def recompute(self, request_ids: Sequence[int]) -> None:
+        """Re-prefills the contexts of requests in slots under the current weights."""
+        for request_id in request_ids:
+            self._prefill(self._requests[request_id].context)
+
+    def in_slots(self) -> list[int]:
+        """Ids of the requests holding a slot, by slot."""
+        return [i for i in self._slots if i is not None]
+
+    def partial(self, request_id: int) -> tuple[list[int], list[float]]:
+        """Tokens and log-probabilities a request has so far."""
+        return self._output(self._requests[request_id])
+
+    def finished(self) -> list[tuple[int, EngineOutput]]:
+        """Takes the outputs finished (or paused) but not yet yielded by `stream`."""
+        done = list(self._done)
+        self._done.clear()
+        return done
 
     def release(self, request_id: int) -> None:
         """Frees the slot of a paused request."""
@@ -191,7 +216,7 @@ class SimEngine:
 
     def _decode_to_next_event(self) -> None:
         running = [self._requests[i] for i in self._running]
-        steps = min(r.end - r.generated for r in running)
+        steps = max(0, min(r.end - r.generated for r in running))
         rows, context = len(running), sum(r.context for r in running)
         seconds = self.cost.decode_seconds(rows, context, steps)
         self.now += seconds
@@ -221,12 +246,18 @@ class SimEngine:
             del self._requests[request.id]
 
     def _output(self, request: _Request) -> tuple[list[int], list[float]]:
+        """The first `generated` tokens of the request's output (module docstring)."""
         n, length = request.generated, request.target
-        answer = min(request.answer, max(0, (length - 2) // 2))
-        thought = max(0, length - 2 - answer) if length >= 2 else length - 1
-        layout = ([THOUGHT] * thought + ([THINK_CLOSE] if length >= 2 else [])
-                  + [ANSWER] * answer + [request.stop_id])
-        tokens = layout[:n]
+        if length < 2:
+            tokens = [request.stop_id][:n]
+        else:
+            answer = min(request.answer, (length - 2) // 2)
+            thought = length - 2 - answer
+            tokens = [THOUGHT] * min(n, thought)
+            if n > thought:
+                tokens += [THINK_CLOSE] + [ANSWER] * min(n - thought - 1, answer)
+            if n >= length:
+                tokens.append(request.stop_id)
         logprobs = [-1.0] * n
         if request.restored:
             done = len(request.restored[0])

@@ -64,11 +64,10 @@ class LengthModel:
         return 1.0 - _phi((math.log(self.cap) - self.mu(role)) / self.sigma)
 
     def draw(self, role: str, sequence_seed: int) -> int:
-        """The length (tokens, stop token included) of the output of `sequence_seed` for
-        `role`: at most `cap` (an output drawn at the cap ends by length)."""
+        """The length (tokens, stop token included) the output of `sequence_seed` for `role`
+        would have without a budget; one longer than the budget ends by length there."""
         rng = np.random.default_rng([self.seed, ROLES.index(role), int(sequence_seed)])
-        x = rng.lognormal(self._mus[role], self.sigma)
-        return int(max(1, min(self.cap, round(x))))
+        return int(max(1, round(rng.lognormal(self._mus[role], self.sigma))))
 
     @property
     def _mus(self) -> dict[str, float]:
