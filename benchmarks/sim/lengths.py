@@ -50,13 +50,17 @@ class LengthModel:
     solver_mean_end: float = 28_000.0
     progress: float = 0.0
     seed: int = 0
+    median: float = 0.0   # > 0: every role's uncapped median is this x its scale (no mean fit)
+    role_scale: tuple = tuple(ROLE_SCALE.items())
 
     def mean(self, role: str) -> float:
         solver = self.solver_mean_start + (self.solver_mean_end - self.solver_mean_start) * (
             self.progress)
-        return solver * ROLE_SCALE[role]
+        return solver * dict(self.role_scale)[role]
 
     def mu(self, role: str) -> float:
+        if self.median > 0:
+            return math.log(self.median * dict(self.role_scale)[role])
         return fit_mu(self.mean(role), self.sigma, self.cap)
 
     def truncated_fraction(self, role: str) -> float:
