@@ -36,6 +36,7 @@ class SimTokenizer:
     def __init__(self):
         self._ids: dict[str, int] = {w: i for i, w in SPECIAL.items() if w}
         self._words: list[str] = [SPECIAL.get(i, "") for i in range(FIRST_WORD_ID)]
+        self._shown = [w if i not in SKIPPED else "" for i, w in enumerate(self._words)]
 
     def word_ids(self, text: str) -> list[int]:
         ids = []
@@ -44,14 +45,13 @@ class SimTokenizer:
             if i is None:
                 i = self._ids[word] = len(self._words)
                 self._words.append(word)
+                self._shown.append(word)
             ids.append(i)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        words = self._words
-        if skip_special_tokens:
-            return " ".join(words[i] for i in ids if i not in SKIPPED and words[i])
-        return " ".join(words[i] for i in ids if words[i])
+        words = self._shown if skip_special_tokens else self._words
+        return " ".join(filter(None, map(words.__getitem__, ids)))
 
 
 def role_of_messages(messages: Sequence[Mapping[str, str]]) -> str:
