@@ -52,7 +52,10 @@ from benchmarks.sim.agents import SimRollouts, SimTokenizer, problems, role_of_p
 from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slots_per_chip  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
-from benchmarks.sim.scheduler import ContractScheduler as Scheduler  # noqa: E402
+try:  # the project's scheduler once it lands on main; until then the stand-in (same contract)
+    from mars_jax.rl.streaming import StreamingRollouts as Scheduler  # noqa: E402
+except ImportError:
+    from benchmarks.sim.scheduler import ContractScheduler as Scheduler  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
 
@@ -168,6 +171,11 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
     return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split))
 
 
+def trained(group, drop_zero_variance: bool) -> bool:
+    """Whether a complete group's samples enter the update (a zero-variance group is dropped)."""
+    return not drop_zero_variance or len({r.reward for r in group}) > 1
+
+
 def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthModel, updates: int,
              warmup: int, samples_per_update: int, max_inflight_rows: int, resume: str = "keep",
              staleness_bound: int = 3, seed: int = 0) -> dict:
@@ -192,7 +200,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     window_stats, deferred, truncated = None, 0.0, 0
     for _ in range(updates):
         batch = scheduler.collect(version)
-        samples = [r for g in batch.groups if scheduler.size(g) for r in g]
+        samples = [r for g in batch.groups if trained(g, workload.drop_zero_variance) for r in g]
         seconds = sum(costs.train.update_seconds(len(r.prompt_ids) + len(r.response_ids))
                       for r in samples)
         if len(ends) >= warmup:
@@ -350,6 +358,7 @@ def main() -> None:
     cpu.add_argument("--cpu_sigma", type=float, default=0.9)
     cpu.add_argument("--cpu_drop_zero_variance", action="store_true")
     args = parser.parse_args()
+    print(f"scheduler: {Scheduler.__module__}.{Scheduler.__name__}")
     if args.profile == "cpu":
         run_profile(args)
         return
