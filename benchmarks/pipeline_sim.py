@@ -8,8 +8,9 @@ engine whose clock follows a roofline cost model (`benchmarks/sim/`).
 Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
 (Solver, V, C, V, C), 64k output budget per role decoded in 16k segments, 32k prompt cap,
 `adaptive` selection, every role trained. Output lengths: `sim.lengths.LengthModel`; grading:
-`sim.agents.SimRollouts` (seeded correctness per role). The scheduler: `sim.scheduler` (a
-stand-in for `mars_jax.rl.streaming.StreamingRollouts`, same contract).
+`sim.agents.SimRollouts` (seeded correctness per role). The scheduler:
+`mars_jax.rl.streaming.StreamingRollouts` (admission, selection, stage barriers, staleness gate,
+keep / recompute), driving `sim.engine.SimEngine`.
 
 Rows (every one on the whole machine; slots per chip = (0.9 x HBM - resident) / KV bytes of one
 slot of 32k + 64k positions, reserved in full as `Engine` does):
@@ -52,12 +53,9 @@ from benchmarks.sim.agents import SimRollouts, SimTokenizer, problems, role_of_p
 from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slots_per_chip  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
-try:  # the project's scheduler once it lands on main; until then the stand-in (same contract)
-    from mars_jax.rl.streaming import StreamingRollouts as Scheduler  # noqa: E402
-except ImportError:
-    from benchmarks.sim.scheduler import ContractScheduler as Scheduler  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
+from mars_jax.rl.streaming import StreamingRollouts  # noqa: E402
 
 GiB = 1 << 30
 TRAIN_STATE_BYTES_PER_PARAM = 8  # bf16 weights + AdamW mu, nu (param dtype) + gradients
@@ -171,7 +169,7 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
     return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split))
 
 
-def trained(group, drop_zero_variance: bool) -> bool:
+def is_trained(group, drop_zero_variance: bool) -> bool:
     """Whether a complete group's samples enter the update (a zero-variance group is dropped)."""
     return not drop_zero_variance or len({r.reward for r in group}) > 1
 
@@ -187,7 +185,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     engine = SimEngine(costs.decode, lengths, num_slots=costs.slots, max_length=max_length,
                        role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens))
     overlap = costs.overlap
-    scheduler = Scheduler(
+    scheduler = StreamingRollouts(
         rollouts, engine, problems(workload.problem_words, seed), mode=mode,
         prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
         max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
@@ -200,7 +198,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     window_stats, deferred, truncated = None, 0.0, 0
     for _ in range(updates):
         batch = scheduler.collect(version)
-        samples = [r for g in batch.groups if trained(g, workload.drop_zero_variance) for r in g]
+        samples = [r for g in batch.groups if is_trained(g, workload.drop_zero_variance) for r in g]
         seconds = sum(costs.train.update_seconds(len(r.prompt_ids) + len(r.response_ids))
                       for r in samples)
         if len(ends) >= warmup:
@@ -358,7 +356,6 @@ def main() -> None:
     cpu.add_argument("--cpu_sigma", type=float, default=0.9)
     cpu.add_argument("--cpu_drop_zero_variance", action="store_true")
     args = parser.parse_args()
-    print(f"scheduler: {Scheduler.__module__}.{Scheduler.__name__}")
     if args.profile == "cpu":
         run_profile(args)
         return

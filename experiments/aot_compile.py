@@ -19,6 +19,14 @@ Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
   update    `rl.update.train_step` over one step's micro-batches
 By default the programs the config's decode path runs (`step_programs`).
+With `mesh.rollout.devices` > 0 the devices are split (`builders.build_meshes`): the decode
+programs compile on the rollout submesh, logprobs and update on the training submesh, and it
+prints the bytes one weight copy from the training to the rollout submesh writes
+(`weight_sync.transfer_bytes`), e.g. for v5p-512 split 192:64 (3:1):
+  python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b.py \
+      --topology=v5p:8x8x4 --config.rollout.decode_engine=engine \
+      --config.mesh.rollout.devices=192 --config.mesh.rollout.data=1 \
+      --config.mesh.rollout.fsdp=-1 --config.learner.micro_batch_size=64
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
 FLOPs (`cost_analysis()`: per device, a loop body counted once) and whether it fits the chip;
 the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
@@ -51,7 +59,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import ConfigDict, config_flags  # noqa: E402
 
-from mars_jax import builders, sharding  # noqa: E402
+from mars_jax import builders, sharding, weight_sync  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
@@ -63,6 +71,7 @@ from mars_jax.sampling import engine, sampler  # noqa: E402
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
 ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs", "update")
 ALL_PROGRAMS = PROGRAMS[:2] + ENGINE_PROGRAMS
+TRAIN_PROGRAMS = ("logprobs", "update")  # on the training submesh; the rest on the rollout one
 GiB = 1 << 30
 # HBM per device by `device_kind` (TPU compile-only devices do not report it).
 TPU_HBM = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": int(95.74 * GiB),
@@ -116,6 +125,7 @@ class Result:
 
     program: str
     fits: bool
+    mesh: str = "shared"  # 'shared' | 'train' | 'rollout': the (sub)mesh it was compiled for
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
@@ -406,7 +416,8 @@ class StepPrograms:
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
 
 
-def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int) -> Result:
+def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int,
+                    mesh: str = "shared") -> Result:
     """Compiles one program. A compile error counts as 'does not fit': on TPU, XLA rejects a
     program that overflows HBM; on GPU, shapes far beyond the chip can fail to compile at all."""
     start = time.perf_counter()
@@ -417,10 +428,11 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
         summary = " ".join(line.strip() for line in str(e).splitlines()[:3])
         if not _OOM.search(summary):
             summary = f"compile error: {summary}"
-        return Result(name, fits=False, compile_s=time.perf_counter() - start, error=summary[:400])
+        return Result(name, fits=False, mesh=mesh, compile_s=time.perf_counter() - start,
+                      error=summary[:400])
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    result = Result(name, fits=True, argument_bytes=memory.argument_size_in_bytes,
+    result = Result(name, fits=True, mesh=mesh, argument_bytes=memory.argument_size_in_bytes,
                     output_bytes=memory.output_size_in_bytes,
                     alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
                     code_bytes=memory.generated_code_size_in_bytes,
@@ -432,15 +444,16 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
 
 def format_table(results: Sequence[Result], hbm_bytes: int) -> str:
     gib = lambda n: f"{n / GiB:8.2f}"
-    lines = [f"{'program':9} {'args':>8} {'outputs':>8} {'alias':>8} {'temps':>8} {'total':>8} "
-             f"{'HBM':>8} {'TFLOPs':>9} {'fits':>4} {'compile':>8}   (GiB per device)"]
+    lines = [f"{'program':14} {'mesh':7} {'args':>8} {'outputs':>8} {'alias':>8} {'temps':>8} "
+             f"{'total':>8} {'HBM':>8} {'TFLOPs':>9} {'fits':>4} {'compile':>8}   "
+             "(GiB per device)"]
     for r in results:
         if r.error:
-            lines.append(f"{r.program:9} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
+            lines.append(f"{r.program:14} {r.mesh:7} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
                          f"{gib(hbm_bytes)} {'-':>9} {'no':>4} {r.compile_s:7.0f}s   {r.error}")
             continue
         tflops = "-" if r.flops is None else f"{r.flops / 1e12:.3f}"
-        lines.append(f"{r.program:9} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
+        lines.append(f"{r.program:14} {r.mesh:7} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
                      f"{gib(r.alias_bytes)} {gib(r.temp_bytes)} {gib(r.total_bytes)} "
                      f"{gib(hbm_bytes)} {tflops:>9} {'yes' if r.fits else 'no':>4} "
                      f"{r.compile_s:7.0f}s")
@@ -449,7 +462,9 @@ def format_table(results: Sequence[Result], hbm_bytes: int) -> str:
 
 @dataclasses.dataclass
 class Report:
-    """What was compiled, for which target, and the per-program results."""
+    """What was compiled, for which target, and the per-program results. `mesh` is the training
+    (or shared) mesh; with a split, one weight copy to `rollout_mesh` writes `weight_copy_bytes`
+    on its devices (`weight_copy_bytes_per_device` on the fullest one; 0 on a shared mesh)."""
 
     target: str
     mesh: dict[str, int]
@@ -458,6 +473,9 @@ class Report:
     shapes: Shapes
     hbm_bytes: int
     results: list[Result]
+    rollout_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    weight_copy_bytes: int = 0
+    weight_copy_bytes_per_device: int = 0
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -474,15 +492,24 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
     if unknown:
         raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {ALL_PROGRAMS}")
     target = make_target(topology, num_slices)
-    mesh = sharding.make_mesh(dict(config.mesh), target.devices)
+    train_mesh, rollout_mesh = sharding.make_meshes(config.mesh.to_dict(), target.devices)
+    split = train_mesh is not rollout_mesh
     cfg = model_config(config, num_layers)
-    steps = StepPrograms(config, cfg, mesh)
+    train = StepPrograms(config, cfg, train_mesh)
+    rollout = StepPrograms(config, cfg, rollout_mesh) if split else train
     if any(p.startswith("engine") for p in programs):
-        print(steps.kv_line())
-    results = [compile_program(p, lambda p=p: steps.lower(p), target.hbm_bytes) for p in programs]
-    return Report(target.description, dict(mesh.shape),
+        print(rollout.kv_line())
+    copy_bytes = weight_sync.transfer_bytes(
+        train.weights, jax.tree.map(lambda x: x.sharding, rollout.weights))
+    results = []
+    for p in programs:
+        steps, where = (train, "train") if p in TRAIN_PROGRAMS else (rollout, "rollout")
+        results.append(compile_program(p, lambda p=p, steps=steps: steps.lower(p),
+                                       target.hbm_bytes, where if split else "shared"))
+    return Report(target.description, dict(train_mesh.shape),
                   config.model.checkpoint or config.model.preset, cfg.num_hidden_layers,
-                  steps.shapes, target.hbm_bytes, results)
+                  train.shapes, target.hbm_bytes, results, rollout_mesh=dict(rollout_mesh.shape),
+                  weight_copy_bytes=copy_bytes[0], weight_copy_bytes_per_device=copy_bytes[1])
 
 
 def main(argv):
@@ -490,6 +517,10 @@ def main(argv):
     report = run(_CONFIG.value, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
                  programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
     print(f"target  {report.target}; mesh {report.mesh}")
+    if report.weight_copy_bytes:
+        print(f"split   training mesh {report.mesh}, rollout mesh {report.rollout_mesh}; one "
+              f"weight copy writes {report.weight_copy_bytes / 2**20:,.1f} MiB on the rollout "
+              f"devices, {report.weight_copy_bytes_per_device / 2**20:,.1f} MiB on the fullest")
     print(f"model   {report.model}: {report.layers} layers")
     print(f"shapes  {dataclasses.asdict(report.shapes)}")
     print(format_table(report.results, report.hbm_bytes))

@@ -11,8 +11,15 @@ from mars_jax.data.tokenizer import load_tokenizer, qwen3_tokenizer, tiny_tokeni
 from mars_jax.models import Qwen3, create_model, from_pretrained, get_preset
 
 
+def build_meshes(config: ConfigDict) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+    """(training mesh, rollout mesh) of `config.mesh`: the same mesh twice unless
+    `mesh.rollout.devices` > 0 splits the devices (`sharding.MeshSplit`)."""
+    return sharding.make_meshes(config.mesh.to_dict())
+
+
 def build_mesh(config: ConfigDict) -> jax.sharding.Mesh:
-    return sharding.make_mesh(dict(config.mesh))
+    """The training mesh: all devices unless `mesh.rollout.devices` > 0 splits them."""
+    return build_meshes(config)[0]
 
 
 def model_overrides(config: ConfigDict) -> dict:

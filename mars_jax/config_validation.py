@@ -9,11 +9,11 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
   choices      enumerated strings (job, rollout.mode, rollout.selection, ...);
   ranges       counts and sizes that must be positive or at least some minimum;
   consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
-               constant divisor, the mesh fits the devices, the segment
-               budget fits every role's max_new_tokens, no pipeline output needs more segments
-               than the staleness bound allows, the job's dataset can be found (manual dir
-               or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for eval_system),
-               an HTTP evaluation has a server URL and model name.
+               constant divisor, the mesh (or its rollout / training split) fits the devices,
+               the segment budget fits every role's max_new_tokens, no pipeline output needs
+               more segments than the staleness bound allows, the job's dataset can be found
+               (manual dir or a prepared TFDS dir; `data` for train and sft, `eval.dataset` for
+               eval_system), an HTTP evaluation has a server URL and model name.
 
 Rules that read a field with a schema problem are skipped, so one wrong type yields one message.
 """
@@ -35,6 +35,7 @@ from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES
 from mars_jax.rl.rollout import STAGE_ROLES, segments_needed
 from mars_jax.rl.selection import POLICIES
+from mars_jax.rl.streaming import RESUME_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "job": ("train", "eval_system", "sft"),
     "rollout.mode": MODES,
     "rollout.decode_engine": ("generate", "engine"),
+    "rollout.scheduler": ("step", "stream"),
+    "rollout.resume": RESUME_MODES,
     "rollout.selection": POLICIES,
     "rollout.roles_trained": ROLES_TRAINED,
     "rollout.prompt_style": tuple(STYLES),
@@ -82,6 +85,7 @@ AT_LEAST: dict[str, float] = {
     "rollout.segment_tokens": 0, "rollout.max_decode_rows": 0, "rollout.staleness_bound": 0,
     "rollout.engine_slots": 0, "rollout.engine_chunk_steps": 1,
     "rollout.max_prompt_tokens": 1, "rollout.max_inflight_rows": 0,
+    "rollout.samples_per_update": 0,
     "rollout.top_k": 0,
     "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
     "learner.ppo_epochs": 1, "learner.mini_batches": 1, "loss.max_response_len": 0,
@@ -233,15 +237,29 @@ def _sum_norm(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "rollout.max_new_tokens)")
 
 
+_MESH_FIXES = {
+    "mesh": "make the product of mesh.data/fsdp/tensor/expert equal the device count (less "
+            "mesh.rollout.devices when split), or set one axis to -1",
+    "mesh.rollout": "make the product of mesh.rollout.data/fsdp/tensor/expert equal "
+                    "mesh.rollout.devices, or set one axis to -1",
+    "mesh.rollout.devices": "set it to fewer than the device count, or 0 for one shared mesh",
+    "mesh.dcn": "set mesh.dcn sizes whose product divides the device count; a split mesh "
+                "(mesh.rollout.devices > 0) needs them all 1",
+}
+
+
 @_rule("mesh")
 def _mesh(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     try:
-        sharding.MeshConfig.from_mapping(config.mesh.to_dict()).resolve(device_count)
+        sharding.MeshSplit.from_mapping(config.mesh.to_dict()).resolve(device_count)
     except (ValueError, TypeError) as e:
-        yield Problem("mesh", f"does not fit the {device_count} available device(s): "
-                      f"{str(e).removeprefix('mesh: ')}",
-                      "make the product of mesh.data/fsdp/tensor/expert equal the device count, "
-                      "or set one axis to -1")
+        field, _, problem = str(e).partition(": ")
+        section = next((f for f in sorted(_MESH_FIXES, key=len, reverse=True)
+                        if field == f or field.startswith(f + ".")), "mesh")
+        if not problem:
+            field, problem = "mesh", str(e)
+        yield Problem(field, f"{problem} ({device_count} device(s) available)",
+                      _MESH_FIXES[section])
 
 
 @_rule("rollout.segment_tokens", "rollout.max_new_tokens")
@@ -255,13 +273,29 @@ def _segments(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "one go")
 
 
+@_rule("rollout.scheduler", "rollout.decode_engine", "rollout.segment_tokens")
+def _stream(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    """The streaming scheduler runs on the engine and cuts no segments."""
+    r = config.rollout
+    if r.scheduler != "stream":
+        return
+    if r.decode_engine != "engine":
+        yield Problem("rollout.decode_engine", f"{r.decode_engine!r} with rollout.scheduler="
+                      "'stream'", "set rollout.decode_engine='engine' (streaming needs the "
+                      "continuous-batching engine)")
+    if r.segment_tokens:
+        yield Problem("rollout.segment_tokens", f"{r.segment_tokens} with rollout.scheduler="
+                      "'stream'", "set it to 0: a streamed output keeps its slot across updates "
+                      "(rollout.resume says what happens to its KV)")
+
+
 @_rule("rollout.mode", "rollout.segment_tokens", "rollout.staleness_bound",
        "rollout.max_new_tokens", "rollout.roles_trained", "rollout.max_stages")
 def _staleness(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     """Pipeline mode decodes one segment of every pending output a step and never restarts one, so
     an output of K segments trains K - 1 versions after its first: K - 1 must fit the bound."""
     r = config.rollout
-    if r.mode != "pipeline" or r.segment_tokens <= 0:
+    if r.mode != "pipeline" or r.segment_tokens <= 0 or r.get("scheduler") == "stream":
         return
     stages = 1 if r.roles_trained == "solver" else min(r.max_stages, len(STAGE_ROLES))
     roles = dict.fromkeys(STAGE_ROLES[:stages])

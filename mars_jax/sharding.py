@@ -57,6 +57,7 @@ class MeshConfig:
     `data`, `fsdp`, `tensor` and `expert` are sizes within one slice (ICI). `dcn` gives, in
     `MESH_AXES` order, how many slices each axis spans (data-centre network; on GPUs and CPUs a
     slice is a process); an axis's full size is its within-slice size times its `dcn` size.
+    `field` is the config section that error messages name ('mesh', 'mesh.rollout').
     """
 
     data: int = -1
@@ -64,22 +65,23 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     dcn: tuple[int, ...] = (1,) * len(MESH_AXES)
+    field: str = dataclasses.field(default="mesh", compare=False)
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> "MeshConfig":
+    def from_mapping(cls, mapping: Mapping[str, Any], field: str = "mesh") -> "MeshConfig":
         """Axis sizes by name, plus an optional `dcn` mapping of across-slice sizes by name."""
         mapping = dict(mapping)
         dcn = dict(mapping.pop("dcn", None) or {})
-        for where, names in (("mesh", mapping), ("mesh.dcn", dcn)):
+        for where, names in ((field, mapping), (f"{field}.dcn", dcn)):
             unknown = set(names) - set(MESH_AXES)
             if unknown:
                 raise ValueError(f"{where}: unknown axes {sorted(unknown)}; "
                                  f"valid axes are {MESH_AXES}")
         for name, size in dcn.items():
             if int(size) < 1:
-                raise ValueError(f"mesh.dcn.{name}: size must be positive, got {size}")
+                raise ValueError(f"{field}.dcn.{name}: size must be positive, got {size}")
         return cls(**{k: int(v) for k, v in mapping.items()},
-                   dcn=tuple(int(dcn.get(name, 1)) for name in MESH_AXES))
+                   dcn=tuple(int(dcn.get(name, 1)) for name in MESH_AXES), field=field)
 
     @property
     def num_slices(self) -> int:
@@ -89,8 +91,9 @@ class MeshConfig:
         """Full axis sizes (within-slice times `dcn`) with -1 replaced; raises ValueError naming
         the field when they do not fit `num_devices`."""
         if num_devices % self.num_slices:
-            raise ValueError(f"mesh.dcn: {num_devices} devices cannot form {self.num_slices} "
-                             f"equal slices (dcn sizes {dict(zip(MESH_AXES, self.dcn))})")
+            raise ValueError(f"{self.field}.dcn: {num_devices} devices cannot form "
+                             f"{self.num_slices} equal slices "
+                             f"(dcn sizes {dict(zip(MESH_AXES, self.dcn))})")
         ici = self.resolve_ici(num_devices // self.num_slices)
         return tuple(i * d for i, d in zip(ici, self.dcn))
 
@@ -99,20 +102,20 @@ class MeshConfig:
         sizes = [getattr(self, name) for name in MESH_AXES]
         wildcard = [name for name, size in zip(MESH_AXES, sizes) if size == -1]
         if len(wildcard) > 1:
-            raise ValueError(f"mesh: only one axis may be -1, got {wildcard}")
+            raise ValueError(f"{self.field}: only one axis may be -1, got {wildcard}")
         for name, size in zip(MESH_AXES, sizes):
             if size == 0 or size < -1:
-                raise ValueError(f"mesh.{name}: size must be positive or -1, got {size}")
+                raise ValueError(f"{self.field}.{name}: size must be positive or -1, got {size}")
         known = math.prod(size for size in sizes if size != -1)
         if wildcard:
             if num_devices % known:
                 raise ValueError(
-                    f"mesh: {num_devices} devices cannot be split with fixed axes of product {known}; "
-                    f"set mesh sizes whose product divides {num_devices}")
+                    f"{self.field}: {num_devices} devices cannot be split with fixed axes of "
+                    f"product {known}; set {self.field} sizes whose product divides {num_devices}")
             sizes[MESH_AXES.index(wildcard[0])] = num_devices // known
         elif known != num_devices:
             raise ValueError(
-                f"mesh: product of axis sizes {dict(zip(MESH_AXES, sizes))} is {known}, "
+                f"{self.field}: product of axis sizes {dict(zip(MESH_AXES, sizes))} is {known}, "
                 f"but {num_devices} devices are available; set one axis to -1 or fix the sizes")
         return tuple(sizes)
 
@@ -142,7 +145,7 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
         granules = {d.slice_index if slices > 1 else d.process_index for d in devices}
         if len(granules) != config.num_slices:
             kind = "slices" if slices > 1 else "processes"
-            raise ValueError(f"mesh.dcn: sizes {dict(zip(MESH_AXES, config.dcn))} need "
+            raise ValueError(f"{config.field}.dcn: sizes {dict(zip(MESH_AXES, config.dcn))} need "
                              f"{config.num_slices} slices, but the devices span {len(granules)} "
                              f"{kind}")
         ici = config.resolve_ici(len(devices) // config.num_slices)
@@ -150,6 +153,75 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
             ici, config.dcn, devices, process_is_granule=slices == 1,
             allow_split_physical_axes=True)
     return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSplit:
+    """The config's `mesh` section: one mesh shared by rollout and training
+    (`rollout_devices == 0`), or the devices split into two disjoint meshes: a training mesh of
+    `train`'s axis sizes over the first devices and a rollout mesh of `rollout`'s over the last
+    `rollout_devices`. Each resolves its own -1 axis; only a shared mesh may span slices (`dcn`).
+    """
+
+    train: MeshConfig = MeshConfig()
+    rollout: MeshConfig = MeshConfig(field="mesh.rollout")
+    rollout_devices: int = 0
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "MeshSplit":
+        """The `mesh` section: axis sizes (and `dcn`) of the training (or shared) mesh, plus an
+        optional `rollout` mapping of `devices` and the rollout mesh's axis sizes."""
+        mapping = dict(mapping)
+        rollout = dict(mapping.pop("rollout", None) or {})
+        devices = int(rollout.pop("devices", 0))
+        return cls(MeshConfig.from_mapping(mapping),
+                   MeshConfig.from_mapping(rollout, field="mesh.rollout"), devices)
+
+    @property
+    def split(self) -> bool:
+        return self.rollout_devices > 0
+
+    def resolve(self, num_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Full axis sizes of the training and the rollout mesh (the same when shared); raises
+        ValueError naming the field when they do not fit `num_devices`."""
+        if self.rollout_devices < 0:
+            raise ValueError(f"mesh.rollout.devices: must be 0 (one shared mesh) or positive, "
+                             f"got {self.rollout_devices}")
+        if not self.split:
+            if self.rollout != MeshConfig():
+                raise ValueError("mesh.rollout: axis sizes are set but mesh.rollout.devices is 0 "
+                                 "(one shared mesh, laid out by mesh.data/fsdp/tensor/expert)")
+            shape = self.train.resolve(num_devices)
+            return shape, shape
+        if self.rollout_devices >= num_devices:
+            raise ValueError(f"mesh.rollout.devices: {self.rollout_devices} leaves none of the "
+                             f"{num_devices} devices for training")
+        if self.train.num_slices > 1:
+            raise ValueError("mesh.dcn: a mesh split into rollout and training submeshes spans "
+                             f"one slice; got dcn sizes {dict(zip(MESH_AXES, self.train.dcn))}")
+        try:
+            train = self.train.resolve(num_devices - self.rollout_devices)
+        except ValueError as e:
+            raise ValueError(f"{e} (training submesh: {num_devices} devices less "
+                             f"mesh.rollout.devices={self.rollout_devices})") from None
+        return train, self.rollout.resolve(self.rollout_devices)
+
+
+def make_meshes(split: MeshSplit | Mapping[str, Any],
+                devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
+    """(training mesh, rollout mesh) over `devices` (default: all): the same :func:`make_mesh`
+    twice when not split, else two meshes over disjoint devices, the training one over the
+    first `len(devices) - split.rollout_devices` in `devices` order, the rollout one over the
+    rest."""
+    if not isinstance(split, MeshSplit):
+        split = MeshSplit.from_mapping(split)
+    devices = list(jax.devices() if devices is None else devices)
+    split.resolve(len(devices))
+    if not split.split:
+        mesh = make_mesh(split.train, devices)
+        return mesh, mesh
+    cut = len(devices) - split.rollout_devices
+    return make_mesh(split.train, devices[:cut]), make_mesh(split.rollout, devices[cut:])
 
 
 class _Active(threading.local):

@@ -15,8 +15,12 @@ def base_config() -> ConfigDict:
 
     # Within-slice axis sizes (-1 = the rest); `dcn` sizes run across slices (TPU multi-slice) or
     # processes (GPU/CPU hosts): e.g. --config.mesh.dcn.data=2 for two slices doing data parallel.
+    # mesh.rollout.devices > 0 splits the devices: these axes (no dcn) then lay out the training
+    # mesh over the first devices, mesh.rollout's the rollout (engine) mesh over the last
+    # `devices`; after each update the weights are copied across (mars_jax.weight_sync).
     c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1,
-                             dcn=dict(data=1, fsdp=1, tensor=1, expert=1)))
+                             dcn=dict(data=1, fsdp=1, tensor=1, expert=1),
+                             rollout=dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1)))
 
     c.data = ConfigDict(dict(name="arith", split="train", manual_dir="", data_dir="", shuffle=True))
     # Difficulty of the generated `arith` problems (mars_jax.data.arith.generate_problems).
@@ -41,6 +45,12 @@ def base_config() -> ConfigDict:
         decode_engine="generate",   # 'generate' (static batches) | 'engine' (continuous batching)
         engine_slots=0,             # engine slots; 0 = max_decode_rows, else 16
         engine_chunk_steps=16,      # engine decode steps between admissions
+        # 'step': one decode per training step (segments, `decode_engine`); 'stream': one engine
+        # runs across updates, each output graded as it finishes, the next stage submitted at
+        # once, an update every `samples_per_update` trained samples (mars_jax.rl.streaming).
+        scheduler="step",
+        samples_per_update=0,       # stream: 0 = prompts_per_step * group_size
+        resume="recompute",         # stream, after an update: 'recompute' | 'keep' the slots' KV
         # Pipeline mode: versions a trained sample may lag its first segment; a config whose
         # outputs need more than staleness_bound + 1 segments is rejected at start-up.
         staleness_bound=1, max_prompt_tokens=1024,

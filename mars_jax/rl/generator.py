@@ -99,6 +99,16 @@ def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:
             r.max_prompt_tokens + max(dict(r.max_new_tokens).values()))
 
 
+def stream_engine(config: ConfigDict, model, eos: Sequence[int], *, mesh=None) -> Engine:
+    """The streaming scheduler's engine: `engine_shape(config, mesh)`, one base seed for the
+    whole run (a request's key depends only on it and the rollout's sequence seed)."""
+    slots, length = engine_shape(config, mesh)
+    return Engine(model, num_slots=slots, max_length=length,
+                  chunk_steps=config.rollout.engine_chunk_steps,
+                  max_stop_ids=max(8, len(tuple(eos))), seed=(config.seed * 1_000_003) % (1 << 32),
+                  record_routing=config.learner.routing_replay, mesh=mesh)
+
+
 class EngineGenerator:
     """A `rollout.Generator` on an `Engine` of `num_slots` slots of `max_length` positions.
     Sequence seeds count the requests submitted since the last `set_model` (whose `seed` is

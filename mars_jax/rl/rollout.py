@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -61,6 +62,19 @@ def segments_needed(max_new_tokens: int, segment_tokens: int | None) -> int:
     segment_tokens), 1 without segments. In pipeline mode it trains at most this minus 1 versions
     after its first segment."""
     return -(-max_new_tokens // segment_tokens) if segment_tokens else 1
+
+
+def selection_rng(seed: int, problem_uid: str, stage: int) -> np.random.Generator:
+    """The generator that picks a stage's parents in one problem's tree: a function of the run's
+    seed, the problem and the stage only, so the choice does not depend on the order in which
+    trees advance (pipeline vs sequential, streaming) and needs no checkpointed state."""
+    return np.random.default_rng([seed, zlib.crc32(problem_uid.encode()), stage])
+
+
+def sequence_seed(seed: int, group_uid: str) -> int:
+    """A group's first sequence seed (members take the next ones): a function of the run's seed
+    and the group's uid only, so a rollout draws the same tokens whatever the order of spawning."""
+    return zlib.crc32(f"{seed}:{group_uid}".encode()) >> 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +135,7 @@ class Rollout:
     reward: float = 0.0
     verdict: bool | None = None          # Verifier: parsed Correctness (None: unreadable/truncated)
     expert_ids: Any = None               # [L_moe, prompt + response, k] recorded routing
+    seed: int | None = None              # sequence seed (`sequence_seed`; members consecutive)
 
     @property
     def finished_by_itself(self) -> bool:
@@ -160,7 +175,7 @@ class AgenticRollouts:
     def __init__(self, tokenizer, config: RolloutConfig, *, seed: int,
                  encode: Callable[..., list[int]]):
         self.tokenizer, self.config, self.encode = tokenizer, config, encode
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
         self.thinking_open = generation_opens_thinking(
             tokenizer, enable_thinking=config.enable_thinking, encode=encode)
         self.pending: list[Rollout] = []
@@ -201,7 +216,7 @@ class AgenticRollouts:
             self.pending.append(Rollout(
                 uid=f"{tree.uid}/s{stage}/{index + i}", problem_uid=tree.uid, stage=stage,
                 parent_uid=None if parent is None else parent.uid, prompt_ids=list(prompt_ids),
-                **extra))
+                seed=sequence_seed(self.seed, f"{tree.uid}/s{stage}/{index}") + i, **extra))
         tree.spawned[stage] = index + self.config.group_size
 
     def add_problems(self, problems: Sequence[dict], uids: Sequence[str]) -> None:
@@ -302,6 +317,8 @@ class AgenticRollouts:
 
     def _spawn_children(self, tree: ProblemTree, parents: list[Rollout], stage: int) -> None:
         role = STAGE_ROLES[stage]
+        # Spawn order, not finishing order: the choice must not depend on the decode schedule.
+        parents = sorted(parents, key=lambda r: int(r.uid.rsplit("/", 1)[1]))
         if role == "verifier":
             usable = [r for r in parents if r.finished_by_itself or self.config.verify_truncated]
             candidates = [Candidate(is_correct=r.solved) for r in usable]
@@ -310,7 +327,8 @@ class AgenticRollouts:
             candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=r.verdict)
                           for r in usable]
         chosen = select_parents(candidates, stage=role, fan_out=self.config.fan_out,
-                                policy=self.config.selection, rng=self.rng)
+                                policy=self.config.selection,
+                                rng=selection_rng(self.seed, tree.uid, stage))
         problem, style = tree.problem["problem"], self.config.prompt_style
         for index in chosen:
             parent = usable[index]
@@ -334,7 +352,7 @@ class AgenticRollouts:
     # --- checkpointing -----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """JSON-serialisable state: pending rollouts, trees in flight, selection RNG, counters
+        """JSON-serialisable state: pending rollouts, trees in flight, counters
         (recorded routing is kept apart, as arrays: `routing`)."""
         def tree_json(t: ProblemTree) -> dict:
             return dict(uid=t.uid, problem=t.problem, spawned={str(k): v for k, v in t.spawned.items()},
@@ -342,7 +360,7 @@ class AgenticRollouts:
 
         return dict(pending=[r.to_json() for r in self.pending],
                     trees=[tree_json(t) for t in self.trees.values()],
-                    rng=self.rng.bit_generator.state, context_cuts=self.context_cuts,
+                    context_cuts=self.context_cuts,
                     context_drops=self.context_drops)
 
     def routing(self) -> dict[str, np.ndarray]:
@@ -375,7 +393,6 @@ class AgenticRollouts:
                 uid=t["uid"], problem=t["problem"],
                 spawned={int(k): v for k, v in t["spawned"].items()},
                 finished={int(k): [rollout(r) for r in v] for k, v in t["finished"].items()})
-        self.rng.bit_generator.state = state["rng"]
         self.context_cuts = state["context_cuts"]
         self.context_drops = state.get("context_drops", 0)  # absent in older checkpoints
 

@@ -36,11 +36,12 @@ from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
-from mars_jax.rl.generator import EngineGenerator, SamplerGenerator
+from mars_jax.rl.generator import EngineGenerator, SamplerGenerator, stream_engine
 from mars_jax.rl.learner import LearnerConfig, ppo_update, summarize_updates
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig, Rollout
+from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
@@ -138,6 +139,70 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
     return batch if jax.process_count() == 1 else distributed.global_train_batch(batch, mesh)
 
 
+def _build_stream(config: ConfigDict, rollouts: AgenticRollouts, model, eos, problems,
+                  mesh: jax.sharding.Mesh, inflight_cap: int) -> StreamingRollouts:
+    """The streaming scheduler (`rollout.scheduler='stream'`) on a fresh engine."""
+    if jax.process_count() > 1:
+        raise ValueError("rollout.scheduler='stream' runs on one process; use 'step' for "
+                         "multi-process jobs")
+    r = config.rollout
+    with sharding.use_mesh(mesh):
+        engine = stream_engine(config, model, eos, mesh=mesh)
+    return StreamingRollouts(
+        rollouts, engine, problems, mode=r.mode, prompts_per_step=r.prompts_per_step,
+        samples_per_update=r.samples_per_update or r.prompts_per_step * r.group_size,
+        max_inflight_rows=inflight_cap, staleness_bound=r.staleness_bound, resume=r.resume,
+        roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,
+        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), stop_ids=eos)
+
+
+def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, float]:
+    return {"tokens_per_second": batch.generated_tokens / max(batch.seconds, 1e-9),
+            "staleness/max": max(batch.staleness, default=0),
+            "staleness/mean": float(np.mean(batch.staleness)) if batch.staleness else 0.0,
+            "stream/occupancy": batch.occupancy, "stream/inflight": batch.inflight,
+            "stream/problems_admitted": batch.problems_admitted,
+            "stream/deferred_seconds": batch.deferred_seconds,
+            "rollouts/context_cuts": stream.rollouts.context_cuts,
+            "rollouts/context_drops": stream.rollouts.context_drops,
+            "time/rollout": batch.seconds}
+
+
+def _step_rollouts(config: ConfigDict, step: int, version: int, model, generator, rollouts,
+                   problems, eos, mesh: jax.sharding.Mesh, inflight_cap: int):
+    """One step's decodes (`rollout.scheduler='step'`): (every completed group, the trainable
+    ones, metrics with the generator to reuse under 'generator')."""
+    seed = config.seed * 1_000_003 + step * 1_009
+    if config.rollout.decode_engine == "engine":
+        if generator is None:
+            generator = EngineGenerator.from_config(config, model, eos, seed=seed, mesh=mesh)
+        generator.set_model(model, seed=seed)
+    else:
+        generator = SamplerGenerator(
+            model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+            top_k=config.rollout.top_k, seed=seed, record_routing=config.learner.routing_replay,
+            mesh=mesh, max_rows=config.rollout.max_decode_rows)
+    t0 = time.perf_counter()
+    with sharding.use_mesh(mesh):
+        result = rollout_step(rollouts, problems, generator, mode=config.rollout.mode,
+                              prompts_per_step=config.rollout.prompts_per_step, step=step,
+                              version=version, max_inflight_rows=inflight_cap,
+                              any_process=distributed.any_process)
+    elapsed = time.perf_counter() - t0
+    metrics = role_metrics(result.groups)
+    metrics.update({
+        "tokens_per_second": result.generated_tokens / max(elapsed, 1e-9),
+        "decode/calls": len(result.decode_batches),
+        "decode/requests": sum(sum(b.values()) for b in result.decode_batches),
+        "rollouts/pending": len(rollouts.pending),
+        "rollouts/context_cuts": rollouts.context_cuts,
+        "rollouts/context_drops": rollouts.context_drops,
+        "time/rollout": elapsed, "generator": generator})
+    for stage in range(5):
+        metrics[f"decode/stage{stage}"] = sum(b[stage] for b in result.decode_batches)
+    return result.groups, trainable(result.groups, config.rollout.roles_trained), metrics
+
+
 class _SigtermFlag:
     """Set by SIGTERM; the loop checks it after each step."""
 
@@ -190,11 +255,12 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                                  routing_replay=config.learner.routing_replay)
     ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
                   if update_config.loss.needs_ref_logprobs else None)
-    engine = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed, encode=encode_chat)
+    rollouts = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed,
+                               encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save)
     learner = learner_config(config)
-    start, nonfinite_streak, version = 0, 0, 0
+    start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
         "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])})
     if restored is not None:
@@ -203,7 +269,10 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
         problems.set_state(meta["data"])
         routing = (distributed.unpack_host_arrays(meta["routing"], arrays["routing"])
                    if arrays is not None else None)
-        engine.load_state_dict(meta["rollouts"], routing)
+        if config.rollout.scheduler == "stream":
+            saved_stream = (meta["stream"], routing)
+        else:
+            rollouts.load_state_dict(meta["rollouts"], routing)
         nonfinite_streak = meta["nonfinite_streak"]
         version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
         logging.info("resumed from step %d", start)
@@ -212,50 +281,36 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path, resume_step=start)
     eos = eos_token_ids(tokenizer)
     inflight_cap = config.rollout.max_inflight_rows or auto_inflight_rows(
-        engine.config, config.rollout.prompts_per_step)
+        rollouts.config, config.rollout.prompts_per_step)
     metrics: dict[str, float] = {}
     generator = None
+    stream = None
+    if config.rollout.scheduler == "stream":
+        stream = _build_stream(config, rollouts, nnx.merge(graphdef, state.params), eos, problems,
+                               mesh, inflight_cap)
+        if saved_stream is not None:
+            stream.load_state_dict(*saved_stream)
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
-            model = nnx.merge(graphdef, state.params)
-            seed = config.seed * 1_000_003 + step * 1_009
-            if config.rollout.decode_engine == "engine":
-                if generator is None:
-                    generator = EngineGenerator.from_config(config, model, eos, seed=seed,
-                                                            mesh=mesh)
-                generator.set_model(model, seed=seed)
+            if stream is not None:
+                batch = stream.collect(version)
+                all_groups, groups = batch.all_groups, batch.groups
+                metrics = role_metrics(all_groups)
+                metrics.update(_stream_metrics(batch, stream))
             else:
-                generator = SamplerGenerator(
-                    model, eos, temperature=config.rollout.temperature,
-                    top_p=config.rollout.top_p, top_k=config.rollout.top_k, seed=seed,
-                    record_routing=config.learner.routing_replay, mesh=mesh,
-                    max_rows=config.rollout.max_decode_rows)
-            t0 = time.perf_counter()
-            with sharding.use_mesh(mesh):
-                rollouts = rollout_step(engine, problems, generator, mode=config.rollout.mode,
-                                        prompts_per_step=config.rollout.prompts_per_step,
-                                        step=step, version=version,
-                                        max_inflight_rows=inflight_cap,
-                                        any_process=distributed.any_process)
+                all_groups, groups, metrics = _step_rollouts(
+                    config, step, version, nnx.merge(graphdef, state.params), generator, rollouts,
+                    problems, eos, mesh, inflight_cap)
+                generator = metrics.pop("generator")
             t1 = time.perf_counter()
-            groups = trainable(rollouts.groups, config.rollout.roles_trained)
             samples = training_samples(groups, drop_zero_variance=config.rollout.drop_zero_variance,
                                        normalize_std=config.rollout.normalize_std,
                                        mask_truncated=config.loss.mask_truncated)
-            metrics = role_metrics(rollouts.groups)
-            metrics.update({
-                "tokens_per_second": rollouts.generated_tokens / max(t1 - t0, 1e-9),
-                "staleness/max": max_staleness(groups, version),
-                "samples/trained": len(samples), "decode/calls": len(rollouts.decode_batches),
-                "decode/requests": sum(sum(b.values()) for b in rollouts.decode_batches),
-                "rollouts/pending": len(engine.pending),
-                "rollouts/context_cuts": engine.context_cuts,
-                "rollouts/context_drops": engine.context_drops,
-                "time/rollout": t1 - t0})
-            for stage in range(5):
-                metrics[f"decode/stage{stage}"] = sum(b[stage] for b in rollouts.decode_batches)
+            metrics["samples/trained"] = len(samples)
+            if stream is None:
+                metrics["staleness/max"] = max_staleness(groups, version)
             if distributed.any_process(bool(samples)):
                 with sharding.use_mesh(mesh):
                     state, history = ppo_update(
@@ -266,7 +321,10 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                         rng=np.random.default_rng([config.seed, step]))
                 update_metrics = summarize_updates(history)
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
-                version += int(update_metrics["optimizer_steps"] > 0)
+                if update_metrics["optimizer_steps"] > 0:
+                    version += 1
+                    if stream is not None:
+                        stream.weights_updated(nnx.merge(graphdef, state.params), version)
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
                 if not finite:
@@ -284,9 +342,11 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             preempted = distributed.any_process(sigterm.raised)
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):
-                routing_index, routing = distributed.host_arrays(engine.routing())
+                routing_index, routing = distributed.host_arrays(rollouts.routing())
+                queue = ({"stream": stream.state_dict()} if stream is not None
+                         else {"rollouts": rollouts.state_dict()})
                 checkpointer.save(step, state, distributed.gather_process_meta({
-                    "data": problems.get_state(), "rollouts": engine.state_dict(),
+                    "data": problems.get_state(), **queue,
                     "routing": routing_index, "nonfinite_streak": nonfinite_streak,
                     "policy_version": version}),
                     arrays=None if routing is None else {"routing": routing})

@@ -23,6 +23,12 @@ log-probabilities therefore do not depend on the other slots or on the admission
 `generate`'s up to float32 rounding (reductions run over `max_length` instead of `generate`'s
 cache length), which changes a token only at an exact near-tie.
 
+Order: the outputs finished in one decode chunk are streamed in submission order (not slot
+order), so a caller's choices that follow the output order do not depend on slot placement.
+`submit(generated=...)` continues a request from tokens it already has (prefilled as prompt +
+tokens, PRNG step continuing); `recompute(ids)` re-prefills requests in their slots under the
+current weights; `update_weights` drops group prompt prefills made under the old weights.
+
 Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
 tokens); the next token is written at position `length` and sees positions `0..length`.
 Segments: a request submitted with `segment_tokens` pauses in its slot after that many tokens;
@@ -257,6 +263,11 @@ def _unpause(state: SlotState, slot, pause_at) -> SlotState:
                          active=state.active.at[slot].set(True))
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _pause(state: SlotState, slot) -> SlotState:
+    return state.replace(active=state.active.at[slot].set(False))
+
+
 @jax.jit
 def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
     """The state of slots `index` (KV cache included); rows where `live` is False are idle."""
@@ -311,6 +322,7 @@ class Engine:
         self.mesh, self.admit_batch = mesh, max(1, admit_batch)
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
         self.vocab_size = model.config.vocab_size
+        self._queue: collections.deque[_Request] = collections.deque()
         self.update_weights(model)
         with self._mesh():
             self._state = _init_state(self._graphdef, self._weights, num_slots=num_slots,
@@ -321,7 +333,6 @@ class Engine:
         log.info("Engine: %d slots x %d positions; KV cache %d bytes per token, %d per slot, "
                  "%d in all", num_slots, max_length, self.kv_bytes_per_token,
                  self.kv_bytes_per_slot, self.kv_bytes_per_slot * num_slots)
-        self._queue: collections.deque[_Request] = collections.deque()
         self._requests: dict[int, _Request] = {}
         self._slots: list[int | None] = [None] * num_slots   # request id per slot
         self._running: set[int] = set()                      # slots decoding
@@ -336,18 +347,27 @@ class Engine:
         return sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def update_weights(self, model: Qwen3) -> None:
-        """Reads `model`'s current arrays: later steps (and `recompute` resumes) use them."""
+        """Reads `model`'s current arrays: later steps, prefills and `recompute`s use them (a
+        group prompt prefilled under the old arrays is prefilled again for members still
+        waiting)."""
         self._graphdef, self._weights = nnx.split(model)
+        for request in self._queue:
+            request.group.prefilled = None
 
     # --- requests ---
 
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
-               n: int = 1, segment_tokens: int | None = None) -> list[int]:
+               n: int = 1, segment_tokens: int | None = None,
+               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
         is prefilled once, kept until every member has a slot) and returns their ids.
         `temperature=0` is greedy; with `segment_tokens` each request pauses in its slot after
-        that many new tokens."""
+        that many new tokens. `generated` continues one request (`n=1`) from tokens and
+        log-probabilities it already produced (e.g. restored from a checkpoint): prompt + tokens
+        are prefilled, its PRNG step continues at their count, they count against
+        `max_new_tokens` and its output includes them, so it equals an uninterrupted decode whose
+        KV was recomputed at that point."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids: need at least one token")
@@ -366,12 +386,20 @@ class Engine:
             raise ValueError(f"n: need n >= 1, got {n}")
         if segment_tokens is not None and segment_tokens < 1:
             raise ValueError(f"segment_tokens: must be >= 1 or None, got {segment_tokens}")
+        tokens, logprobs = ([int(t) for t in generated[0]], [float(x) for x in generated[1]]
+                            ) if generated else ([], [])
+        if generated and (n != 1 or len(tokens) != len(logprobs)
+                          or len(tokens) >= max_new_tokens):
+            raise ValueError(f"generated: continues one request (n=1) with as many logprobs as "
+                             f"tokens and fewer tokens than max_new_tokens ({max_new_tokens}); got "
+                             f"n={n}, {len(tokens)} tokens, {len(logprobs)} logprobs")
         group = _Group(prompt, waiting=n)
         ids = []
         for i in range(n):
             request = _Request(self._next_id, group, int(max_new_tokens), float(temperature),
                                int(top_k), float(top_p), int(seed) + i,
-                               tuple(int(s) for s in stop_ids), segment_tokens)
+                               tuple(int(s) for s in stop_ids), segment_tokens,
+                               list(tokens), list(logprobs))
             self._next_id += 1
             self._requests[request.id] = request
             ids.append(request.id)
@@ -402,6 +430,35 @@ class Engine:
             self._insert(request, request.slot,
                          self._prefill([request.group.prompt + request.tokens])[0])
         self._running.add(request.slot)
+
+    def recompute(self, request_ids: Sequence[int]) -> None:
+        """Re-prefills the KV caches of requests in slots (decoding or paused) from prompt +
+        tokens so far under the current weights, in one batched prefill; they go on from there
+        (same PRNG steps, same budgets and segment ends)."""
+        requests = [self._requests[i] for i in request_ids]
+        if any(r.slot is None for r in requests):
+            raise ValueError("recompute: every request must hold a slot")
+        self._expand()
+        for request, prefilled in zip(requests, self._prefill(
+                [r.group.prompt + r.tokens for r in requests])):
+            self._insert(request, request.slot, prefilled)
+            if request.slot not in self._running:  # paused: stays paused until `resume`
+                self._state = _pause(self._state, jnp.int32(request.slot))
+
+    def in_slots(self) -> list[int]:
+        """Ids of the requests holding a slot (decoding or paused), by slot."""
+        return [i for i in self._slots if i is not None]
+
+    def partial(self, request_id: int) -> tuple[list[int], list[float]]:
+        """Tokens and log-probabilities a queued, decoding or paused request has so far."""
+        request = self._requests[request_id]
+        return list(request.tokens), list(request.logprobs)
+
+    def finished(self) -> list[tuple[int, EngineOutput]]:
+        """Takes the outputs that finished (or paused) but were not yet yielded by `stream`."""
+        done = list(self._done)
+        self._done.clear()
+        return done
 
     def release(self, request_id: int) -> None:
         """Frees the slot of a paused request (its output was already streamed)."""
@@ -500,12 +557,18 @@ class Engine:
             request = self._queue.popleft()
             slot = self._slots.index(None)
             self._slots[slot], request.slot = request.id, slot
-            request.pause_at = self._pause_at(request, 0)
+            request.pause_at = self._pause_at(request, len(request.tokens))
             admitted.append(request)
-        groups = list({id(r.group): r.group for r in admitted
+        fresh = [r for r in admitted if not r.tokens]
+        continued = [r for r in admitted if r.tokens]
+        groups = list({id(r.group): r.group for r in fresh
                        if r.group.prefilled is None}.values())
-        for group, prefilled in zip(groups, self._prefill([g.prompt for g in groups])):
+        prefills = self._prefill([g.prompt for g in groups]
+                                 + [r.group.prompt + r.tokens for r in continued])
+        for group, prefilled in zip(groups, prefills):
             group.prefilled = prefilled
+        for request, prefilled in zip(continued, prefills[len(groups):]):
+            request.group.prefilled = prefilled
         for request in admitted:
             self._insert(request, request.slot, request.group.prefilled)
             self._running.add(request.slot)
@@ -573,7 +636,7 @@ class Engine:
         self.stats["decode_steps"] += int(steps)
         self.stats["slot_steps"] += int(steps) * self.num_slots
         self.stats["row_steps"] += int(steps) * len(step)
-        for slot in sorted(self._running):
+        for slot in sorted(self._running, key=lambda s: self._slots[s]):  # by request id
             request, row = self._requests[self._slots[slot]], self._row(slot)
             new = int(step[row]) - len(request.tokens)
             request.tokens += tokens[row, :new].tolist()

@@ -11,10 +11,10 @@ from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_
 from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost, slots_per_chip
 from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.lengths import LengthModel, capped_lognormal_mean
-from benchmarks.sim.scheduler import ContractScheduler
 from mars_jax.models import get_preset
 from mars_jax.rewards.text import strip_thinking
 from mars_jax.rl.rollout import RolloutConfig
+from mars_jax.rl.streaming import StreamingRollouts
 
 
 @dataclasses.dataclass
@@ -189,7 +189,7 @@ def test_prompts_carry_their_role_and_the_visible_parent_text():
 
 
 def _schedule(mode):
-    """A small run on the stand-in scheduler; records the role of each submission and whether
+    """A small run of the streaming scheduler on the simulated engine; records the role of each submission and whether
     a Solver was still in flight then."""
     rollouts = _rollouts({"solver": 0.6, "verifier": 0.8, "corrector": 0.5}, group=4)
     lengths = LengthModel(cap=64, solver_mean_start=20, solver_mean_end=20, sigma=0.7)
@@ -206,7 +206,7 @@ def _schedule(mode):
         return submit(prompt_ids, **kwargs)
 
     engine.submit = logged
-    scheduler = ContractScheduler(
+    scheduler = StreamingRollouts(
         rollouts, engine, problems(5), mode=mode, prompts_per_step=3, samples_per_update=60,
         max_inflight_rows=16, staleness_bound=4, resume="keep", roles_trained="all",
         drop_zero_variance=False, sampling={}, stop_ids=(1,), clock=engine.clock)

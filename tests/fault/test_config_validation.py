@@ -126,3 +126,38 @@ def test_run_py_exits_2_with_the_message_before_building_anything(tmp_path):
     assert "Traceback" not in result.stderr
     assert not workdir.exists()  # nothing was built
     print(f"run.py rejected the config in {time.monotonic() - start:.1f}s")
+
+
+@pytest.mark.parametrize("mesh, field, words", [
+    (dict(rollout=dict(devices=8)), "mesh.rollout.devices", "leaves none of the 8 devices"),
+    (dict(rollout=dict(devices=-2)), "mesh.rollout.devices", "0 (one shared mesh) or positive"),
+    (dict(rollout=dict(devices=3, data=2)), "mesh.rollout", "product of axis sizes"),
+    (dict(rollout=dict(devices=3, data=-1, expert=2)), "mesh.rollout",
+     "3 devices cannot be split with fixed axes of product 2"),
+    (dict(data=1, fsdp=4, rollout=dict(devices=2)), "mesh",
+     "6 devices are available; set one axis to -1 or fix the sizes (training submesh: 8 "
+     "devices less mesh.rollout.devices=2)"),
+    (dict(rollout=dict(devices=0, tensor=2)), "mesh.rollout",
+     "axis sizes are set but mesh.rollout.devices is 0"),
+    (dict(dcn=dict(data=2), rollout=dict(devices=4)), "mesh.dcn", "spans one slice"),
+    (dict(rollout=dict(devices=2, fsdp=0)), "mesh.rollout.fsdp", "must be positive or -1"),
+])
+def test_a_rollout_training_split_that_does_not_fit_names_its_field(mesh, field, words):
+    config = smoke.get_config()
+    for key, value in mesh.items():
+        if isinstance(value, dict):
+            for sub, size in value.items():
+                config.mesh[key][sub] = size
+        else:
+            config.mesh[key] = value
+    problems = _problems(config, device_count=8)
+    assert set(problems) == {field}
+    assert words in problems[field]
+    assert "(8 device(s) available)" in problems[field] and "fix: " in problems[field]
+
+
+def test_a_split_that_fits_is_valid():
+    config = smoke.get_config()
+    config.mesh.data, config.mesh.fsdp = 1, -1
+    config.mesh.rollout.devices, config.mesh.rollout.expert = 2, 2
+    validate(config, common.base_config(), device_count=8)

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
+from flax import nnx
 
 from mars_jax import sharding
+from mars_jax.models import Qwen3, get_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -109,3 +112,26 @@ def test_multislice_mesh_keeps_slices_together():
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "dcn": {"data": 2}}, target.devices)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
     assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
+
+
+@needs_libtpu
+def test_tiny_split_compiles_the_engine_on_the_rollout_submesh_and_the_update_on_the_other(
+        tmp_path):
+    """v5e:2x2 split 2:2: the engine's programs on the rollout pair, logprobs and update on the
+    training pair; one weight copy writes the tiny model's f32 parameters once per rollout chip
+    (replicated there: data=2)."""
+    result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY,
+                          "--config.rollout.decode_engine=engine",
+                          "--config.mesh.rollout.devices=2")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert report["mesh"]["data"] == 2 and report["rollout_mesh"]["data"] == 2
+    meshes = {r["program"]: r["mesh"] for r in report["results"]}
+    assert meshes == {"engine_prefill": "rollout", "engine_insert": "rollout",
+                      "engine_decode": "rollout", "logprobs": "train", "update": "train"}
+    for r in report["results"]:
+        assert r["fits"] and not r["error"] and r["argument_bytes"] > 0, r
+    shapes = jax.eval_shape(lambda: nnx.state(Qwen3(get_preset("tiny"), rngs=nnx.Rngs(0))))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    assert report["weight_copy_bytes"] == 2 * param_bytes
+    assert report["weight_copy_bytes_per_device"] == param_bytes
+    assert "one weight copy writes" in result.stdout

@@ -1,4 +1,6 @@
-"""Exact resume: 6 steps straight == 3 steps, SIGKILL, restart, 3 more (bitwise, on CPU)."""
+"""Exact resume: 6 steps straight == 3 steps, SIGKILL, restart, 3 more (bitwise, on CPU), with
+the per-step scheduler and with the streaming one (requests in flight in the engine at the
+checkpoint are resubmitted as continuations)."""
 import json
 import os
 import signal
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from mars_jax.checkpoint import Checkpointer
 
@@ -20,13 +23,16 @@ OVERRIDES = [
     "--config.rollout.max_stages=3", "--config.learner.micro_batch_size=8",
     "--config.learner.min_length=512",
 ]
-TIMING_KEYS = ("time/", "tokens_per_second")
+STREAM = ["--config.rollout.scheduler=stream", "--config.rollout.decode_engine=engine",
+          "--config.rollout.segment_tokens=0", "--config.rollout.engine_slots=4"]
+TIMING_KEYS = ("time/", "tokens_per_second", "stream/deferred_seconds")
 
 
-def _command(workdir):
+def _command(workdir, extra=()):
     return [sys.executable, str(REPO / "experiments/run.py"),
             "--config=" + str(REPO / "experiments/configs/smoke.py"), f"--workdir={workdir}",
-            f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *OVERRIDES]
+            f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *OVERRIDES,
+            *extra]
 
 
 def _env():
@@ -50,11 +56,13 @@ def _metrics(workdir):
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
 
-def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("extra", [(), STREAM], ids=["step", "stream"])
+def test_sigkill_and_resume_is_bitwise_identical(tmp_path, extra):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(_command(straight), env=_env(), check=True, capture_output=True, timeout=900)
+    subprocess.run(_command(straight, extra), env=_env(), check=True, capture_output=True,
+                   timeout=900)
 
-    process = subprocess.Popen(_command(killed), env=_env(), stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(_command(killed, extra), env=_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     metrics = killed / "metrics.jsonl"
     deadline = time.time() + 600
@@ -64,7 +72,8 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert len(metrics.read_text().splitlines()) < 6
-    subprocess.run(_command(killed), env=_env(), check=True, capture_output=True, timeout=900)
+    subprocess.run(_command(killed, extra), env=_env(), check=True, capture_output=True,
+                   timeout=900)
 
     step_a, params_a = _final_params(straight)
     step_b, params_b = _final_params(killed)

@@ -218,3 +218,54 @@ def test_bad_requests_name_the_field(model, kwargs, message):
     kwargs = {"prompt_ids": [1, 2], "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
         engine.submit(**kwargs)
+
+
+def test_a_continuation_from_generated_tokens_equals_the_uninterrupted_decode(model):
+    prompt = REQUESTS[3]["prompt"]
+    settings = dict(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=11, stop_ids=STOP)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    rid = engine.submit(prompt, **settings)[0]
+    whole = engine.run()[rid]
+    assert len(whole.tokens) > 12
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    rid = engine.submit(prompt, generated=(whole.tokens[:12], whole.logprobs[:12]), **settings)[0]
+    out = engine.run()[rid]
+    assert out.tokens == whole.tokens and out.finish_reason == whole.finish_reason
+    np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-5)
+
+
+def test_recompute_of_a_decoding_request_equals_a_fresh_prefill_under_new_weights(model,
+                                                                                    tmp_path):
+    new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
+    prompt = REQUESTS[2]["prompt"]
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    rid = engine.submit(prompt, max_new_tokens=30, temperature=0.0)[0]
+    short = engine.submit(REQUESTS[4]["prompt"], max_new_tokens=3, temperature=0.0)[0]
+    assert next(engine.stream())[0] == short  # `rid` is mid-decode in its slot
+    engine.update_weights(new_model)
+    engine.recompute(engine.in_slots())
+    done, _ = engine.partial(rid)
+    assert engine.in_slots() == [rid] and 0 < len(done) < 30
+    sequence = prompt + done
+    fresh = new_model.forward(jnp.asarray([sequence], jnp.int32),
+                              positions=jnp.arange(len(sequence))[None],
+                              mask=AttentionMask.causal(jnp.ones((1, len(sequence)), jnp.int32)),
+                              cache=new_model.init_cache(1, len(sequence)), cache_index=0).cache
+    for got, want in zip(engine.kv_cache(rid), fresh):
+        np.testing.assert_allclose(got.k, np.asarray(want.k[0]), atol=1e-5)
+        np.testing.assert_allclose(got.v, np.asarray(want.v[0]), atol=1e-5)
+    out = engine.run()[rid]
+    continued = generate(new_model, [sequence], max_new_tokens=30 - len(done), temperature=0)
+    assert out.tokens == done + continued.tokens[0]
+
+
+def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, tmp_path):
+    new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
+    prompt = REQUESTS[5]["prompt"]
+    engine = Engine(model, num_slots=1, max_length=64, chunk_steps=4)
+    first, second = engine.submit(prompt, max_new_tokens=5, temperature=0.0, n=2)
+    assert next(engine.stream())[0] == first  # `second` waits with the old prefill
+    engine.update_weights(new_model)
+    out = engine.run()[second]
+    assert out.tokens == generate(new_model, [prompt], max_new_tokens=5,
+                                  temperature=0).tokens[0]
