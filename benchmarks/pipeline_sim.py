@@ -89,6 +89,7 @@ class Workload:
     answer_tokens: tuple = (("solver", 1000), ("verifier", 600), ("corrector", 1000))
     correct_rates: tuple = (("solver", 0.6), ("verifier", 0.8), ("corrector", 0.5))
     prompt_style: str = "full"
+    enable_thinking: bool = True
     drop_zero_variance: bool = True
 
     def rollout_config(self) -> RolloutConfig:
@@ -97,7 +98,8 @@ class Workload:
                              max_new_tokens={r: self.max_new_tokens
                                              for r in ("solver", "verifier", "corrector")},
                              segment_tokens=self.segment_tokens,
-                             max_prompt_tokens=self.max_prompt_tokens, enable_thinking=True,
+                             max_prompt_tokens=self.max_prompt_tokens,
+                             enable_thinking=self.enable_thinking,
                              prompt_style=self.prompt_style)
 
 
@@ -293,27 +295,32 @@ def profile_costs(args) -> Costs:
 
 
 def run_profile(args) -> None:
-    """Predicts `benchmarks/pipeline.py`'s samples/s per mode from this machine's costs."""
+    """Predicts `benchmarks/pipeline.py`'s trained samples/s per mode from this machine's
+    costs, on that benchmark's workload (its defaults: 16 slots, log-normal lengths median 64,
+    sigma 1.0, cap 512, groups of 4, 2 problems per sequential batch, an update per
+    problems x group x 9 / 2 samples, staleness bound 4, `recompute`, solve / verify rates
+    0.5 / 0.8, compact prompts; prompt lengths in words, not bytes)."""
     workload = Workload(prompts_per_step=args.cpu_prompts, group_size=args.cpu_group,
                         max_new_tokens=args.cpu_budget, segment_tokens=None,
-                        max_prompt_tokens=args.cpu_prompt_cap,
-                        problem_words=args.cpu_problem_words, prompt_style="compact",
-                        answer_tokens=(("solver", 8), ("verifier", 8), ("corrector", 8)),
-                        drop_zero_variance=args.cpu_drop_zero_variance)
+                        max_prompt_tokens=384, problem_words=args.cpu_problem_words,
+                        prompt_style="compact", enable_thinking=False,
+                        answer_tokens=(("solver", 16), ("verifier", 16), ("corrector", 16)),
+                        correct_rates=(("solver", 0.5), ("verifier", 0.8), ("corrector", 0.5)),
+                        drop_zero_variance=False)
     lengths = LengthModel(cap=args.cpu_budget, sigma=args.cpu_sigma, median=args.cpu_median,
                           role_scale=(("solver", 1.0), ("verifier", 1.0), ("corrector", 1.0)),
                           seed=args.seed)
     costs = profile_costs(args)
-    results, samples_per_update = [], 1
+    samples_per_update = args.cpu_prompts * args.cpu_group * 9 // 2
+    results = []
     for mode in ("sequential", "pipeline"):
         r = simulate(costs, mode, workload=workload, lengths=lengths, updates=args.updates,
                      warmup=args.warmup, samples_per_update=samples_per_update,
                      max_inflight_rows=args.max_inflight_rows or 2 * costs.slots,
-                     resume=args.resume, seed=args.seed)
-        samples_per_update = max(1, round(r["samples_per_update"]))
+                     resume="recompute", staleness_bound=4, seed=args.seed)
         r["samples_per_s"] = 1000 / (r["hours_per_1k"] * 3600)
         results.append(r)
-        print(f"{mode:10} predicted samples/s {r['samples_per_s']:.2f}; per update "
+        print(f"{mode:10} predicted {r['samples_per_s']:.3f} samples/s; per update "
               f"{r['wall_h_per_update'] * 3600:.1f} s (update {r['update_h_per_update'] * 3600:.1f}"
               f" s), {r['samples_per_update']:.0f} samples; slot occupancy while decoding "
               f"{r['decode_occupancy']:.1%}; staleness {r['staleness']}")
@@ -346,15 +353,13 @@ def main() -> None:
     cpu.add_argument("--cpu_prefill_ms_per_token", type=float, default=0.5)
     cpu.add_argument("--cpu_update_ms_per_token", type=float, default=1.0)
     cpu.add_argument("--cpu_update_ms_per_sample", type=float, default=0.0)
-    cpu.add_argument("--cpu_slots", type=int, default=32)
+    cpu.add_argument("--cpu_slots", type=int, default=16)
     cpu.add_argument("--cpu_group", type=int, default=4)
     cpu.add_argument("--cpu_prompts", type=int, default=2)
     cpu.add_argument("--cpu_budget", type=int, default=512)
-    cpu.add_argument("--cpu_prompt_cap", type=int, default=512)
     cpu.add_argument("--cpu_problem_words", type=int, default=20)
     cpu.add_argument("--cpu_median", type=float, default=64)
-    cpu.add_argument("--cpu_sigma", type=float, default=0.9)
-    cpu.add_argument("--cpu_drop_zero_variance", action="store_true")
+    cpu.add_argument("--cpu_sigma", type=float, default=1.0)
     args = parser.parse_args()
     if args.profile == "cpu":
         run_profile(args)
