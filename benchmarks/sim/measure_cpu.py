@@ -1,6 +1,7 @@
 r"""Measures this machine's costs for `pipeline_sim.py --profile=cpu` and prints them as flags.
 
-  python benchmarks/sim/measure_cpu.py [--preset=bench] [--slots=32] [--max_length=1024]
+  python benchmarks/sim/measure_cpu.py [--preset=bench] [--vocab_size=512] [--slots=16]
+      [--max_length=896]     # benchmarks/pipeline.py's model and engine
 
 Decode-step seconds at 1, 4, 16 and `slots` live rows: `Engine.stats` decode seconds / decode
 steps of a second pass (the first compiles) of that many requests decoding `--steps` tokens each
@@ -35,8 +36,8 @@ def decode_costs(model, rows: int, *, slots: int, max_length: int, steps: int,
     for _ in range(2):  # the first pass compiles
         engine.stats.clear()
         for i in range(rows):
-            engine.submit(rng.integers(1, 1000, size=prompt_len).tolist(), max_new_tokens=steps,
-                          seed=i)
+            engine.submit(rng.integers(1, engine.vocab_size, size=prompt_len).tolist(),
+                          max_new_tokens=steps, seed=i)
         engine.run()
     stats = engine.stats
     return (stats["decode_seconds"] / stats["decode_steps"],
@@ -65,14 +66,16 @@ def update_cost(model, *, rows: int, length: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="bench")
-    parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--max_length", type=int, default=1024)
+    parser.add_argument("--vocab_size", type=int, default=512, help="0: the preset's")
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--max_length", type=int, default=896)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt_len", type=int, default=64)
     parser.add_argument("--update_rows", type=int, default=8)
     parser.add_argument("--update_length", type=int, default=512)
     args = parser.parse_args()
-    model = create_model(get_preset(args.preset), seed=0)
+    config = get_preset(args.preset)
+    model = create_model(config.replace(vocab_size=args.vocab_size or config.vocab_size), seed=0)
     points, prefill = [], []
     for rows in sorted({1, 4, 16, args.slots}):
         step, per_token = decode_costs(model, rows, slots=args.slots, max_length=args.max_length,
