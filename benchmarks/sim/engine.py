@@ -1,5 +1,6 @@
-"""A simulated decode engine: the `DecodeEngine` protocol (`mars_jax.sampling.Engine`'s
-submit / stream / resume / update_weights / num_slots / stats) over a simulated clock.
+"""A simulated decode engine: the `DecodeEngine` protocol of `mars_jax.rl.streaming` (as
+`mars_jax.sampling.Engine` has it: submit / stream / finished / in_slots / partial / recompute /
+update_weights / num_slots / stats, plus segments' resume) over a simulated clock.
 
 Each request's output length is drawn once from a `LengthModel` by (role, sequence seed), so it
 does not depend on when the request runs. The loop is event-driven: it admits queued requests
@@ -163,13 +164,6 @@ class SimEngine:
         done = list(self._done)
         self._done.clear()
         return done
-
-    def release(self, request_id: int) -> None:
-        """Frees the slot of a paused request."""
-        request = self._requests.pop(request_id)
-        if request.slot is None or request_id in self._running:
-            raise ValueError(f"release: request {request_id} is not paused in a slot")
-        self._slots[request.slot] = None
 
     # --- the loop ---
 

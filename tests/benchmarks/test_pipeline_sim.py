@@ -1,6 +1,5 @@
 """The paper-scale simulator's parts: cost model, length fit, simulated engine, grading stub,
 and the scheduler's barriers, against hand-computed cases and independent estimates."""
-import collections
 import dataclasses
 
 import numpy as np
