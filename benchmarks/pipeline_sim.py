@@ -1,0 +1,383 @@
+r"""The pipeline's speed-up at the paper's scale, computed by our scheduler against a simulated
+engine whose clock follows a roofline cost model (`benchmarks/sim/`).
+
+  python benchmarks/pipeline_sim.py                       # 8 x H200 and v5p-64, Solver mean 19k and 28k
+  python benchmarks/pipeline_sim.py --hardware=h200x8 --progress=0 --updates=4
+  python benchmarks/pipeline_sim.py --profile=cpu         # calibration: this CPU's measured costs
+
+Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
+(Solver, V, C, V, C), 64k output budget per role decoded in 16k segments, 32k prompt cap,
+`adaptive` selection, every role trained. Output lengths: `sim.lengths.LengthModel`; grading:
+`sim.agents.SimRollouts` (seeded correctness per role). The scheduler:
+`mars_jax.rl.streaming.StreamingRollouts` (admission, selection, stage barriers, staleness gate,
+keep / recompute), driving `sim.engine.SimEngine`.
+
+Rows (every one on the whole machine; slots per chip = (0.9 x HBM - resident) / KV bytes of one
+slot of 32k + 64k positions, reserved in full as `Engine` does):
+  sequential            one mesh, stage barriers, the update waits for every trajectory of its
+                        128 problems and decoding waits for the update. Resident: the train
+                        state's share (8 B per parameter: bf16 weights, AdamW mu and nu,
+                        gradients) + the update's temporaries from our AOT record (launch/
+                        README.md: 69.3 GiB per H200, 57.0 GiB per v5p chip): the engine's slot
+                        cache stays allocated through the update, as `EngineGenerator` keeps it.
+  sequential, KV freed  the same, but the slot cache is freed for each update (the engine is
+                        empty then), so only the train state is resident while decoding.
+  pipeline              one mesh, agent-granularity streaming; an update is due once as many
+                        samples are complete as a sequential step trains; decoding stops while it
+                        runs; in-flight KV stays (resident as `sequential`).
+  pipeline, KV freed    the same with `resume='recompute'`: in-flight requests are re-prefilled
+                        after each update anyway, so their KV need not survive it (resident as
+                        `sequential, KV freed`).
+  pipeline+overlap r:t  r rollout chips (resident: the bf16 weights' share) + t training chips
+                        (must hold the train-state share + the update temporaries); the engine
+                        keeps decoding (`decode_while`) while the update runs, then waits for the
+                        weight copy at the link rate.
+  bound: decode only    every chip decoding at the rollout submesh's slot density, updates free:
+                        no schedule on this machine does better under the cost model.
+Accelerator-hours per 1,000 trained samples are measured between the end of update `--warmup`
+and the end of the last update (all chips of the machine, busy or not).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sim.agents import SimRollouts, SimTokenizer, problems, role_of_prompt, sim_encode  # noqa: E402
+from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slots_per_chip  # noqa: E402
+from benchmarks.sim.engine import SimEngine  # noqa: E402
+from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
+from mars_jax.models import get_preset  # noqa: E402
+from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
+from mars_jax.rl.streaming import StreamingRollouts  # noqa: E402
+
+GiB = 1 << 30
+TRAIN_STATE_BYTES_PER_PARAM = 8  # bf16 weights + AdamW mu, nu (param dtype) + gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    chip: str
+    chips: int
+    splits: tuple[tuple[int, int], ...]  # (rollout, training) chips with overlap
+    update_temp_bytes: float     # update temporaries per chip (AOT record)
+    hbm_bytes: float             # as aot_compile.py counts it
+
+
+HARDWARE = {
+    "h200x8": Hardware("h200", 8, ((4, 4),), 69.27 * GiB, 151_397_597_184),
+    "v5p-64": Hardware("v5p", 32, ((24, 8), (16, 16)), 57.01 * GiB, 95.74 * GiB),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int = 128
+    group_size: int = 8
+    fan_out: int = 2
+    max_stages: int = 5
+    max_new_tokens: int = 64 * 1024
+    segment_tokens: int = 16 * 1024
+    max_prompt_tokens: int = 32 * 1024
+    problem_words: int = 150
+    answer_tokens: tuple = (("solver", 1000), ("verifier", 600), ("corrector", 1000))
+    correct_rates: tuple = (("solver", 0.6), ("verifier", 0.8), ("corrector", 0.5))
+    prompt_style: str = "full"
+    enable_thinking: bool = True
+    drop_zero_variance: bool = True
+
+    def rollout_config(self) -> RolloutConfig:
+        return RolloutConfig(group_size=self.group_size, fan_out=self.fan_out,
+                             selection="adaptive", max_stages=self.max_stages,
+                             max_new_tokens={r: self.max_new_tokens
+                                             for r in ("solver", "verifier", "corrector")},
+                             segment_tokens=self.segment_tokens,
+                             max_prompt_tokens=self.max_prompt_tokens,
+                             enable_thinking=self.enable_thinking,
+                             prompt_style=self.prompt_style)
+
+
+def mesh_slots(hw: Hardware, model: ModelCost, chips: int, *, resident: str,
+               positions: int) -> int:
+    """Slots of `chips` chips: (0.9 x HBM - resident bytes) / one slot's KV, per chip.
+    resident: 'train_state+update' (one mesh, KV kept through the update), 'train_state'
+    (one mesh, KV freed for the update), 'weights' (a rollout submesh)."""
+    chip = dataclasses.replace(CHIPS[hw.chip], hbm_bytes=hw.hbm_bytes)
+    state = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / chips
+    bytes_ = {"train_state+update": state + hw.update_temp_bytes, "train_state": state,
+              "weights": model.weight_bytes / chips}[resident]
+    return chips * slots_per_chip(model, chip, resident_bytes=bytes_, slot_positions=positions)
+
+
+def check_train_memory(hw: Hardware, model: ModelCost, chips: int) -> None:
+    need = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / chips + hw.update_temp_bytes
+    if need > hw.hbm_bytes:
+        raise ValueError(f"training submesh of {chips} x {hw.chip}: {need / GB:.0f} GB per chip "
+                         f"needed, {hw.hbm_bytes / GB:.0f} GB held")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row of the table: a scheduling mode on a layout of the machine."""
+
+    label: str
+    mode: str                        # 'sequential' | 'pipeline'
+    split: tuple[int, int] | None    # rollout, training chips (overlap), or None: one mesh
+    resident: str                    # see `mesh_slots`
+    update_free: bool = False        # the bound: updates cost nothing
+    resume: str | None = None        # overrides --resume
+
+
+def variants(hw: Hardware) -> list[Variant]:
+    rows = [Variant("sequential", "sequential", None, "train_state+update"),
+            Variant("sequential, KV freed", "sequential", None, "train_state"),
+            Variant("pipeline", "pipeline", None, "train_state+update"),
+            Variant("pipeline, KV freed", "pipeline", None, "train_state", resume="recompute")]
+    rows += [Variant(f"pipeline+overlap {r}:{t}", "pipeline", (r, t), "weights")
+             for r, t in hw.splits]
+    rows.append(Variant("bound: decode only", "pipeline", None, "weights", update_free=True))
+    return rows
+
+
+@dataclasses.dataclass
+class Costs:
+    decode: object      # MeshCost / ProfileCost of the rollout chips
+    train: object       # of the training chips
+    slots: int
+    chips_total: int
+    copy_seconds: float
+    overlap: bool
+
+
+def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> Costs:
+    model = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    chip = CHIPS[hw.chip]
+    rollout_chips, train_chips = variant.split or (hw.chips, hw.chips)
+    if variant.split:
+        check_train_memory(hw, model, train_chips)
+    make = lambda n, mfu=args.update_mfu: MeshCost(
+        model, chip, n, step_overhead_s=args.step_overhead_ms / 1e3,
+        prefill_mfu=args.prefill_mfu, update_mfu=mfu)
+    positions = args.slot_positions or workload.max_prompt_tokens + workload.max_new_tokens
+    slots = mesh_slots(hw, model, rollout_chips, resident=variant.resident, positions=positions)
+    copy = make(train_chips).weight_copy_seconds(rollout_chips) if variant.split else 0.0
+    train = make(train_chips, float("inf")) if variant.update_free else make(train_chips)
+    return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split))
+
+
+def is_trained(group, drop_zero_variance: bool) -> bool:
+    """Whether a complete group's samples enter the update (a zero-variance group is dropped)."""
+    return not drop_zero_variance or len({r.reward for r in group}) > 1
+
+
+def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthModel, updates: int,
+             warmup: int, samples_per_update: int, max_inflight_rows: int, resume: str = "keep",
+             staleness_bound: int = 3, seed: int = 0) -> dict:
+    """Runs `updates` updates of `mode`; returns the measured window's figures."""
+    tokenizer = SimTokenizer()
+    rollouts = SimRollouts(tokenizer, workload.rollout_config(), seed=seed, encode=sim_encode,
+                           correct_rates=dict(workload.correct_rates))
+    max_length = workload.max_prompt_tokens + workload.max_new_tokens
+    engine = SimEngine(costs.decode, lengths, num_slots=costs.slots, max_length=max_length,
+                       role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens))
+    overlap = costs.overlap
+    scheduler = StreamingRollouts(
+        rollouts, engine, problems(workload.problem_words, seed), mode=mode,
+        prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
+        max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
+        roles_trained="all", drop_zero_variance=workload.drop_zero_variance,
+        sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
+        stop_ids=(tokenizer.eos_token_id,), clock=engine.clock)
+    version, train_free = 0, 0.0
+    ends, trained, staleness, update_s = [], [], collections.Counter(), []
+    lengths_seen = collections.defaultdict(list)
+    window_stats, deferred, truncated = None, 0.0, 0
+    for _ in range(updates):
+        batch = scheduler.collect(version)
+        samples = [r for g in batch.groups if is_trained(g, workload.drop_zero_variance) for r in g]
+        seconds = sum(costs.train.update_seconds(len(r.prompt_ids) + len(r.response_ids))
+                      for r in samples)
+        if len(ends) >= warmup:
+            staleness.update(batch.staleness)
+            deferred += batch.deferred_seconds
+            for r in samples:
+                lengths_seen[r.role].append(len(r.response_ids))
+                truncated += r.finish_reason == "length"
+        if overlap:
+            end = max(engine.now, train_free) + seconds
+            scheduler.decode_while(lambda: engine.now < end, version)
+            if engine.now < end:
+                engine.advance(end - engine.now)
+            train_free = end
+            engine.advance(costs.copy_seconds)
+        else:
+            engine.advance(seconds)
+        version += 1
+        scheduler.weights_updated(None, version)
+        ends.append(engine.now)
+        trained.append(len(samples))
+        update_s.append(seconds)
+        if len(ends) == warmup:
+            window_stats = collections.Counter(engine.stats)
+    if len(ends) <= warmup:
+        raise RuntimeError(f"{mode}: only {len(ends)} updates ran; need more than {warmup}")
+    window = ends[-1] - ends[warmup - 1] if warmup else ends[-1]
+    samples = sum(trained[warmup:])
+    stats = collections.Counter(engine.stats)
+    stats.subtract(window_stats or {})
+    return dict(
+        mode=mode, slots=costs.slots, updates=len(ends), samples=samples,
+        samples_per_update=statistics.mean(trained[warmup:]),
+        hours_per_1k=costs.chips_total * window / 3600 / (samples / 1000),
+        wall_h_per_update=window / 3600 / (len(ends) - warmup),
+        update_h_per_update=statistics.mean(update_s[warmup:]) / 3600,
+        occupancy=stats["live_slot_seconds"] / (costs.slots * window),
+        decode_occupancy=stats["live_slot_seconds"] / max(stats["decode_seconds"], 1e-12) / costs.slots,
+        decode_share=stats["decode_seconds"] / window,
+        prefill_share=stats["prefill_seconds"] / window,
+        staleness=dict(sorted(staleness.items())),
+        deferred_share=deferred / window,
+        mean_length={role: statistics.mean(v) for role, v in sorted(lengths_seen.items())},
+        truncated_share=truncated / samples)
+
+
+def run_hardware(name: str, progress: float, args) -> list[dict]:
+    hw = HARDWARE[name]
+    lengths = LengthModel(sigma=args.sigma, progress=progress, seed=args.seed)
+    workload = Workload()
+    results = []
+    samples_per_update = 0
+    for variant in variants(hw):
+        costs = paper_costs(hw, variant, args, workload)
+        cap = args.max_inflight_rows or 2 * costs.slots
+        began = time.perf_counter()
+        result = simulate(costs, variant.mode, workload=workload, lengths=lengths,
+                          updates=args.updates, warmup=args.warmup,
+                          samples_per_update=(samples_per_update or 1)
+                          if variant.mode == "pipeline" else 1, max_inflight_rows=cap,
+                          resume=variant.resume or args.resume, seed=args.seed)
+        result["label"], result["sim_seconds"] = variant.label, time.perf_counter() - began
+        if not samples_per_update:
+            samples_per_update = round(result["samples_per_update"])
+        results.append(result)
+        print_row(result, results[0]["hours_per_1k"])
+    return results
+
+
+HEADER = (f"{'mode':24} {'slots':>5} {'acc-h/1k':>9} {'vs seq':>7} {'h/update':>9} "
+          f"{'update h':>9} {'occupancy':>9} {'decode occ':>10} {'samples/upd':>11} "
+          f"{'held':>5} staleness (versions: samples)")
+
+
+def print_row(r: dict, base: float) -> None:
+    print(f"{r['label']:24} {r['slots']:5d} {r['hours_per_1k']:9.2f} "
+          f"{base / r['hours_per_1k']:6.2f}x {r['wall_h_per_update']:9.2f} "
+          f"{r['update_h_per_update']:9.2f} {r['occupancy']:9.1%} "
+          f"{r['decode_occupancy']:10.1%} {r['samples_per_update']:11.0f} "
+          f"{r['deferred_share']:5.1%} {r['staleness']}", flush=True)
+
+
+def profile_costs(args) -> Costs:
+    """The calibration machine's measured costs (one device: nothing overlaps)."""
+    points = [p.split(":") for p in args.cpu_step_ms.split(",")]
+    cost = ProfileCost(step_rows=tuple(int(r) for r, _ in points),
+                       step_seconds=tuple(float(ms) / 1e3 for _, ms in points),
+                       prefill_per_token_s=args.cpu_prefill_ms_per_token / 1e3,
+                       update_per_token_s=args.cpu_update_ms_per_token / 1e3,
+                       update_per_sample_s=args.cpu_update_ms_per_sample / 1e3)
+    return Costs(cost, cost, args.cpu_slots, 1, 0.0, False)
+
+
+def run_profile(args) -> None:
+    """Predicts `benchmarks/pipeline.py`'s trained samples/s per mode from this machine's
+    costs, on that benchmark's workload (its defaults: 16 slots, log-normal lengths median 64,
+    sigma 1.0, cap 512, groups of 4, 2 problems per sequential batch, an update per
+    problems x group x 9 / 2 samples, staleness bound 4, `recompute`, solve / verify rates
+    0.5 / 0.8, compact prompts; prompt lengths in words, not bytes)."""
+    workload = Workload(prompts_per_step=args.cpu_prompts, group_size=args.cpu_group,
+                        max_new_tokens=args.cpu_budget, segment_tokens=None,
+                        max_prompt_tokens=384, problem_words=args.cpu_problem_words,
+                        prompt_style="compact", enable_thinking=False,
+                        answer_tokens=(("solver", 16), ("verifier", 16), ("corrector", 16)),
+                        correct_rates=(("solver", 0.5), ("verifier", 0.8), ("corrector", 0.5)),
+                        drop_zero_variance=False)
+    lengths = LengthModel(cap=args.cpu_budget, sigma=args.cpu_sigma, median=args.cpu_median,
+                          role_scale=(("solver", 1.0), ("verifier", 1.0), ("corrector", 1.0)),
+                          seed=args.seed)
+    costs = profile_costs(args)
+    samples_per_update = args.cpu_prompts * args.cpu_group * 9 // 2
+    results = []
+    for mode in ("sequential", "pipeline"):
+        r = simulate(costs, mode, workload=workload, lengths=lengths, updates=args.updates,
+                     warmup=args.warmup, samples_per_update=samples_per_update,
+                     max_inflight_rows=args.max_inflight_rows or 2 * costs.slots,
+                     resume="recompute", staleness_bound=4, seed=args.seed)
+        r["samples_per_s"] = 1000 / (r["hours_per_1k"] * 3600)
+        results.append(r)
+        print(f"{mode:10} predicted {r['samples_per_s']:.3f} samples/s; per update "
+              f"{r['wall_h_per_update'] * 3600:.1f} s (update {r['update_h_per_update'] * 3600:.1f}"
+              f" s), {r['samples_per_update']:.0f} samples; slot occupancy while decoding "
+              f"{r['decode_occupancy']:.1%}; staleness {r['staleness']}")
+    print(f"predicted pipeline / sequential: "
+          f"{results[1]['samples_per_s'] / results[0]['samples_per_s']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hardware", default="h200x8,v5p-64")
+    parser.add_argument("--progress", default="0,1",
+                        help="training progress points (Solver mean 19k at 0, 28k at 1)")
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sigma", type=float, default=0.7)
+    parser.add_argument("--step_overhead_ms", type=float, default=2.0)
+    parser.add_argument("--prefill_mfu", type=float, default=0.5)
+    parser.add_argument("--update_mfu", type=float, default=0.3)
+    parser.add_argument("--max_inflight_rows", type=int, default=0, help="0: 2 x slots")
+    parser.add_argument("--slot_positions", type=int, default=0,
+                        help="KV positions reserved per slot (0: prompt cap + budget, as Engine)")
+    parser.add_argument("--resume", default="keep", choices=("keep", "recompute"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="paper", choices=("paper", "cpu"),
+                        help="cpu: predict benchmarks/pipeline.py from the --cpu_* costs")
+    cpu = parser.add_argument_group("cpu profile (calibration; defaults: bench preset, "
+                                    "measured 2026-12-01)")
+    cpu.add_argument("--cpu_step_ms", default="1:18,4:44,16:87,32:140",
+                     help="decode-step ms by live rows, rows:ms,...")
+    cpu.add_argument("--cpu_prefill_ms_per_token", type=float, default=0.5)
+    cpu.add_argument("--cpu_update_ms_per_token", type=float, default=1.0)
+    cpu.add_argument("--cpu_update_ms_per_sample", type=float, default=0.0)
+    cpu.add_argument("--cpu_slots", type=int, default=16)
+    cpu.add_argument("--cpu_group", type=int, default=4)
+    cpu.add_argument("--cpu_prompts", type=int, default=2)
+    cpu.add_argument("--cpu_budget", type=int, default=512)
+    cpu.add_argument("--cpu_problem_words", type=int, default=20)
+    cpu.add_argument("--cpu_median", type=float, default=64)
+    cpu.add_argument("--cpu_sigma", type=float, default=1.0)
+    args = parser.parse_args()
+    if args.profile == "cpu":
+        run_profile(args)
+        return
+    for name in args.hardware.split(","):
+        for progress in (float(p) for p in args.progress.split(",")):
+            lengths = LengthModel(sigma=args.sigma, progress=progress)
+            fit = ", ".join(f"{role} mean {lengths.mean(role):,.0f} "
+                            f"(median {2.718281828 ** lengths.mu(role):,.0f}, "
+                            f"{lengths.truncated_fraction(role):.1%} at the cap)"
+                            for role in ROLE_SCALE)
+            print(f"\n{name}, progress {progress:g}: {fit}\n{HEADER}")
+            results = run_hardware(name, progress, args)
+            print("mean trained output length: " + ", ".join(
+                f"{k} {v:,.0f}" for k, v in results[0]["mean_length"].items())
+                + f"; ended by length: {results[0]['truncated_share']:.1%} of trained samples"
+                + f"; simulated in {sum(r['sim_seconds'] for r in results):.0f} s")
+
+
+if __name__ == "__main__":
+    main()

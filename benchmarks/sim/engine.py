@@ -1,0 +1,263 @@
+"""A simulated decode engine: the `DecodeEngine` protocol of `mars_jax.rl.streaming` (as
+`mars_jax.sampling.Engine` has it: submit / stream / finished / in_slots / partial / recompute /
+update_weights / num_slots / stats, plus segments' resume) over a simulated clock.
+
+Each request's output length is drawn once from a `LengthModel` by (role, sequence seed), so it
+does not depend on when the request runs. The loop is event-driven: it admits queued requests
+into free slots (a group's prompt is prefilled once, as `Engine` does; a request submitted with
+`generated` tokens, or resumed with `recompute`, is prefilled with them), then jumps straight to
+the next event, the earliest finish or segment end among the running requests, charging the
+decode steps in between at the cost model's step time for that many live rows and their
+contexts (`MeshCost.decode_seconds`). Prefills stall decoding (charged in sequence). A freed slot
+is refilled at the next event (the real engine's `admit_batch=1`; its chunks of `chunk_steps`
+steps are not modelled).
+
+Tokens: an output of length L is `L - A - 2` thought tokens, `</think>`, A answer tokens and the
+first stop id (A = `answer_tokens[role]`, at most half the output); cut at the budget when L
+exceeds it (finish 'length'). Log-probabilities are -1.0.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from benchmarks.sim.lengths import LengthModel
+from mars_jax.sampling.engine import EngineOutput
+
+THOUGHT, THINK_CLOSE, ANSWER, EOS = 4, 3, 8, 1  # ids of `benchmarks.sim.agents.SimTokenizer`
+
+
+@dataclasses.dataclass
+class _Group:
+    prompt_len: int
+    prefilled: bool = False
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    group: _Group
+    role: str
+    target: int            # output length drawn (stop token included)
+    max_new: int
+    segment_tokens: int | None
+    stop_id: int
+    answer: int
+    generated: int = 0
+    restored: tuple[list[int], list[float]] | None = None
+    needs_prefill: bool = False   # prompt + generated tokens (restored, or `recompute`)
+    pause_at: int = 0
+    slot: int | None = None
+
+    @property
+    def end(self) -> int:
+        """Tokens at which the request stops, finishes by length or pauses."""
+        return min(self.target, self.max_new, self.pause_at)
+
+    @property
+    def context(self) -> int:
+        return self.group.prompt_len + self.generated
+
+
+class SimEngine:
+    """Simulated continuous batching over `num_slots` slots; `now` is the simulated clock
+    (seconds) and `clock()` reads it. `role_of(prompt_ids)` names the role a prompt is for."""
+
+    def __init__(self, cost, lengths: LengthModel, *, num_slots: int, max_length: int,
+                 role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int]):
+        if num_slots < 1:
+            raise ValueError(f"num_slots: need >= 1, got {num_slots}")
+        self.cost, self.lengths, self.num_slots, self.max_length = cost, lengths, num_slots, max_length
+        self.role_of, self.answer_tokens = role_of, dict(answer_tokens)
+        self.now = 0.0
+        self.version = 0
+        self.stats = collections.Counter()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._requests: dict[int, _Request] = {}
+        self._slots: list[int | None] = [None] * num_slots
+        self._running: set[int] = set()      # request ids decoding
+        self._done: collections.deque[tuple[int, EngineOutput]] = collections.deque()
+        self._next_id = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Moves the clock on with nothing decoding (e.g. an update on the same chips)."""
+        self.now += seconds
+        self.stats["idle_seconds"] += seconds
+
+    def update_weights(self, model) -> None:
+        """Counts a new policy version (the simulated engine has no weights); a group prompt
+        prefilled under the old weights is prefilled again for members still queued."""
+        del model
+        self.version += 1
+        for request in self._queue:
+            request.group.prefilled = False
+
+    # --- requests ---
+
+    def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
+               n: int = 1, segment_tokens: int | None = None,
+               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]:
+        """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...); with
+        `generated` = (tokens, logprobs) one request continues a partial output (they count
+        against `max_new_tokens`, as in `Engine`)."""
+        del temperature, top_p, top_k
+        prompt_len = len(prompt_ids)
+        done = len(generated[0]) if generated else 0
+        if prompt_len < 1 or prompt_len + max_new_tokens > self.max_length:
+            raise ValueError(f"submit: prompt ({prompt_len}) + max_new_tokens "
+                             f"({max_new_tokens}) must fit max_length ({self.max_length})")
+        if generated and (n != 1 or done >= max_new_tokens):
+            raise ValueError(f"generated: continues one request with fewer tokens than "
+                             f"max_new_tokens; got n={n}, {done} tokens")
+        role = self.role_of(prompt_ids)
+        group = _Group(prompt_len)
+        ids = []
+        for i in range(n):
+            request = _Request(self._next_id, group, role,
+                               target=self.lengths.draw(role, int(seed) + i),
+                               max_new=int(max_new_tokens), segment_tokens=segment_tokens,
+                               stop_id=int(stop_ids[0]) if stop_ids else EOS,
+                               answer=self.answer_tokens.get(role, 0), generated=done)
+            if generated:
+                request.restored = (list(generated[0]), list(generated[1]))
+                request.needs_prefill = True
+            self._next_id += 1
+            self._requests[request.id] = request
+            ids.append(request.id)
+            self._queue.append(request)
+        return ids
+
+    def resume(self, request_id: int, *, mode: str = "keep",
+               segment_tokens: int | None = None) -> None:
+        """Continues a paused request in its slot (`recompute`: re-prefilled first)."""
+        request = self._requests.get(request_id)
+        if request is None or request.slot is None or request_id in self._running:
+            raise ValueError(f"resume: request {request_id} is not paused in a slot")
+        if mode not in ("keep", "recompute"):
+            raise ValueError(f"mode: 'keep' or 'recompute', got {mode!r}")
+        request.segment_tokens = segment_tokens
+        request.pause_at = self._pause_at(request)
+        if mode == "recompute":
+            self._prefill(request.context)
+        self._running.add(request_id)
+
+    def recompute(self, request_ids: Sequence[int]) -> None:
+        """Re-prefills the contexts of requests in slots under the current weights."""
+        for request_id in request_ids:
+            self._prefill(self._requests[request_id].context)
+
+    def in_slots(self) -> list[int]:
+        """Ids of the requests holding a slot, by slot."""
+        return [i for i in self._slots if i is not None]
+
+    def partial(self, request_id: int) -> tuple[list[int], list[float]]:
+        """Tokens and log-probabilities a request has so far."""
+        return self._output(self._requests[request_id])
+
+    def finished(self) -> list[tuple[int, EngineOutput]]:
+        """Takes the outputs finished (or paused) but not yet yielded by `stream`."""
+        done = list(self._done)
+        self._done.clear()
+        return done
+
+    # --- the loop ---
+
+    def stream(self, stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[int, EngineOutput]]:
+        """Runs until no request waits or decodes (or, with `stop`, until `stop()` is true after
+        an event), yielding `(request_id, output)` as each one finishes or pauses at a segment
+        end."""
+        while True:
+            while self._done:
+                yield self._done.popleft()
+            if stop is not None and stop():
+                return
+            self._admit()
+            if not self._running:
+                return
+            self._decode_to_next_event()
+
+    def run(self) -> dict[int, EngineOutput]:
+        return dict(self.stream())
+
+    def _pause_at(self, request: _Request) -> int:
+        if request.segment_tokens is None:
+            return request.max_new
+        return min(request.max_new, request.generated + request.segment_tokens)
+
+    def _prefill(self, tokens: int) -> None:
+        seconds = self.cost.prefill_seconds(tokens)
+        self.now += seconds
+        self.stats["prefill_seconds"] += seconds
+        self.stats["prefill_tokens"] += tokens
+        self.stats["prefill_calls"] += 1
+
+    def _admit(self) -> None:
+        while self._queue and None in self._slots:
+            request = self._queue.popleft()
+            slot = self._slots.index(None)
+            self._slots[slot], request.slot = request.id, slot
+            request.pause_at = self._pause_at(request)
+            if request.needs_prefill:
+                self._prefill(request.context)
+                request.needs_prefill = False
+            elif not request.group.prefilled:
+                self._prefill(request.group.prompt_len)
+                request.group.prefilled = True
+            self.stats["prefills"] += 1
+            self._running.add(request.id)
+
+    def _decode_to_next_event(self) -> None:
+        running = [self._requests[i] for i in self._running]
+        steps = max(0, min(r.end - r.generated for r in running))
+        rows, context = len(running), sum(r.context for r in running)
+        seconds = self.cost.decode_seconds(rows, context, steps)
+        self.now += seconds
+        self.stats["decode_seconds"] += seconds
+        self.stats["decode_steps"] += steps
+        self.stats["slot_steps"] += steps * self.num_slots
+        self.stats["row_steps"] += steps * rows
+        self.stats["tokens"] += steps * rows
+        self.stats["live_slot_seconds"] += seconds * rows
+        for request in running:
+            request.generated += steps
+            if request.generated < request.end:
+                continue
+            self._running.discard(request.id)
+            if request.generated >= request.target:
+                self._finish(request, "stop")
+            elif request.generated >= request.max_new:
+                self._finish(request, "length")
+            else:
+                self._finish(request, "segment")
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        tokens, logprobs = self._output(request)
+        self._done.append((request.id, EngineOutput(tokens, logprobs, reason, None)))
+        if reason != "segment":
+            self._slots[request.slot] = None
+            del self._requests[request.id]
+
+    def _output(self, request: _Request) -> tuple[list[int], list[float]]:
+        """The first `generated` tokens of the request's output (module docstring)."""
+        n, length = request.generated, request.target
+        if length < 2:
+            tokens = [request.stop_id][:n]
+        else:
+            answer = min(request.answer, (length - 2) // 2)
+            thought = length - 2 - answer
+            tokens = [THOUGHT] * min(n, thought)
+            if n > thought:
+                tokens += [THINK_CLOSE] + [ANSWER] * min(n - thought - 1, answer)
+            if n >= length:
+                tokens.append(request.stop_id)
+        logprobs = [-1.0] * n
+        if request.restored:
+            done = len(request.restored[0])
+            tokens[:done], logprobs[:done] = request.restored
+        return tokens, logprobs

@@ -1,0 +1,225 @@
+"""The paper-scale simulator's parts: cost model, length fit, simulated engine, grading stub,
+and the scheduler's barriers, against hand-computed cases and independent estimates."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_prompt,
+                                   sim_encode)
+from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost, slots_per_chip
+from benchmarks.sim.engine import SimEngine
+from benchmarks.sim.lengths import LengthModel, capped_lognormal_mean
+from mars_jax.models import get_preset
+from mars_jax.rewards.text import strip_thinking
+from mars_jax.rl.rollout import RolloutConfig
+from mars_jax.rl.streaming import StreamingRollouts
+
+
+@dataclasses.dataclass
+class FixedLengths:
+    """Lengths by sequence seed (a hand-made table)."""
+
+    table: dict
+
+    def draw(self, role, sequence_seed):
+        return self.table[sequence_seed]
+
+
+def test_qwen3_30b_parameter_counts_match_the_model_card():
+    # Qwen3-30B-A3B model card: 30.5B parameters in all, 3.3B activated.
+    cost = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    assert cost.total_params == pytest.approx(30.5e9, rel=0.01)
+    embedding = 151_936 * 2048
+    assert cost.active_matmul_params + embedding == pytest.approx(3.3e9, rel=0.03)
+    assert cost.kv_bytes_per_token == 48 * 2 * 4 * 128 * 2
+
+
+def test_experts_touched_matches_sampled_routing():
+    cost = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    rng = np.random.default_rng(0)
+    for rows in (1, 4, 32):
+        sampled = np.mean([len({e for _ in range(rows)
+                                for e in rng.choice(128, 8, replace=False)})
+                           for _ in range(400)])
+        assert cost.experts_touched(rows) == pytest.approx(sampled, rel=0.03)
+
+
+@pytest.mark.parametrize("chip", ["h200", "v5p", "slow_flops"])
+def test_decode_seconds_is_the_sum_of_its_steps(chip):
+    model = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    spec = CHIPS.get(chip) or dataclasses.replace(CHIPS["h200"], peak_flops=2e12)
+    mesh = MeshCost(model, spec, chips=8, step_overhead_s=1e-3)
+    for rows, context, steps in ((1, 100, 7), (16, 16 * 3000, 500), (64, 64 * 20000, 2000)):
+        by_step = sum(mesh.decode_step_seconds(rows, context + i * rows) for i in range(steps))
+        assert mesh.decode_seconds(rows, context, steps) == pytest.approx(by_step, rel=1e-9)
+
+
+def test_decode_step_seconds_by_hand():
+    # 1 row, no context, one H200: only the weights one token reads (dense + 8 experts per layer).
+    model = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    mesh = MeshCost(model, CHIPS["h200"], chips=1)
+    weights = model.dense_params + 48 * 8 * model.expert_params
+    assert mesh.decode_step_seconds(1, 0) == pytest.approx(weights * 2 / 4.8e12)
+
+
+def test_slots_per_chip_by_hand():
+    model = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    slot = 98_304 * 1000   # KV bytes of 1,000 positions
+    chip = dataclasses.replace(CHIPS["h200"], hbm_bytes=100 * slot)
+    assert slots_per_chip(model, chip, resident_bytes=30 * slot, slot_positions=1000,
+                          usable_fraction=0.9) == 60
+
+
+def test_capped_mean_matches_sampling_and_the_fit_hits_the_target():
+    rng = np.random.default_rng(1)
+    x = rng.lognormal(9.6, 0.7, size=400_000)
+    assert capped_lognormal_mean(9.6, 0.7, 65536) == pytest.approx(
+        np.minimum(x, 65536).mean(), rel=0.005)
+    for progress, target in ((0.0, 19_000), (1.0, 28_000)):
+        model = LengthModel(progress=progress)
+        draws = np.array([model.draw("solver", s) for s in range(40_000)])
+        assert np.minimum(draws, model.cap).mean() == pytest.approx(target, rel=0.02)
+        assert (draws > model.cap).mean() == pytest.approx(model.truncated_fraction("solver"),
+                                                           abs=0.005)
+
+
+def test_lengths_are_reproducible_by_seed_not_by_order():
+    a, b = LengthModel(seed=3), LengthModel(seed=3)
+    forward = [a.draw("verifier", s) for s in range(50)]
+    backward = [b.draw("verifier", s) for s in reversed(range(50))][::-1]
+    assert forward == backward
+    assert forward != [LengthModel(seed=4).draw("verifier", s) for s in range(50)]
+    assert forward != [a.draw("corrector", s) for s in range(50)]
+
+
+def _engine(lengths, slots, cost=None, answer=2):
+    cost = cost or ProfileCost(step_rows=(1, 2), step_seconds=(1.0, 1.5),
+                               prefill_per_token_s=0.01, update_per_token_s=0.0)
+    return SimEngine(cost, lengths, num_slots=slots, max_length=100,
+                     role_of=lambda ids: "solver", answer_tokens={"solver": answer})
+
+
+def test_event_clock_against_a_hand_computed_schedule():
+    # 2 slots; A (4 tokens), B (2), C (3); prompts of 5 tokens (prefill 0.05 s each); a step
+    # takes 1 s with one live row, 1.5 s with two.
+    engine = _engine(FixedLengths({0: 4, 1: 2, 2: 3}), slots=2)
+    ids = [engine.submit([7] * 5, max_new_tokens=10, seed=s, stop_ids=(1,))[0] for s in range(3)]
+    events = [(i, out.finish_reason, len(out.tokens), round(engine.now, 6))
+              for i, out in engine.stream()]
+    # A, B prefilled (0.1); 2 steps of 2 rows (3.0): B ends at 3.1; C prefilled (3.15); 2 steps
+    # of 2 rows: A ends at 6.15; 1 step of 1 row: C ends at 7.15.
+    assert events == [(ids[1], "stop", 2, 3.1), (ids[0], "stop", 4, 6.15),
+                      (ids[2], "stop", 3, 7.15)]
+    assert engine.stats["row_steps"] == 2 * 2 + 2 * 2 + 1
+    assert engine.stats["decode_steps"] == 5
+
+
+def test_group_prompt_prefilled_once_and_requests_submitted_mid_stream_run():
+    engine = _engine(FixedLengths({0: 3, 1: 3, 2: 1}), slots=2)
+    engine.submit([7] * 10, max_new_tokens=10, seed=0, n=2, stop_ids=(1,))
+    seen = []
+    for request_id, out in engine.stream():
+        seen.append(request_id)
+        if len(seen) == 1:
+            engine.submit([7] * 10, max_new_tokens=10, seed=2, stop_ids=(1,))
+    assert sorted(seen) == [0, 1, 2]
+    assert engine.stats["prefill_calls"] == 2          # the group's prompt once, then request 2
+    assert engine.now == pytest.approx(0.1 + 3 * 1.5 + 0.1 + 1.0)
+
+
+def test_outputs_budget_segments_and_restored_tokens():
+    engine = _engine(FixedLengths({0: 30, 1: 12}), slots=2, answer=3)
+    cut, = engine.submit([7] * 5, max_new_tokens=20, seed=0, stop_ids=(1,))
+    seg, = engine.submit([7] * 5, max_new_tokens=20, seed=1, stop_ids=(1,), segment_tokens=8)
+    outputs = {}
+    for request_id, out in engine.stream():
+        outputs.setdefault(request_id, []).append(out)
+        if out.finish_reason == "segment":
+            engine.resume(request_id)
+    assert [o.finish_reason for o in outputs[cut]] == ["length"]
+    assert 1 not in outputs[cut][0].tokens and len(outputs[cut][0].tokens) == 20
+    assert [(o.finish_reason, len(o.tokens)) for o in outputs[seg]] == [("segment", 8),
+                                                                        ("stop", 12)]
+    final = outputs[seg][-1].tokens
+    assert final[-1] == 1 and final[:8] == outputs[seg][0].tokens
+    text = SimTokenizer().decode(final, skip_special_tokens=True)
+    assert strip_thinking(text, thinking_open=True).split() == ["x"] * 3
+    # A restored partial output continues: its tokens come first and count against the budget.
+    engine = _engine(FixedLengths({5: 12}), slots=1)
+    rid, = engine.submit([7] * 5, max_new_tokens=20, seed=5, stop_ids=(1,),
+                         generated=([9] * 4, [-0.5] * 4))
+    (_, out), = list(engine.stream())
+    assert out.tokens[:4] == [9] * 4 and out.logprobs[:4] == [-0.5] * 4 and len(out.tokens) == 12
+    assert engine.stats["prefill_tokens"] == 5 + 4
+
+
+def _rollouts(rates, seed=0, group=8):
+    config = RolloutConfig(group_size=group, fan_out=2, max_stages=5,
+                           max_new_tokens={r: 64 for r in ("solver", "verifier", "corrector")},
+                           max_prompt_tokens=2048, enable_thinking=True)
+    return SimRollouts(SimTokenizer(), config, seed=seed, encode=sim_encode, correct_rates=rates)
+
+
+def test_grading_stub_rates_and_consistent_verifier_rewards():
+    rollouts = _rollouts({"solver": 0.6, "verifier": 0.8, "corrector": 0.5})
+    assert rollouts.thinking_open
+    rights = [rollouts._right(f"p{i}/s0/{j}", "solver") for i in range(300) for j in range(8)]
+    assert np.mean(rights) == pytest.approx(0.6, abs=0.03)
+    from mars_jax.rl.rollout import Rollout
+    finished = [Rollout(uid=f"p/s1/{i}", problem_uid="p", stage=1, parent_uid="x", prompt_ids=[6],
+                        judged_correct=bool(i % 2), finish_reason="stop") for i in range(2000)]
+    finished.append(Rollout(uid="p/s1/t", problem_uid="p", stage=1, parent_uid="x",
+                            prompt_ids=[6], judged_correct=True, finish_reason="length"))
+    rollouts._grade(finished)
+    done = finished[:-1]
+    assert all(r.reward == float(r.verdict == r.judged_correct) for r in done)
+    assert np.mean([r.reward for r in done]) == pytest.approx(0.8, abs=0.03)
+    assert finished[-1].verdict is None and finished[-1].reward == 0.0
+
+
+def test_prompts_carry_their_role_and_the_visible_parent_text():
+    tokenizer = SimTokenizer()
+    from mars_jax.agents import prompts
+    solver = sim_encode(tokenizer, prompts.solver_messages("a b c", "full"), enable_thinking=True)
+    verifier = sim_encode(tokenizer, prompts.verifier_messages("a b c", "x x x", "full"))
+    assert role_of_prompt(solver) == "solver" and role_of_prompt(verifier) == "verifier"
+    assert solver[-1] == 2  # the generation prompt opens <think>
+
+
+def _schedule(mode):
+    """A small run of the streaming scheduler on the simulated engine; records the role of each submission and whether
+    a Solver was still in flight then."""
+    rollouts = _rollouts({"solver": 0.6, "verifier": 0.8, "corrector": 0.5}, group=4)
+    lengths = LengthModel(cap=64, solver_mean_start=20, solver_mean_end=20, sigma=0.7)
+    cost = ProfileCost(step_rows=(1, 8), step_seconds=(1.0, 2.0), prefill_per_token_s=0.0,
+                       update_per_token_s=0.0)
+    engine = SimEngine(cost, lengths, num_slots=8, max_length=4096, role_of=role_of_prompt,
+                       answer_tokens={"solver": 3, "verifier": 2, "corrector": 3})
+    log = []
+    submit = engine.submit
+
+    def logged(prompt_ids, **kwargs):
+        solvers_running = sum(r.role == "solver" for r in engine._requests.values())
+        log.append((role_of_prompt(prompt_ids), solvers_running))
+        return submit(prompt_ids, **kwargs)
+
+    engine.submit = logged
+    scheduler = StreamingRollouts(
+        rollouts, engine, problems(5), mode=mode, prompts_per_step=3, samples_per_update=60,
+        max_inflight_rows=16, staleness_bound=4, resume="keep", roles_trained="all",
+        drop_zero_variance=False, sampling={}, stop_ids=(1,), clock=engine.clock)
+    keys = []
+    for version in range(4):
+        batch = scheduler.collect(version)
+        keys += [g[0].group_key for g in batch.groups]
+        scheduler.weights_updated(None, version + 1)
+    return log, keys
+
+
+def test_pipeline_streams_stages_and_sequential_keeps_the_barrier():
+    log, keys = _schedule("pipeline")
+    assert any(role != "solver" and solvers for role, solvers in log)
+    log, keys = _schedule("sequential")
+    assert keys and all(not solvers for role, solvers in log if role != "solver")
+    assert len(set(keys)) == len(keys)  # every group trained once
