@@ -9,10 +9,19 @@ jitted chunk of up to `chunk_steps` decode steps runs over all slots; after it t
 finished requests out and frees their slots. While requests wait, a chunk ends early as soon
 as `admit_batch` slots are free, so they are refilled at once.
 
-Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece, batch
-bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only
-array values. When nothing waits, the running requests' rows are gathered into a smaller slot
-bucket (as `generate` compacts), so there is one decode chunk per slot bucket (num_slots, /2, ..1).
+Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
+batch bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change
+only array values. When nothing waits, the running requests' rows are gathered into a smaller slot
+bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
+`span` cache positions only, `span` = the longest a running request can grow to in the chunk,
+rounded up to a power of two (at least `min_span`, at most `max_length`): it copies those
+positions out of the slot cache once, decodes over them, and writes back the rows that decoded.
+At most floor(log2(max_length / min_span)) + 2 spans.
+
+Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
+request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
+(a dynamic-update-slice per row; a row read by a one-index gather), never gathering the slots of
+other chips, and every program's outputs keep the state's shardings.
 
 Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
 request (same positions, same keys and values visible, sampling by
@@ -20,7 +29,7 @@ request (same positions, same keys and values visible, sampling by
 settings), and row b's PRNG key at step t is `fold_in(fold_in(key(seed), sequence_seed), t)`
 as in `generate` (`seed` is the engine's, `sequence_seed` the request's). Tokens and
 log-probabilities therefore do not depend on the other slots or on the admission time; they match
-`generate`'s up to float32 rounding (reductions run over `max_length` instead of `generate`'s
+`generate`'s up to float32 rounding (reductions run over the chunk's span instead of `generate`'s
 cache length), which changes a token only at an exact near-tie.
 
 Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
@@ -379,7 +388,8 @@ class Engine:
     """Continuous-batching decode (module docstring). `model`'s arrays are read at construction
     and at each `update_weights`; `seed` is the base of every request's PRNG key. Queued
     requests are admitted once `admit_batch` slots are free (fewer if fewer wait), so their
-    prompts are prefilled in one batch; decode chunks end early as soon as that many are."""
+    prompts are prefilled in one batch; decode chunks end early as soon as that many are.
+    `min_span` is the shortest KV span a decode chunk attends over (module docstring)."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
