@@ -20,7 +20,7 @@ At most floor(log2(max_length / min_span)) + 2 spans.
 
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
 request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
-(a dynamic-update-slice per row; a row read by a one-index gather), never gathering the slots of
+(a dynamic-update-slice per row; a row read as a masked sum over the slots), never gathering the slots of
 other chips, and every program's outputs keep the state's shardings.
 
 Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
@@ -139,8 +139,8 @@ class _Request:
 # The slot state is sharded over slots (`batch`) and KV heads; every program that writes it takes
 # it donated and updates it in place: a slot's row is written with a dynamic-update-slice (each
 # shard writes its own rows; a scatter on a sharded axis would gather the whole array first) and
-# a row is read with a one-index gather (each shard reads its rows, one all-reduce of the row),
-# and its outputs are pinned to the logical shardings the state was created with.
+# a row is read as a masked sum (each shard reduces its rows, one all-reduce of the row), and its
+# outputs are pinned to the logical shardings the state was created with.
 
 def _slot_axis(name: str) -> int:
     """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`)."""
@@ -171,8 +171,18 @@ def _pinned(state: SlotState) -> SlotState:
 
 
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """Row `index` of `x` along `axis`, the axis kept (size 1)."""
-    return jnp.take(x, jnp.reshape(index, (1,)), axis=axis, mode="clip")
+    """Row `index` of `x` along `axis`, the axis kept (size 1), as a masked sum over the axis:
+    on an `axis`-sharded `x` each shard reduces its own rows and one row is all-reduced
+    (XLA:GPU partitions a one-index gather as an all-gather of `x`). Exact: the other rows
+    contribute zeros."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _row(jax.random.key_data(x), index, axis)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    hit = (jnp.arange(x.shape[axis]) == index).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+    if x.dtype == jnp.bool_:
+        return jnp.any(hit & x, axis=axis, keepdims=True)
+    return jnp.sum(jnp.where(hit, x, jnp.zeros((), x.dtype)), axis=axis, keepdims=True,
+                   dtype=x.dtype)
 
 
 def _set_row(x: jax.Array, index: jax.Array, value, axis: int = 0) -> jax.Array:
