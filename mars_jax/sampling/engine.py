@@ -9,10 +9,19 @@ jitted chunk of up to `chunk_steps` decode steps runs over all slots; after it t
 finished requests out and frees their slots. While requests wait, a chunk ends early as soon
 as `admit_batch` slots are free, so they are refilled at once.
 
-Programs: one decode chunk per (slots, max_length); one prefill per (prompt bucket, piece, batch
-bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change only
-array values. When nothing waits, the running requests' rows are gathered into a smaller slot
-bucket (as `generate` compacts), so there is one decode chunk per slot bucket (num_slots, /2, ..1).
+Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
+batch bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change
+only array values. When nothing waits, the running requests' rows are gathered into a smaller slot
+bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
+`span` cache positions only, `span` = the longest a running request can grow to in the chunk,
+rounded up to a power of two (at least `min_span`, at most `max_length`): it copies those
+positions out of the slot cache once, decodes over them, and writes back the rows that decoded.
+At most floor(log2(max_length / min_span)) + 2 spans.
+
+Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
+request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
+(a dynamic-update-slice per row; a row read as a masked sum over the slots), never gathering the slots of
+other chips, and every program's outputs keep the state's shardings.
 
 Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
 request (same positions, same keys and values visible, sampling by
@@ -20,7 +29,7 @@ request (same positions, same keys and values visible, sampling by
 settings), and row b's PRNG key at step t is `fold_in(fold_in(key(seed), sequence_seed), t)`
 as in `generate` (`seed` is the engine's, `sequence_seed` the request's). Tokens and
 log-probabilities therefore do not depend on the other slots or on the admission time; they match
-`generate`'s up to float32 rounding (reductions run over `max_length` instead of `generate`'s
+`generate`'s up to float32 rounding (reductions run over the chunk's span instead of `generate`'s
 cache length), which changes a token only at an exact near-tie.
 
 Order: the outputs finished in one decode chunk are streamed in submission order (not slot
@@ -136,8 +145,8 @@ class _Request:
 # The slot state is sharded over slots (`batch`) and KV heads; every program that writes it takes
 # it donated and updates it in place: a slot's row is written with a dynamic-update-slice (each
 # shard writes its own rows; a scatter on a sharded axis would gather the whole array first) and
-# a row is read with a one-index gather (each shard reads its rows, one all-reduce of the row),
-# and its outputs are pinned to the logical shardings the state was created with.
+# a row is read as a masked sum (each shard reduces its rows, one all-reduce of the row), and its
+# outputs are pinned to the logical shardings the state was created with.
 
 def _slot_axis(name: str) -> int:
     """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`)."""
@@ -168,8 +177,18 @@ def _pinned(state: SlotState) -> SlotState:
 
 
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """Row `index` of `x` along `axis`, the axis kept (size 1)."""
-    return jnp.take(x, jnp.reshape(index, (1,)), axis=axis, mode="clip")
+    """Row `index` of `x` along `axis`, the axis kept (size 1), as a masked sum over the axis:
+    on an `axis`-sharded `x` each shard reduces its own rows and one row is all-reduced
+    (XLA:GPU partitions a one-index gather as an all-gather of `x`). Exact: the other rows
+    contribute zeros."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _row(jax.random.key_data(x), index, axis)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    hit = (jnp.arange(x.shape[axis]) == index).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+    if x.dtype == jnp.bool_:
+        return jnp.any(hit & x, axis=axis, keepdims=True)
+    return jnp.sum(jnp.where(hit, x, jnp.zeros((), x.dtype)), axis=axis, keepdims=True,
+                   dtype=x.dtype)
 
 
 def _set_row(x: jax.Array, index: jax.Array, value, axis: int = 0) -> jax.Array:
@@ -390,7 +409,8 @@ class Engine:
     """Continuous-batching decode (module docstring). `model`'s arrays are read at construction
     and at each `update_weights`; `seed` is the base of every request's PRNG key. Queued
     requests are admitted once `admit_batch` slots are free (fewer if fewer wait), so their
-    prompts are prefilled in one batch; decode chunks end early as soon as that many are."""
+    prompts are prefilled in one batch; decode chunks end early as soon as that many are.
+    `min_span` is the shortest KV span a decode chunk attends over (module docstring)."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,

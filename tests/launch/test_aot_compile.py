@@ -81,6 +81,37 @@ def test_tiny_step_programs_compile_for_a_small_tpu_slice(tmp_path):
     assert update["flops"] >= 3 * forward["flops"]
 
 
+@needs_libtpu
+def test_tiny_engine_programs_write_the_sharded_slot_state_in_place(tmp_path):
+    """8 slots of 96 positions over data=4 (2 per chip). The KV bytes the report gives are the
+    cache that XLA's memory analysis finds in the decode chunk's arguments, donated through;
+    the insert's temporaries stay below two prompt rows (gathering the batch-sharded prompt cache
+    for the row, as the first insert did, takes 8 of them); shrinking to 4 slots outputs half the
+    per-chip state (not all 4 slots on every chip) and expanding back updates the state in
+    place."""
+    result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY,
+                          "--config.rollout.decode_engine=engine",
+                          "--config.rollout.engine_slots=8",
+                          "--programs=engine_insert,engine_decode,engine_shrink,engine_expand")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    r = {x["program"]: x for x in report["results"]}
+    kv = report["kv_bytes"]
+    cfg = get_preset("tiny")
+    assert kv["per_token"] == (2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                               * cfg.head_dim * 4)  # float32 keys and values of every layer
+    assert (kv["slots"], kv["positions"]) == (8, 64 + 32)
+    assert kv["per_slot"] == kv["per_token"] * 96 and kv["per_device"] == 2 * kv["per_slot"]
+    assert "bytes per token" in result.stdout and "per slot" in result.stdout
+    decode = r["engine_decode"]
+    assert kv["per_device"] <= decode["alias_bytes"] <= decode["argument_bytes"]
+    prompt_row = kv["per_token"] * 64
+    insert = r["engine_insert"]
+    assert insert["alias_bytes"] >= kv["per_device"] and insert["temp_bytes"] < 2 * prompt_row
+    expand = r["engine_expand"]
+    assert expand["alias_bytes"] >= kv["per_device"]  # the full state donated through
+    assert r["engine_shrink"]["output_bytes"] <= 0.55 * expand["output_bytes"]
+
+
 @pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
