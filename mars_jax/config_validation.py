@@ -34,7 +34,7 @@ from mars_jax.agents.prompts import STYLES
 from mars_jax.agents.system import FALLBACKS
 from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
-from mars_jax.rl.pipeline import MODES
+from mars_jax.rl.pipeline import MODES, ROLES_TRAINED
 from mars_jax.rl.rollout import STAGE_ROLES, segments_needed
 from mars_jax.rl.selection import POLICIES
 from mars_jax.rl.streaming import RESUME_MODES
@@ -63,7 +63,6 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
 
 
-ROLES_TRAINED = ("all", "solver", "vc")  # see `mars_jax.rl.pipeline.trainable`
 CHOICES: dict[str, tuple[str, ...]] = {
     "job": ("train", "eval_system", "sft"),
     "rollout.mode": MODES,
@@ -71,7 +70,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.scheduler": ("step", "stream"),
     "rollout.resume": RESUME_MODES,
     "rollout.selection": POLICIES,
-    "rollout.roles_trained": ROLES_TRAINED,
+    "rollout.roles_trained": tuple(ROLES_TRAINED),
     "rollout.prompt_style": tuple(STYLES),
     "optimizer.schedule": ("constant", "cosine"),
     "warm_start.schedule": ("constant", "cosine"),

@@ -22,6 +22,9 @@ from mars_jax.rl.rollout import (STAGE_ROLES, AgenticRollouts, Generator, Rollou
                                  segments_needed)
 
 MODES = ("pipeline", "sequential")
+# rollout.roles_trained -> the roles whose groups are trained.
+ROLES_TRAINED = {"all": ("solver", "verifier", "corrector"), "solver": ("solver",),
+                 "vc": ("verifier", "corrector")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +86,7 @@ def max_staleness(groups: Sequence[list[Rollout]], version: int) -> int:
 
 def trainable(groups: Sequence[list[Rollout]], roles_trained: str) -> list[list[Rollout]]:
     """Groups of the roles being trained: 'all' (MarsRL), 'solver' (MarsRL-S), 'vc' (MarsRL-VC)."""
-    allowed = {"all": {"solver", "verifier", "corrector"}, "solver": {"solver"},
-               "vc": {"verifier", "corrector"}}
-    if roles_trained not in allowed:
-        raise ValueError(f"rollout.roles_trained: {roles_trained!r} is not one of {sorted(allowed)}")
-    return [g for g in groups if g[0].role in allowed[roles_trained]]
+    if roles_trained not in ROLES_TRAINED:
+        raise ValueError(f"rollout.roles_trained: {roles_trained!r} is not one of "
+                         f"{sorted(ROLES_TRAINED)}")
+    return [g for g in groups if g[0].role in ROLES_TRAINED[roles_trained]]

@@ -44,12 +44,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from mars_jax.rl.pipeline import ROLES_TRAINED
 from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, Rollout
 
 MODES = ("pipeline", "sequential")
 RESUME_MODES = ("recompute", "keep")
-ROLES_TRAINED = {"all": ("solver", "verifier", "corrector"), "solver": ("solver",),
-                 "vc": ("verifier", "corrector")}
 
 
 class DecodeEngine(Protocol):
@@ -177,7 +176,7 @@ class StreamingRollouts:
     def _decode_pipeline(self, version: int, *, until: Callable[[], bool]) -> bool:
         """Admits, submits and streams until `until()` or the engine runs dry; False when there
         was nothing to decode."""
-        self._admit(version)
+        self._admit()
         self._submit(version)
         if not self._inflight:
             return False
@@ -185,7 +184,7 @@ class StreamingRollouts:
             self._absorb(request_id, output, version)
             if until():
                 break
-            self._admit(version)
+            self._admit()
             self._submit(version)
         for request_id, output in self.engine.finished():
             self._absorb(request_id, output, version)
@@ -206,7 +205,7 @@ class StreamingRollouts:
         self.problems_admitted += 1
         self.rollouts.add_problems([next(self.problems)], [uid])
 
-    def _admit(self, version: int) -> None:
+    def _admit(self) -> None:
         """Pipeline: new problems while rows in flight are below the cap, unless an update is
         due (then only the work in flight continues)."""
         while (len(self._inflight) + len(self.rollouts.pending) < self.max_inflight_rows
