@@ -16,8 +16,10 @@ produces exactly those lengths (no stop token):
   hf        transformers' continuous batching (`ContinuousBatchingManager`, paged attention),
             `max_requests_per_batch=slots`, per-request `max_new_tokens`; on the first
             `hf-requests` requests (it is slow on CPU)
-The engine admits queued requests `admit-batch` at a time (one batched prefill) and gathers the
-running rows into a smaller slot bucket once nothing waits (as `generate` compacts).
+The engine admits queued requests `admit-batch` at a time (one batched prefill, which also
+prefills the next queued prompts, `prefill-ahead` in the call; those later take freed slots one
+at a time without a prefill) and gathers the running rows into a smaller slot bucket once nothing
+waits (as `generate` compacts).
 Tokens/s = requested tokens / wall time of the whole workload (prefill + decode), median of
 `repeats` passes after one warm-up pass of the same workload (compiles). The engine and
 `generate` (and tunix, also JAX) share one subprocess and alternate pass by pass (a shared
@@ -59,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--chunk-steps", type=int, default=8)
     parser.add_argument("--admit-batch", type=int, default=4)
+    parser.add_argument("--prefill-ahead", type=int, default=16)
     parser.add_argument("--hf-requests", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--preset", default="bench")
@@ -86,7 +89,8 @@ def engine_run(model, args):
     from mars_jax.sampling import Engine
 
     engine = Engine(model, num_slots=args.slots, max_length=args.prompt_len + MAX_NEW,
-                    chunk_steps=args.chunk_steps, admit_batch=args.admit_batch)
+                    chunk_steps=args.chunk_steps, admit_batch=args.admit_batch,
+                    prefill_ahead=args.prefill_ahead)
 
     def run(prompts, lengths):
         engine.stats.clear()
@@ -210,6 +214,7 @@ def spawn(engine: str, work: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--workdir", str(work),
            "--slots", str(args.slots), "--prompt-len", str(args.prompt_len),
            "--chunk-steps", str(args.chunk_steps), "--admit-batch", str(args.admit_batch),
+           "--prefill-ahead", str(args.prefill_ahead),
            "--hf-requests", str(args.hf_requests), "--repeats", str(args.repeats),
            "--dtype", args.dtype, "--preset", args.preset] + ["--with-tunix"] * args.with_tunix
     try:

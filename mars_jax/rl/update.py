@@ -165,7 +165,12 @@ def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef
 
     def accumulate(grads, inputs):
         micro, micro_weights = inputs
-        (loss, metrics), g = grad_fn(params, graphdef, micro, micro_weights, ref_params, config)
+        compute = lambda: grad_fn(params, graphdef, micro, micro_weights, ref_params, config)
+        # A micro-batch without loss tokens (the padding up to a power of two of micro-batches)
+        # adds exactly zero to the loss and the gradient: skip its forward and backward.
+        (loss, metrics), g = jax.lax.cond(
+            jnp.any(micro.loss_mask > 0), compute,
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute)))
         return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -206,10 +211,14 @@ def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
     model = nnx.merge(graphdef, params)
 
     def one(micro: TrainBatch) -> jax.Array:
-        replay = micro.expert_ids if config.routing_replay else None
-        logprobs, _ = token_logprobs(model, micro.tokens, micro.attention_mask,
-                                     temperature=config.temperature, chunk=config.logits_chunk,
-                                     expert_ids=replay)
-        return logprobs * micro.loss_mask
+        def compute():
+            replay = micro.expert_ids if config.routing_replay else None
+            logprobs, _ = token_logprobs(model, micro.tokens, micro.attention_mask,
+                                         temperature=config.temperature,
+                                         chunk=config.logits_chunk, expert_ids=replay)
+            return logprobs * micro.loss_mask
+
+        return jax.lax.cond(jnp.any(micro.loss_mask > 0), compute,
+                            lambda: jnp.zeros_like(micro.loss_mask, jnp.float32))
 
     return jax.lax.map(one, batch)

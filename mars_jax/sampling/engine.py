@@ -20,8 +20,9 @@ At most floor(log2(max_length / min_span)) + 2 spans.
 
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
 request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
-(a dynamic-update-slice per row; a row read as a masked sum over the slots), never gathering the slots of
-other chips, and every program's outputs keep the state's shardings.
+(a dynamic-update-slice per row; a row read as a masked sum over the slots when the slots are
+split over chips, else as a dynamic slice), never gathering the slots of other chips, and every
+program's outputs keep the state's shardings.
 
 Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
 request (same positions, same keys and values visible, sampling by
@@ -176,11 +177,19 @@ def _pinned(state: SlotState) -> SlotState:
     return state.replace(cache=cache, experts=experts, **fields)
 
 
+def _slots_sharded(num_slots: int) -> bool:
+    """Whether the current mesh (if any) splits a slot axis of `num_slots` rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and sharding.fitted_spec(("batch",), (num_slots,), mesh)[0] is not None
+
+
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """Row `index` of `x` along `axis`, the axis kept (size 1), as a masked sum over the axis:
-    on an `axis`-sharded `x` each shard reduces its own rows and one row is all-reduced
-    (XLA:GPU partitions a one-index gather as an all-gather of `x`). Exact: the other rows
-    contribute zeros."""
+    """Row `index` of `x` along `axis`, the axis kept (size 1). On an `axis`-sharded `x`, a
+    masked sum over the axis: each shard reduces its own rows and one row is all-reduced
+    (XLA:GPU partitions a one-index gather as an all-gather of `x`); exact, the other rows
+    contribute zeros. Otherwise a dynamic slice (reads one row, not all of them)."""
+    if not _slots_sharded(x.shape[axis]):
+        return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         data = _row(jax.random.key_data(x), index, axis)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
@@ -410,17 +419,22 @@ class Engine:
     and at each `update_weights`; `seed` is the base of every request's PRNG key. Queued
     requests are admitted once `admit_batch` slots are free (fewer if fewer wait), so their
     prompts are prefilled in one batch; decode chunks end early as soon as that many are.
+    With `prefill_ahead` = P > 0, an admission's prefill call also prefills the prompts of the
+    next queued requests, up to P prompts in the call; those keep their prompt KV until they get
+    a slot, which they then take one at a time without a prefill (as a group's members do).
     `min_span` is the shortest KV span a decode chunk attends over (module docstring)."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
                  record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
-                 admit_batch: int = 1, min_span: int = MIN_SPAN):
+                 admit_batch: int = 1, prefill_ahead: int = 0, min_span: int = MIN_SPAN):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
         if min_span < 1:
             raise ValueError(f"min_span: must be >= 1, got {min_span}")
+        if prefill_ahead < 0:
+            raise ValueError(f"prefill_ahead: must be >= 0, got {prefill_ahead}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk: must be a power of two >= 16, got {prefill_chunk}")
         multiple = _batch_multiple(mesh)
@@ -433,6 +447,7 @@ class Engine:
         self.num_slots, self.max_length, self.chunk_steps = num_slots, max_length, chunk_steps
         self.prefill_chunk, self.max_stop_ids, self.seed = prefill_chunk, max_stop_ids, seed
         self.mesh, self.admit_batch, self.min_span = mesh, max(1, admit_batch), min_span
+        self.prefill_ahead = prefill_ahead
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
         self.vocab_size = model.config.vocab_size
         self._queue: collections.deque[_Request] = collections.deque()
@@ -653,7 +668,10 @@ class Engine:
         self._full, self._rows = None, {}
 
     def _admission_size(self) -> int:
-        """Free slots wanted before admitting: `admit_batch`, or fewer if fewer requests wait."""
+        """Free slots wanted before admitting: one if the next request's prompt is already
+        prefilled, else `admit_batch`, or fewer if fewer requests wait."""
+        if self._queue and self._queue[0].group.prefilled is not None:
+            return 1
         return min(self.admit_batch, len(self._queue))
 
     def _stop_after(self) -> int:
@@ -681,6 +699,8 @@ class Engine:
         continued = [r for r in admitted if r.tokens]
         groups = list({id(r.group): r.group for r in fresh
                        if r.group.prefilled is None}.values())
+        if groups or continued:
+            groups += self._ahead(self.prefill_ahead - len(groups) - len(continued), groups)
         prefills = self._prefill([g.prompt for g in groups]
                                  + [r.group.prompt + r.tokens for r in continued])
         for group, prefilled in zip(groups, prefills):
@@ -693,6 +713,17 @@ class Engine:
             request.group.waiting -= 1
             if request.group.waiting == 0:
                 request.group.prefilled = None
+
+    def _ahead(self, count: int, chosen: list[_Group]) -> list[_Group]:
+        """Up to `count` groups of queued fresh requests, in queue order, whose prompts are not
+        prefilled and not among `chosen`."""
+        ahead: dict[int, _Group] = {id(g): g for g in chosen}
+        for request in self._queue:
+            if len(ahead) - len(chosen) >= count:
+                break
+            if not request.tokens and request.group.prefilled is None:
+                ahead.setdefault(id(request.group), request.group)
+        return list(ahead.values())[len(chosen):]
 
     def _prefill(self, sequences: list[list[int]]) -> list[tuple]:
         """Per sequence: (prompt cache, logits, routing, row) of a batched prefill, sequences

@@ -70,6 +70,15 @@ def test_gradient_does_not_depend_on_micro_batches_or_padding(tiny, aggregation)
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=f"micro {micro}")
 
 
+def test_micro_batches_without_loss_tokens_are_skipped(tiny):
+    """The padding micro-batches run the zero branch of a conditional, not a forward/backward."""
+    _, graphdef, params = tiny
+    batch = make_batch(_samples(), micro_batch_size=1)  # 8 micro-batches, 3 without tokens
+    jaxpr = jax.make_jaxpr(lambda p, b: batch_gradients(p, b, None, graphdef=graphdef,
+                                                        config=UpdateConfig())[0])(params, batch)
+    assert "cond[" in str(jaxpr)
+
+
 def test_rows_out_of_the_loss_change_nothing(tiny):
     """A sample with in_loss=False adds neither gradient nor denominator."""
     model, graphdef, params = tiny

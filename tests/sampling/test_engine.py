@@ -115,6 +115,22 @@ def test_8_device_mesh_gives_the_same_tokens(hf_moe_dir, reference):
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
 
 
+def test_prefill_ahead_prefills_queued_prompts_in_few_calls_with_the_same_tokens(model,
+                                                                             reference):
+    """4 slots, 10 requests: each admission's prefill call also takes the next queued prompts
+    (up to 8 per call), which later take freed slots one at a time without a prefill."""
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True,
+                    min_span=16, prefill_ahead=8)
+    outputs = _serve(engine, list(range(10)))
+    assert engine.stats["prefills"] == 10
+    # The first call takes 8 prompts (two prompt buckets: 2 calls), the next admission the last 2
+    # (7 calls without prefill_ahead).
+    assert engine.stats["prefill_calls"] <= 4
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+        np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+
+
 def test_group_prompt_is_prefilled_once(model, monkeypatch):
     calls = []
     prefill = engine_module._prefill
