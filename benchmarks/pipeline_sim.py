@@ -297,8 +297,8 @@ def profile_costs(args) -> Costs:
 def run_profile(args) -> None:
     """Predicts `benchmarks/pipeline.py`'s trained samples/s per mode from this machine's
     costs, on that benchmark's workload (its defaults: 16 slots, log-normal lengths median 64,
-    sigma 1.0, cap 512, groups of 4, 2 problems per sequential batch, an update per
-    problems x group x 9 / 2 samples, staleness bound 4, `recompute`, solve / verify rates
+    sigma 1.0, cap 512, groups of 4, 2 problems per sequential batch, the pipeline updating on
+    as many samples as a sequential batch trained on average, staleness bound 4, `recompute`, solve / verify rates
     0.5 / 0.8, compact prompts; prompt lengths in words, not bytes)."""
     workload = Workload(prompts_per_step=args.cpu_prompts, group_size=args.cpu_group,
                         max_new_tokens=args.cpu_budget, segment_tokens=None,
@@ -306,14 +306,16 @@ def run_profile(args) -> None:
                         prompt_style="compact", enable_thinking=False,
                         answer_tokens=(("solver", 16), ("verifier", 16), ("corrector", 16)),
                         correct_rates=(("solver", 0.5), ("verifier", 0.8), ("corrector", 0.5)),
-                        drop_zero_variance=False)
+                        drop_zero_variance=args.cpu_drop_zero_variance)
     lengths = LengthModel(cap=args.cpu_budget, sigma=args.cpu_sigma, median=args.cpu_median,
                           role_scale=(("solver", 1.0), ("verifier", 1.0), ("corrector", 1.0)),
                           seed=args.seed)
     costs = profile_costs(args)
-    samples_per_update = args.cpu_prompts * args.cpu_group * 9 // 2
+    samples_per_update = 1  # sequential: every trajectory of its batch; the pipeline: their mean
     results = []
     for mode in ("sequential", "pipeline"):
+        if mode == "pipeline":
+            samples_per_update = round(results[0]["samples_per_update"])
         r = simulate(costs, mode, workload=workload, lengths=lengths, updates=args.updates,
                      warmup=args.warmup, samples_per_update=samples_per_update,
                      max_inflight_rows=args.max_inflight_rows or 2 * costs.slots,
@@ -360,6 +362,7 @@ def main() -> None:
     cpu.add_argument("--cpu_problem_words", type=int, default=20)
     cpu.add_argument("--cpu_median", type=float, default=64)
     cpu.add_argument("--cpu_sigma", type=float, default=1.0)
+    cpu.add_argument("--cpu_drop_zero_variance", action="store_true")
     args = parser.parse_args()
     if args.profile == "cpu":
         run_profile(args)
