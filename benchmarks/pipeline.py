@@ -72,7 +72,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         rolled, compiled_rollout = time.perf_counter(), COMPILE_SECONDS[0]
         samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
-            part, micro_batch_size=4, min_length=128), ref_params=None, graphdef=graphdef,
+            part, micro_batch_size=4, min_length=128, by_length=True), ref_params=None, graphdef=graphdef,
             optimizer=optimizer, update_config=UpdateConfig(), learner=learner,
             rng=np.random.default_rng(version))
         jax.block_until_ready(state.params)

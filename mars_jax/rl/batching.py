@@ -33,10 +33,14 @@ def _pow2(n: int, minimum: int) -> int:
 
 
 def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_length: int = 32,
-               max_length: int | None = None) -> TrainBatch:
-    """Right-padded `[prompt, response]` rows grouped into micro-batches of `micro_batch_size`."""
+               max_length: int | None = None, by_length: bool = False) -> TrainBatch:
+    """Right-padded `[prompt, response]` rows grouped into micro-batches of `micro_batch_size`,
+    in the samples' order, or longest first with `by_length` (so that a micro-batch holds
+    samples of similar lengths and the update can cut it short: `update.cut_lengths`)."""
     if not samples:
         raise ValueError("make_batch: no samples")
+    if by_length:
+        samples = sorted(samples, key=lambda s: -(len(s.prompt_ids) + len(s.response_ids)))
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     if max_length is not None and longest > max_length:
         raise ValueError(f"make_batch: a sample of {longest} tokens exceeds max_length {max_length}")

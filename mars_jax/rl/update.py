@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -60,6 +61,9 @@ class UpdateConfig:
     temperature: float = 1.0
     logits_chunk: int = 256
     routing_replay: bool = False
+    # A micro-batch is cut to the shortest of its row length L, L/2, .., L/2**length_halvings
+    # (not below 16 tokens) that holds its longest row: one branch of a conditional per length.
+    length_halvings: int = 2
 
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0,
@@ -155,6 +159,31 @@ def _micro_loss(params, graphdef, micro: TrainBatch, weights: jax.Array, ref_par
     return loss, metrics
 
 
+def cut_lengths(length: int, halvings: int) -> tuple[int, ...]:
+    """The row lengths a micro-batch of `length` columns may be cut to, ascending."""
+    cuts = [length >> k for k in range(halvings, 0, -1)
+            if length % (1 << k) == 0 and length >> k >= 16]
+    return tuple(cuts) + (length,)
+
+
+def _cut(micro: TrainBatch, weights: jax.Array, length: int) -> tuple[TrainBatch, jax.Array]:
+    """`micro` and its token weights without the columns from `length` on."""
+    cut = lambda x, axis=1: None if x is None else jax.lax.slice_in_dim(x, 0, length, axis=axis)
+    return micro.replace(tokens=cut(micro.tokens), attention_mask=cut(micro.attention_mask),
+                         loss_mask=cut(micro.loss_mask),
+                         sampler_logprobs=cut(micro.sampler_logprobs),
+                         old_logprobs=cut(micro.old_logprobs),
+                         expert_ids=cut(micro.expert_ids, 2)), cut(weights)
+
+
+def _length_branch(micro: TrainBatch, cuts: Sequence[int]) -> jax.Array:
+    """0 for a micro-batch without loss tokens, else 1 + the index of the shortest of `cuts`
+    holding its longest row (rows are right-padded)."""
+    longest = jnp.max(jnp.sum(micro.attention_mask, axis=-1))
+    fitting = 1 + jnp.searchsorted(jnp.asarray(cuts), longest)
+    return jnp.where(jnp.any(micro.loss_mask > 0), fitting, 0)
+
+
 def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
                     config: UpdateConfig) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the whole mini-batch's loss (one aggregation over every row and token of
@@ -163,14 +192,20 @@ def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     weights = token_weights(batch.loss_mask, config.loss.aggregation, config.loss.max_response_len)
 
+    cuts = cut_lengths(batch.tokens.shape[-1], config.length_halvings)
+
     def accumulate(grads, inputs):
         micro, micro_weights = inputs
-        compute = lambda: grad_fn(params, graphdef, micro, micro_weights, ref_params, config)
+        compute = lambda n: lambda: grad_fn(params, graphdef, *_cut(micro, micro_weights, n),
+                                            ref_params, config)
         # A micro-batch without loss tokens (the padding up to a power of two of micro-batches)
-        # adds exactly zero to the loss and the gradient: skip its forward and backward.
-        (loss, metrics), g = jax.lax.cond(
-            jnp.any(micro.loss_mask > 0), compute,
-            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute)))
+        # adds exactly zero to the loss and the gradient: its branch skips the forward and
+        # backward. Columns past a micro-batch's longest row are padding: cutting them changes
+        # nothing (causal attention; zero masks), so it runs at the shortest length that fits.
+        zero = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    jax.eval_shape(compute(cuts[-1])))
+        (loss, metrics), g = jax.lax.switch(_length_branch(micro, cuts),
+                                            [zero] + [compute(n) for n in cuts])
         return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -210,15 +245,21 @@ def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
     recomputed at the start of a step; verl's `old_log_prob`)."""
     model = nnx.merge(graphdef, params)
 
-    def one(micro: TrainBatch) -> jax.Array:
-        def compute():
-            replay = micro.expert_ids if config.routing_replay else None
-            logprobs, _ = token_logprobs(model, micro.tokens, micro.attention_mask,
-                                         temperature=config.temperature,
-                                         chunk=config.logits_chunk, expert_ids=replay)
-            return logprobs * micro.loss_mask
+    length = batch.tokens.shape[-1]
+    cuts = cut_lengths(length, config.length_halvings)
 
-        return jax.lax.cond(jnp.any(micro.loss_mask > 0), compute,
-                            lambda: jnp.zeros_like(micro.loss_mask, jnp.float32))
+    def one(micro: TrainBatch) -> jax.Array:
+        def compute(n):
+            def run():
+                part, _ = _cut(micro, micro.loss_mask, n)
+                replay = part.expert_ids if config.routing_replay else None
+                logprobs, _ = token_logprobs(model, part.tokens, part.attention_mask,
+                                             temperature=config.temperature,
+                                             chunk=config.logits_chunk, expert_ids=replay)
+                return jnp.pad(logprobs * part.loss_mask, ((0, 0), (0, length - n)))
+            return run
+
+        zero = lambda: jnp.zeros_like(micro.loss_mask, jnp.float32)
+        return jax.lax.switch(_length_branch(micro, cuts), [zero] + [compute(n) for n in cuts])
 
     return jax.lax.map(one, batch)

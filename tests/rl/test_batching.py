@@ -84,3 +84,10 @@ def test_loss_config_maps_zero_to_off_and_keeps_the_rest():
     assert loss.max_response_len == 512 and loss.clip_high == config.loss.clip_high
     config.loss.clip_c, config.loss.behaviour_weight_cap = 3.0, 2.0
     assert loss_config(config).clip_c == 3.0 and loss_config(config).behaviour_weight_cap == 2.0
+
+
+def test_by_length_orders_rows_longest_first():
+    samples = [TrainSample([1], [2] * n, [-1.0] * n, float(n)) for n in (2, 5, 1, 3)]
+    batch = make_batch(samples, micro_batch_size=2, by_length=True)
+    np.testing.assert_array_equal(np.asarray(batch.attention_mask).sum(-1), [[6, 4], [3, 2]])
+    np.testing.assert_array_equal(batch.advantages, [[5.0, 3.0], [2.0, 1.0]])

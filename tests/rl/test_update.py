@@ -70,8 +70,10 @@ def test_gradient_does_not_depend_on_micro_batches_or_padding(tiny, aggregation)
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=f"micro {micro}")
 
 
-def test_micro_batches_without_loss_tokens_are_skipped(tiny):
-    """The padding micro-batches run the zero branch of a conditional, not a forward/backward."""
+def test_micro_batches_branch_on_their_length(tiny):
+    """A micro-batch runs one branch of a conditional: zero (no loss tokens: the padding
+    micro-batches) or the forward/backward cut to a length that holds its rows (16 or 32 here;
+    the gradient test above checks the cut changes nothing)."""
     _, graphdef, params = tiny
     batch = make_batch(_samples(), micro_batch_size=1)  # 8 micro-batches, 3 without tokens
     jaxpr = jax.make_jaxpr(lambda p, b: batch_gradients(p, b, None, graphdef=graphdef,
