@@ -12,6 +12,10 @@ Qwen3 (`sft.arch = "small"`) trained on generated traces of all three roles; its
 carry one wrong step with probability `sft.solver_error_rate`, which sets the warm Solver's
 accuracy, while its Verifier traces (half on flawed solutions) always judge correctly.
 
+RL: pipeline mode, 8 new problems a step, groups of 8, one parent per later stage; `balanced`
+selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
+both (`adaptive` would give it a wrong one whenever one exists).
+
 `marsrl` trains on the samples of all three agents, `marsrl_s` on Solver samples only (its
 rollouts stop after the Solver), `marsrl_vc` on Verifier and Corrector samples only; all start
 from `<root>/sft/model` (`ROOT` below; `--config.model.checkpoint=...` to move it). The `eval`
@@ -68,7 +72,7 @@ def rl_config(c, variant: str):
     c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0
     c.optimizer.learning_rate = 1e-4
-    c.learner.micro_batch_size = 64
+    c.learner.mini_batches, c.learner.micro_batch_size = 2, 64  # a step: ~190 samples, 2 updates
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.
     c.eval.dataset, c.eval.split = "arith", "test"
