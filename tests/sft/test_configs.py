@@ -56,11 +56,13 @@ def test_study_configs_run_shrunk(tmp_path):
         rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
         for role in ("solver", "verifier", "corrector"):
             rl.rollout.max_new_tokens[role] = 16
+        rl.rollout.verify_truncated = True  # a 2-step model's 16-token solutions are all cut off
         trainer.train(rl, str(tmp_path / variant))
         rows = console.read_metrics(tmp_path / variant)
         assert [r["step"] for r in rows] == [1, 2], variant
-        assert all("reward/solver" in r for r in rows), variant
-        assert ("reward/verifier" in rows[-1]) == (variant != "marsrl_s"), variant
+        assert all(r["reward/solver"] is not None for r in rows), variant
+        # MarsRL-S stops after the Solver; the others verify step 1's solutions in step 2.
+        assert (rows[-1]["reward/verifier"] is not None) == (variant != "marsrl_s"), variant
 
 
 # Hand-counted: embedding and LM head 2 x 272 x hidden, per layer q/k/v/o + SwiGLU (+ router and
