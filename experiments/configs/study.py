@@ -47,11 +47,13 @@ def get_config(arg: str = "marsrl"):
 
 def sft_config(c):
     c.job = "sft"
-    c.sft.arch, c.sft.steps = "small", 800
+    # 800 steps left the Solver copying its own intermediate results wrongly (Solver ~10%):
+    # copying is learnt late, so the warm start trains longer (~1 h here).
+    c.sft.arch, c.sft.steps = "small", 3000
     c.sft.rows, c.sft.row_tokens = 8, 512
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.6, 0.5
-    c.sft.keep.corrector = 0.5
-    c.sft.holdout_problems, c.sft.eval_every = 32, 100
+    c.sft.keep.verifier, c.sft.keep.corrector = 0.5, 0.5
+    c.sft.holdout_problems, c.sft.eval_every = 32, 250
     c.optimizer.learning_rate = 3e-3
     c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 20
     c.optimizer.max_grad_norm = 1.0
