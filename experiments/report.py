@@ -1,11 +1,11 @@
 r"""Tables 1–2 in miniature, with 95% bootstrap intervals: base / MarsRL-S / MarsRL-VC / MarsRL,
 the target checks, the selection-policy table and the plots.
 
-  python experiments/report.py --root=/tmp/mars_toy --out=experiments/results/study
-  python experiments/report.py --root=/tmp/mars_toy --out=... --skip_eval   # records on disk only
+  python experiments/report.py --root=/tmp/mars_study --out=experiments/results/study
+  python experiments/report.py --root=/tmp/mars_study --out=... --skip_eval   # records on disk only
 
 Layout under `--root`:
-  sft/model                         the base (the SFT warm start); sft1/, sft2/, sft/ metrics
+  sft/model                         the base (the SFT warm start); sft/metrics.jsonl its curve
   <variant>[_<selection>][_seed<N>] one RL run (`experiments/run.py --workdir=...`): variant
                                     marsrl | marsrl_s | marsrl_vc; selection adaptive | balanced |
                                     random (absent: the config's `rollout.selection`); N the run's
@@ -66,9 +66,9 @@ from mars_jax.rl.update import init_train_state, make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
 
-_ROOT = flags.DEFINE_string("root", "/tmp/mars_toy", "Directory holding sft/ and the RL runs.")
+_ROOT = flags.DEFINE_string("root", "/tmp/mars_study", "Directory holding sft/ and the RL runs.")
 _OUT = flags.DEFINE_string("out", "experiments/results", "Where tables and plots are written.")
-_CONFIG = flags.DEFINE_string("config_module", "toy_marsrl",
+_CONFIG = flags.DEFINE_string("config_module", "study",
                               "Module in experiments/configs whose get_config(variant) trained "
                               "the runs; its eval section evaluates them.")
 _SKIP_EVAL = flags.DEFINE_bool("skip_eval", False, "Read existing records; evaluate nothing.")
@@ -99,7 +99,7 @@ class Settings:
     """Where the runs are, how they are evaluated and how intervals are drawn."""
 
     root: Path
-    config_module: str = "toy_marsrl"
+    config_module: str = "study"
     num_problems: int | None = None
     num_samples: int | None = None
     resamples: int = eval_stats.RESAMPLES
@@ -404,13 +404,8 @@ def plot_avg_at_k(summaries: dict, labels: dict, rows: Sequence, path: Path, tit
 
 
 def sft_metrics(root: Path) -> list[dict]:
-    """The SFT stages' metrics (`toy_sft.py`: sft1, sft2, then sft), steps counted across stages."""
-    lines, offset = [], 0
-    for stage in ("sft1", "sft2", "sft"):
-        stage_lines = read_metrics(root / stage / "metrics.jsonl")
-        lines += [{**m, "step": m["step"] + offset} for m in stage_lines]
-        offset += max((m["step"] for m in stage_lines), default=0)
-    return lines
+    """The warm start's SFT metrics (`<root>/sft/metrics.jsonl`; none when absent)."""
+    return read_metrics(root / "sft" / "metrics.jsonl")
 
 
 def plot_sft(lines: list[dict], out: Path) -> None:
@@ -420,7 +415,7 @@ def plot_sft(lines: list[dict], out: Path) -> None:
     for key in ("heldout/loss", *(f"heldout/loss/{r}" for r in ROLES)):
         steps, values = curve(lines, key, window=1)
         ax.plot(steps, values, marker="o", markersize=3, label=key)
-    ax.set(title="SFT loss per reply token (stages 1-3)", xlabel="SFT step", yscale="log")
+    ax.set(title="SFT loss per reply token", xlabel="SFT step", yscale="log")
     _legend(ax)
     fig.tight_layout()
     fig.savefig(out / "sft_loss.png", dpi=110)

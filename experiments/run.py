@@ -2,7 +2,7 @@ r"""Entry point of every mars_jax job: MarsRL training, V–C system evaluation 
 
   python experiments/run.py --config=experiments/configs/smoke.py --workdir=/tmp/smoke
   python experiments/run.py --config=experiments/configs/eval_system.py --workdir=/tmp/eval
-  python experiments/run.py --config=experiments/configs/toy_sft.py --workdir=/tmp/mars_toy/sft
+  python experiments/run.py --config=experiments/configs/study.py:sft --workdir=/tmp/mars_study/sft
 
 `--config.<field>=value` overrides any config field. Rerunning a training command on the same
 workdir resumes it. A training config with `warm_start.sft` first builds (or reuses) its cached SFT

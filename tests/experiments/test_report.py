@@ -37,7 +37,7 @@ RUNS = {  # name: (Solver right, System right, Verifier) on the 60 problems
     "marsrl_s_seed0": (30, 37, "oracle"),
     "marsrl_s_seed1": (30, 37, "oracle"),        # System 61.7%: MarsRL - MarsRL-S = +3.3
     "marsrl_vc": (24, 30, "oracle"),
-    "marsrl_balanced_seed0": (30, 45, "oracle"),  # System 75%
+    "marsrl_adaptive_seed0": (30, 45, "oracle"),  # System 75%
     "marsrl_random_seed0": (30, 12, "oracle"),    # System 20%
 }
 
@@ -65,8 +65,8 @@ def study(tmp_path):
 def test_discover_runs_parses_the_layout(study):
     runs = {r.name: r for r in report.discover_runs(report.Settings(study), evaluated_only=True)}
     assert set(runs) == set(RUNS)
-    assert runs["marsrl_s_seed1"] == report.Run("marsrl_s_seed1", "marsrl_s", "adaptive", 1)
-    assert runs["marsrl_vc"] == report.Run("marsrl_vc", "marsrl_vc", "adaptive", None)
+    assert runs["marsrl_s_seed1"] == report.Run("marsrl_s_seed1", "marsrl_s", "balanced", 1)
+    assert runs["marsrl_vc"] == report.Run("marsrl_vc", "marsrl_vc", "balanced", None)
     assert runs["marsrl_random_seed0"] == report.Run("marsrl_random_seed0", "marsrl", "random", 0)
     # To evaluate, a run needs checkpoints.
     (study / "marsrl_s_seed9" / "checkpoints").mkdir()
@@ -107,8 +107,8 @@ def test_report_tables_and_targets_from_records(study):
     assert "| MarsRL System >= base System + 10 points, interval excluding 0 | met |" in text
     assert ("| MarsRL System - MarsRL-S System >= +5 points, interval excluding 0 | not met |"
             in text)
-    assert "| MarsRL (adaptive) | 2 | 65.0 [" in text
-    assert "| MarsRL (balanced) | 1 | 75.0 [" in text and "| MarsRL (random) | 1 | 20.0 [" in text
+    assert "| MarsRL (balanced) | 2 | 65.0 [" in text
+    assert "| MarsRL (adaptive) | 1 | 75.0 [" in text and "| MarsRL (random) | 1 | 20.0 [" in text
     assert "| SFT warm start | 1 | 0 | 40.0 [" in text and "60 problems, avg@2" in text
     for name in ("tables.md", "rewards.png", "verifier.png", "training_lengths.png",
                  "system_vs_solver.png", "selection.png", "lengths.png", "sft_loss.png"):

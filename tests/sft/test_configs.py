@@ -1,4 +1,5 @@
-"""The toy study's configs pass the run-time validation (`sft` is checked like `train`)."""
+"""The toy study's configs (`experiments/configs/study.py`) pass the run-time validation (`sft` is
+checked like `train`) and, shrunk, build and run: SFT, then a couple of RL steps per variant."""
 import sys
 from pathlib import Path
 
@@ -6,46 +7,71 @@ import jax
 import pytest
 from flax import nnx
 
+from mars_jax import console
 from mars_jax.config_validation import validate
 from mars_jax.models import Qwen3, Qwen3Config
+from mars_jax.rl import trainer
+from mars_jax.sft import job as sft_job
 from mars_jax.sft.job import ARCHS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "configs"))
-import toy_marsrl  # noqa: E402
-import toy_sft  # noqa: E402
+import study  # noqa: E402
 from common import base_config  # noqa: E402
 
+ROLES = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 
-@pytest.mark.parametrize("variant,roles", [("marsrl", "all"), ("marsrl_s", "solver"),
-                                           ("marsrl_vc", "vc")])
-def test_toy_marsrl_variants_are_valid_and_train_their_roles(variant, roles):
-    config = toy_marsrl.get_config(variant)
+
+@pytest.mark.parametrize("variant,roles", ROLES.items())
+def test_study_variants_are_valid_and_train_their_roles(variant, roles):
+    config = study.get_config(variant)
     validate(config, base_config(), device_count=1)
     assert config.rollout.roles_trained == roles
-    assert config.model.checkpoint == "/tmp/mars_toy/sft/model"
+    assert config.model.checkpoint == "/tmp/mars_study/sft/model"
+    assert config.rollout.group_size == 8 and config.eval.num_problems >= 500
 
 
-@pytest.mark.parametrize("stage", ["1", "2", "3"])
-def test_toy_sft_stages_are_valid_and_chain(stage):
-    config = toy_sft.get_config(stage)
+def test_study_sft_is_valid_and_shares_the_problems():
+    config = study.get_config("sft")
     checked = config.copy_and_resolve_references()
     checked.job = "train"  # as experiments/run.py checks an sft config
     validate(checked, base_config(), device_count=1)
-    assert config.sft.arch in ARCHS
-    assert config.model.checkpoint == ("" if stage == "1" else f"/tmp/mars_toy/sft{int(stage) - 1}/model")
-    assert dict(config.data.arith) == dict(toy_marsrl.get_config("marsrl").data.arith)
+    assert config.sft.arch in ARCHS and config.model.checkpoint == ""
+    assert dict(config.data.arith) == dict(study.get_config("marsrl").data.arith)
 
 
 def test_unknown_args_are_refused():
     with pytest.raises(ValueError, match="unknown"):
-        toy_marsrl.get_config("grpo")
-    with pytest.raises(ValueError, match="unknown"):
-        toy_sft.get_config("4")
+        study.get_config("grpo")
 
 
-def test_toy_architecture_is_a_qwen3_moe_under_20m_parameters():
-    config = Qwen3Config(**ARCHS["toy"])
+def test_study_configs_run_shrunk(tmp_path):
+    """A few SFT steps, then two RL steps of each variant from that model (tiny sizes)."""
+    sft = study.get_config("sft")
+    sft.sft.steps, sft.sft.rows, sft.sft.eval_every, sft.sft.holdout_problems = 2, 2, 2, 2
+    sft_job.run(sft, str(tmp_path / "sft"))
+    for variant, roles in ROLES.items():
+        rl = study.get_config(variant)
+        rl.model.checkpoint = str(tmp_path / "sft" / "model")
+        rl.total_steps, rl.checkpoint.every_steps = 2, 2
+        rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
+        for role in ("solver", "verifier", "corrector"):
+            rl.rollout.max_new_tokens[role] = 16
+        rl.rollout.verify_truncated = True  # a 2-step model's 16-token solutions are all cut off
+        trainer.train(rl, str(tmp_path / variant))
+        rows = console.read_metrics(tmp_path / variant)
+        assert [r["step"] for r in rows] == [1, 2], variant
+        assert all(r["reward/solver"] is not None for r in rows), variant
+        # MarsRL-S stops after the Solver; the others verify step 1's solutions in step 2.
+        assert (rows[-1]["reward/verifier"] is not None) == (variant != "marsrl_s"), variant
+
+
+# Hand-counted: embedding and LM head 2 x 272 x hidden, per layer q/k/v/o + SwiGLU (+ router and
+# experts for the MoE) + 4 norms of head_dim / hidden, and the final norm.
+@pytest.mark.parametrize("name,moe,size", [("toy", True, 1_058_176), ("small", False, 857_472),
+                                           ("mini", False, 158_080)])
+def test_toy_architectures_are_qwen3_under_20m_parameters(name, moe, size):
+    config = Qwen3Config(**ARCHS[name])
     model = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
-    size = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert config.model_type == "qwen3_moe" and size == 1_058_176 <= 20_000_000
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert (config.model_type == "qwen3_moe") == moe and count == size <= 20_000_000
     assert config.vocab_size >= 261  # the tiny byte-level tokenizer

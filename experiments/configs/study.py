@@ -1,0 +1,84 @@
+r"""The toy study of experiments/RESULTS.md: its SFT warm start and the three RL variants (CPU).
+
+  python experiments/run.py --config=experiments/configs/study.py:sft    --workdir=/tmp/mars_study/sft
+  python experiments/run.py --config=experiments/configs/study.py:marsrl --workdir=/tmp/mars_study/marsrl_seed0
+  bash experiments/study.sh /tmp/mars_study   # the whole study: warm start, RL runs, report
+
+Problems: `arith` with 2 operations over `+ -` on one-digit operands (`What is 7 - 3 + 5?`),
+6,000 distinct problems, 500 held out (`data.arith.sizes`). A solution reduces them in two
+lines (`7 - 3 = 4: 4 + 5`, `4 + 5 = 9`), so each step is a one-digit fact that a Verifier checks
+on its own line, and checking is no harder than solving. The warm start (`sft`) is a 0.86M dense
+Qwen3 (`sft.arch = "small"`) trained on generated traces of all three roles; its Solver traces
+carry one wrong step with probability `sft.solver_error_rate`, which sets the warm Solver's
+accuracy, while its Verifier traces (half on flawed solutions) always judge correctly.
+
+RL: pipeline mode, 8 new problems a step, groups of 8, one parent per later stage; `balanced`
+selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
+both (`adaptive` would give it a wrong one whenever one exists).
+
+`marsrl` trains on the samples of all three agents, `marsrl_s` on Solver samples only (its
+rollouts stop after the Solver), `marsrl_vc` on Verifier and Corrector samples only; all start
+from `<root>/sft/model` (`ROOT` below; `--config.model.checkpoint=...` to move it). The `eval`
+section is the held-out evaluation `experiments/report.py --config_module=study` runs.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import base_config  # noqa: E402
+
+VARIANTS = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
+ROOT = "/tmp/mars_study"
+ARITH = dict(num_ops=(2, 2), max_operand=9, operators="+-", sizes=(5_500, 500))
+# Longest replies: Solver / Corrector ~40 tokens, a Verifier's Wrong report ~110.
+MAX_NEW_TOKENS = dict(solver=64, verifier=128, corrector=64)
+
+
+def get_config(arg: str = "marsrl"):
+    if arg != "sft" and arg not in VARIANTS:
+        raise ValueError(f"study config: unknown arg {arg!r} (sft | {' | '.join(VARIANTS)})")
+    c = base_config()
+    c.seed = 0
+    c.tokenizer = "tiny"
+    c.data.name, c.data.split = "arith", "train"
+    c.data.arith.update(ARITH)
+    return sft_config(c) if arg == "sft" else rl_config(c, arg)
+
+
+def sft_config(c):
+    c.job = "sft"
+    # 800 steps left the Solver copying its own intermediate results wrongly (Solver ~10%):
+    # copying is learnt late, so the warm start trains longer (~1 h here).
+    c.sft.arch, c.sft.steps = "small", 3000
+    c.sft.rows, c.sft.row_tokens = 8, 512
+    c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.6, 0.5
+    c.sft.keep.verifier, c.sft.keep.corrector = 0.5, 0.5
+    c.sft.holdout_problems, c.sft.eval_every = 32, 250
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 20
+    c.optimizer.max_grad_norm = 1.0
+    return c
+
+
+def rl_config(c, variant: str):
+    c.total_steps = 200
+    c.model.checkpoint = f"{ROOT}/sft/model"
+    c.rollout.roles_trained = VARIANTS[variant]
+    c.rollout.mode = "pipeline"
+    c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 8, 8, 1
+    c.rollout.max_stages = 3
+    c.rollout.selection = "balanced"
+    c.rollout.max_new_tokens.update(MAX_NEW_TOKENS)
+    c.eval.max_new_tokens.update(MAX_NEW_TOKENS)
+    c.rollout.max_prompt_tokens = 512
+    c.rollout.prompt_style = "compact"
+    c.rollout.temperature = 1.0
+    c.optimizer.learning_rate = 1e-4
+    c.learner.mini_batches, c.learner.micro_batch_size = 2, 64  # a step: ~190 samples, 2 updates
+    c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
+    # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.
+    c.eval.dataset, c.eval.split = "arith", "test"
+    c.eval.num_problems, c.eval.num_samples = 500, 2
+    c.eval.k_accept, c.eval.max_iterations, c.eval.max_retries = 2, 4, 1
+    c.eval.temperature, c.eval.top_p = 0.6, 0.95
+    return c

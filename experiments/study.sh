@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole toy study of experiments/RESULTS.md in one command, resumable:
+#
+#   nohup nice -n 19 bash experiments/study.sh /tmp/mars_study > /tmp/mars_study/study.log 2>&1 &
+#
+# warm start (study.py:sft) -> its evaluation (the base row, in $OUT/base) -> RL runs in this
+# order: marsrl_seed0, marsrl_s_seed0, marsrl_vc_seed0, marsrl_seed1, marsrl_s_seed1, then MarsRL
+# with the two selection policies other than the config's (seed 0) -> experiments/report.py
+# (evaluates every model, writes the tables and plots to $OUT, default $ROOT/report; then
+# `report.py --root=$ROOT --skip_eval --out=experiments/results/study` for the repository's copy).
+# Everything runs under `nice -n 19`. Re-running it skips finished runs (a `done` file in the run
+# directory) and resumes an interrupted one from its newest checkpoint; the report's evaluation
+# resumes from its records. Extra arguments go to every RL run (e.g. --config.total_steps=3).
+set -euo pipefail
+ROOT=${1:-/tmp/mars_study}
+shift || true
+OUT=${OUT:-$ROOT/report}
+CONFIG=experiments/configs/study.py
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+mkdir -p "$ROOT"
+run() { echo "== $(date -u +%FT%TZ) $*"; nice -n 19 python "$@"; }
+
+if [[ ! -f $ROOT/sft/model/config.json ]]; then  # the sft job does not resume: it starts over
+  run experiments/run.py --config=$CONFIG:sft --workdir="$ROOT/sft"
+fi
+
+# The warm start's row first (issue 17: report it before any RL): the report evaluates only the
+# base while no RL run has started.
+if [[ ! -f $ROOT/eval/base/eval/summary.json ]] && ! compgen -G "$ROOT/marsrl*" > /dev/null; then
+  run experiments/report.py --root="$ROOT" --config_module=study --out="$OUT/base"
+fi
+
+default_selection=$(python -c "import sys; sys.path.insert(0, 'experiments/configs'); \
+import study; print(study.get_config('marsrl').rollout.selection)")
+runs=(marsrl:0: marsrl_s:0: marsrl_vc:0: marsrl:1: marsrl_s:1:)
+for sel in adaptive balanced random; do
+  [[ $sel == "$default_selection" ]] || runs+=("marsrl:0:$sel")
+done
+for spec in "${runs[@]}"; do
+  IFS=: read -r variant seed sel <<< "$spec"
+  name=${variant}${sel:+_$sel}_seed$seed
+  [[ -f $ROOT/$name/done ]] && { echo "== $name: done, skipped"; continue; }
+  run experiments/run.py --config=$CONFIG:"$variant" --workdir="$ROOT/$name" \
+    --config.seed="$seed" --config.model.checkpoint="$ROOT/sft/model" \
+    ${sel:+--config.rollout.selection=$sel} "$@"
+  touch "$ROOT/$name/done"
+done
+
+run experiments/report.py --root="$ROOT" --config_module=study --out="$OUT"
+echo "== $(date -u +%FT%TZ) study finished: $OUT/tables.md"
