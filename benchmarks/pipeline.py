@@ -83,6 +83,9 @@ def run(mode: str, args, samples_per_update: int) -> dict:
                          compile=COMPILE_SECONDS[0] - compiled, samples=len(samples),
                          tokens=batch.generated_tokens, occupancy=batch.occupancy,
                          staleness=max(batch.staleness, default=0)))
+        print(f"  {mode} update {version + 1}/{args.warmup + args.updates}: "
+              f"{rows[-1]['samples']} samples, rollout {rows[-1]['rollout']:.1f} s, update "
+              f"{rows[-1]['update']:.1f} s, compile {rows[-1]['compile']:.1f} s", flush=True)
     rows = rows[args.warmup:]
     total = lambda key: sum(r[key] for r in rows)
     seconds = total("rollout") + total("update")
