@@ -1,5 +1,6 @@
-"""experiments/run.py with a NaN advantage in the update batch of each step in $POISON_STEPS
-(comma-separated), which makes that update's loss and gradient NaN. Fault-injection helper."""
+"""experiments/run.py with a NaN advantage on a loss token of the update batch of each step in
+$POISON_STEPS (comma-separated), which makes that update's loss and gradient NaN.
+Fault-injection helper."""
 import os
 import runpy
 import sys
@@ -23,9 +24,12 @@ def rollout_step(*args, step, **kwargs):
 def make_batch(*args, **kwargs):
     batch = _make_batch(*args, **kwargs)
     if _step in POISON_STEPS:
-        advantages = np.array(batch.advantages)
+        # The first row's advantage is NaN and its last token is in the loss (even if its
+        # sample was not: the update skips micro-batches without loss tokens).
+        advantages, loss_mask = np.array(batch.advantages), np.array(batch.loss_mask)
         advantages.flat[0] = np.nan
-        batch = batch.replace(advantages=advantages)
+        loss_mask[0, 0, int(np.asarray(batch.attention_mask)[0, 0].sum()) - 1] = 1.0
+        batch = batch.replace(advantages=advantages, loss_mask=loss_mask)
     return batch
 
 
