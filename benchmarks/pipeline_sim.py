@@ -45,6 +45,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,6 +57,7 @@ from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
 from mars_jax.rl.streaming import StreamingRollouts  # noqa: E402
+from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
 
 GiB = 1 << 30
 TRAIN_STATE_BYTES_PER_PARAM = 8  # bf16 weights + AdamW mu, nu (param dtype) + gradients
@@ -91,6 +93,9 @@ class Workload:
     prompt_style: str = "full"
     enable_thinking: bool = True
     drop_zero_variance: bool = True
+    byte_level: bool = False           # prompt tokens counted as a byte-level tokenizer's
+    update_micro_batch: int = 0        # > 0: the update is charged on the padded rows of
+    update_min_length: int = 128       # benchmarks/pipeline.py's batches (see padded_tokens)
 
     def rollout_config(self) -> RolloutConfig:
         return RolloutConfig(group_size=self.group_size, fan_out=self.fan_out,
@@ -176,11 +181,26 @@ def is_trained(group, drop_zero_variance: bool) -> bool:
     return not drop_zero_variance or len({r.reward for r in group}) > 1
 
 
+def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int) -> list[int]:
+    """Tokens the update computes per micro-batch row for samples of `lengths` tokens, batched
+    as `rl.batching.make_batch(by_length=True)` does and cut as `rl.update` cuts them: rows
+    longest first, micro-batches of `micro_batch`, each as long as the shortest of
+    `update.cut_lengths` holding its longest row (micro-batches of padding rows cost nothing)."""
+    longest = sorted(lengths, reverse=True)
+    width = max(min_length, 1 << max(0, longest[0] - 1).bit_length())
+    cuts = cut_lengths(width, UpdateConfig().length_halvings)
+    out = []
+    for start in range(0, len(longest), micro_batch):
+        cut = next(c for c in cuts if c >= longest[start])
+        out += [cut] * micro_batch
+    return out
+
+
 def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthModel, updates: int,
              warmup: int, samples_per_update: int, max_inflight_rows: int, resume: str = "keep",
              staleness_bound: int = 3, seed: int = 0) -> dict:
     """Runs `updates` updates of `mode`; returns the measured window's figures."""
-    tokenizer = SimTokenizer()
+    tokenizer = SimTokenizer(byte_level=workload.byte_level)
     rollouts = SimRollouts(tokenizer, workload.rollout_config(), seed=seed, encode=sim_encode,
                            correct_rates=dict(workload.correct_rates))
     max_length = workload.max_prompt_tokens + workload.max_new_tokens
@@ -201,8 +221,11 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     for _ in range(updates):
         batch = scheduler.collect(version)
         samples = [r for g in batch.groups if is_trained(g, workload.drop_zero_variance) for r in g]
-        seconds = sum(costs.train.update_seconds(len(r.prompt_ids) + len(r.response_ids))
-                      for r in samples)
+        sample_tokens = [len(r.prompt_ids) + len(r.response_ids) for r in samples]
+        if workload.update_micro_batch:
+            sample_tokens = padded_tokens(sample_tokens, workload.update_micro_batch,
+                                          workload.update_min_length)
+        seconds = sum(costs.train.update_seconds(n) for n in sample_tokens)
         if len(ends) >= warmup:
             staleness.update(batch.staleness)
             deferred += batch.deferred_seconds
@@ -298,13 +321,20 @@ def run_profile(args) -> None:
     """Predicts `benchmarks/pipeline.py`'s trained samples/s per mode from this machine's
     costs, on that benchmark's workload (its defaults: 16 slots, log-normal lengths median 64,
     sigma 1.0, cap 512, groups of 4, 2 problems per sequential batch, the pipeline updating on
-    as many samples as a sequential batch trained on average, staleness bound 4, `recompute`, solve / verify rates
-    0.5 / 0.8, compact prompts; prompt lengths in words, not bytes)."""
+    as many samples as a sequential batch trained on average, staleness bound 4, `recompute`,
+    solve / verify rates 0.5 / 0.8, compact prompts counted in byte-level tokens, the update
+    charged on its padded micro-batches of 4)."""
     workload = Workload(prompts_per_step=args.cpu_prompts, group_size=args.cpu_group,
                         max_new_tokens=args.cpu_budget, segment_tokens=None,
                         max_prompt_tokens=384, problem_words=args.cpu_problem_words,
                         prompt_style="compact", enable_thinking=False,
-                        answer_tokens=(("solver", 16), ("verifier", 16), ("corrector", 16)),
+                        # No thinking in the benchmark: an output is embedded whole in the
+                        # next prompt. The simulated engine shows at most half of an output as
+                        # answer words, each 2 byte-level tokens ('x' and its space): as many
+                        # prompt tokens as the output had.
+                        answer_tokens=(("solver", 1 << 20), ("verifier", 1 << 20),
+                                       ("corrector", 1 << 20)),
+                        byte_level=True, update_micro_batch=4, update_min_length=128,
                         correct_rates=(("solver", 0.5), ("verifier", 0.8), ("corrector", 0.5)),
                         drop_zero_variance=args.cpu_drop_zero_variance)
     lengths = LengthModel(cap=args.cpu_budget, sigma=args.cpu_sigma, median=args.cpu_median,
@@ -359,7 +389,8 @@ def main() -> None:
     cpu.add_argument("--cpu_group", type=int, default=4)
     cpu.add_argument("--cpu_prompts", type=int, default=2)
     cpu.add_argument("--cpu_budget", type=int, default=512)
-    cpu.add_argument("--cpu_problem_words", type=int, default=20)
+    cpu.add_argument("--cpu_problem_words", type=int, default=4,
+                     help="words per problem (arith: `What is 7 + 3 * 2?` is ~20 bytes)")
     cpu.add_argument("--cpu_median", type=float, default=64)
     cpu.add_argument("--cpu_sigma", type=float, default=1.0)
     cpu.add_argument("--cpu_drop_zero_variance", action="store_true")

@@ -25,15 +25,19 @@ SPECIAL = {0: "<pad>", 1: "<|im_end|>", 2: "<think>", 3: "</think>", 4: "", 5: "
            6: "<verifier>", 7: "<corrector>", 8: "x"}
 SKIPPED = {0, 1, 5, 6, 7}     # dropped by decode(skip_special_tokens=True)
 ROLE_IDS = {5: "solver", 6: "verifier", 7: "corrector"}
+FILLER = 9                    # decodes to nothing (see `SimTokenizer(byte_level=True)`)
 FIRST_WORD_ID = 16
 
 
 class SimTokenizer:
-    """Word-level ids: fixed special ids (`SPECIAL`) and one id per new word seen."""
+    """Word-level ids: fixed special ids (`SPECIAL`) and one id per new word seen. With
+    `byte_level`, a word also takes one filler id per character (decoded to nothing), so an
+    encoded text is as long as a byte-level tokenizer's encoding of it (the word and its space)."""
 
     eos_token_id = 1
 
-    def __init__(self):
+    def __init__(self, byte_level: bool = False):
+        self.byte_level = byte_level
         self._ids: dict[str, int] = {w: i for i, w in SPECIAL.items() if w}
         self._words: list[str] = [SPECIAL.get(i, "") for i in range(FIRST_WORD_ID)]
         self._shown = [w if i not in SKIPPED else "" for i, w in enumerate(self._words)]
@@ -47,6 +51,8 @@ class SimTokenizer:
                 self._words.append(word)
                 self._shown.append(word)
             ids.append(i)
+            if self.byte_level:
+                ids += [FILLER] * len(word)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

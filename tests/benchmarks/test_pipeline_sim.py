@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from benchmarks.pipeline_sim import padded_tokens
 from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_prompt,
                                    sim_encode)
 from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost, slots_per_chip
@@ -223,3 +224,16 @@ def test_pipeline_streams_stages_and_sequential_keeps_the_barrier():
     log, keys = _schedule("sequential")
     assert keys and all(not solvers for role, solvers in log if role != "solver")
     assert len(set(keys)) == len(keys)  # every group trained once
+
+
+def test_padded_tokens_by_hand():
+    """Rows longest first in micro-batches of 2, each cut to 128 / 256 / 512 (width 512)."""
+    assert padded_tokens([90, 300, 10, 100, 20], 2, 128) == [512, 512, 128, 128, 128, 128]
+    assert padded_tokens([200, 60], 4, 128) == [256] * 4
+
+
+def test_byte_level_sim_tokens_count_bytes():
+    tokenizer = SimTokenizer(byte_level=True)
+    ids = tokenizer.word_ids("What is 7 + 3?")
+    assert len(ids) == len("What is 7 + 3? ")  # each word and its space
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "What is 7 + 3?"
