@@ -55,6 +55,7 @@ from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slo
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
+from mars_jax.rl.batching import pow2_at_least  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
 from mars_jax.rl.streaming import StreamingRollouts  # noqa: E402
 from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
@@ -187,7 +188,7 @@ def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int) -> 
     longest first, micro-batches of `micro_batch`, each as long as the shortest of
     `update.cut_lengths` holding its longest row (micro-batches of padding rows cost nothing)."""
     longest = sorted(lengths, reverse=True)
-    width = max(min_length, 1 << max(0, longest[0] - 1).bit_length())
+    width = pow2_at_least(longest[0], min_length)
     cuts = cut_lengths(width, UpdateConfig().length_halvings)
     out = []
     for start in range(0, len(longest), micro_batch):

@@ -28,7 +28,8 @@ class TrainSample:
     in_loss: bool = True
 
 
-def _pow2(n: int, minimum: int) -> int:
+def pow2_at_least(n: int, minimum: int) -> int:
+    """max(`minimum`, the smallest power of two >= `n`)."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
@@ -44,8 +45,8 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     if max_length is not None and longest > max_length:
         raise ValueError(f"make_batch: a sample of {longest} tokens exceeds max_length {max_length}")
-    length = _pow2(longest, min_length)
-    num_micro = _pow2(-(-len(samples) // micro_batch_size), 1)
+    length = pow2_at_least(longest, min_length)
+    num_micro = pow2_at_least(-(-len(samples) // micro_batch_size), 1)
     rows = num_micro * micro_batch_size
     tokens = np.zeros((rows, length), np.int32)
     attention = np.zeros((rows, length), np.int32)

@@ -105,7 +105,8 @@ def stream_engine(config: ConfigDict, model, eos: Sequence[int], *, mesh=None) -
     slots, length = engine_shape(config, mesh)
     return Engine(model, num_slots=slots, max_length=length,
                   chunk_steps=config.rollout.engine_chunk_steps,
-                  prefill_ahead=config.rollout.engine_prefill_ahead, max_stop_ids=max(8, len(tuple(eos))), seed=(config.seed * 1_000_003) % (1 << 32),
+                  prefill_ahead=config.rollout.engine_prefill_ahead,
+                  max_stop_ids=max(8, len(tuple(eos))), seed=(config.seed * 1_000_003) % (1 << 32),
                   record_routing=config.learner.routing_replay, mesh=mesh)
 
 

@@ -166,14 +166,19 @@ def cut_lengths(length: int, halvings: int) -> tuple[int, ...]:
     return tuple(cuts) + (length,)
 
 
-def _cut(micro: TrainBatch, weights: jax.Array, length: int) -> tuple[TrainBatch, jax.Array]:
-    """`micro` and its token weights without the columns from `length` on."""
-    cut = lambda x, axis=1: None if x is None else jax.lax.slice_in_dim(x, 0, length, axis=axis)
-    return micro.replace(tokens=cut(micro.tokens), attention_mask=cut(micro.attention_mask),
-                         loss_mask=cut(micro.loss_mask),
-                         sampler_logprobs=cut(micro.sampler_logprobs),
-                         old_logprobs=cut(micro.old_logprobs),
-                         expert_ids=cut(micro.expert_ids, 2)), cut(weights)
+def _cut(x: jax.Array | None, length: int, axis: int = 1) -> jax.Array | None:
+    """`x` without its columns from `length` on along `axis` (None stays None)."""
+    return None if x is None else jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _cut_micro(micro: TrainBatch, length: int) -> TrainBatch:
+    """`micro` without the token columns from `length` on."""
+    return micro.replace(tokens=_cut(micro.tokens, length),
+                         attention_mask=_cut(micro.attention_mask, length),
+                         loss_mask=_cut(micro.loss_mask, length),
+                         sampler_logprobs=_cut(micro.sampler_logprobs, length),
+                         old_logprobs=_cut(micro.old_logprobs, length),
+                         expert_ids=_cut(micro.expert_ids, length, axis=2))
 
 
 def _length_branch(micro: TrainBatch, cuts: Sequence[int]) -> jax.Array:
@@ -196,8 +201,8 @@ def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef
 
     def accumulate(grads, inputs):
         micro, micro_weights = inputs
-        compute = lambda n: lambda: grad_fn(params, graphdef, *_cut(micro, micro_weights, n),
-                                            ref_params, config)
+        compute = lambda n: lambda: grad_fn(params, graphdef, _cut_micro(micro, n),
+                                            _cut(micro_weights, n), ref_params, config)
         # A micro-batch without loss tokens (the padding up to a power of two of micro-batches)
         # adds exactly zero to the loss and the gradient: its branch skips the forward and
         # backward. Columns past a micro-batch's longest row are padding: cutting them changes
@@ -251,7 +256,7 @@ def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
     def one(micro: TrainBatch) -> jax.Array:
         def compute(n):
             def run():
-                part, _ = _cut(micro, micro.loss_mask, n)
+                part = _cut_micro(micro, n)
                 replay = part.expert_ids if config.routing_replay else None
                 logprobs, _ = token_logprobs(model, part.tokens, part.attention_mask,
                                              temperature=config.temperature,

@@ -146,8 +146,9 @@ class _Request:
 # The slot state is sharded over slots (`batch`) and KV heads; every program that writes it takes
 # it donated and updates it in place: a slot's row is written with a dynamic-update-slice (each
 # shard writes its own rows; a scatter on a sharded axis would gather the whole array first) and
-# a row is read as a masked sum (each shard reduces its rows, one all-reduce of the row), and its
-# outputs are pinned to the logical shardings the state was created with.
+# a row is read as a masked sum when the slots are split over chips (each shard reduces its rows,
+# one all-reduce of the row; `_row`), and its outputs are pinned to the logical shardings the
+# state was created with.
 
 def _slot_axis(name: str) -> int:
     """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`)."""
@@ -717,13 +718,15 @@ class Engine:
     def _ahead(self, count: int, chosen: list[_Group]) -> list[_Group]:
         """Up to `count` groups of queued fresh requests, in queue order, whose prompts are not
         prefilled and not among `chosen`."""
-        ahead: dict[int, _Group] = {id(g): g for g in chosen}
+        seen, ahead = {id(g) for g in chosen}, []
         for request in self._queue:
-            if len(ahead) - len(chosen) >= count:
+            if len(ahead) >= count:
                 break
-            if not request.tokens and request.group.prefilled is None:
-                ahead.setdefault(id(request.group), request.group)
-        return list(ahead.values())[len(chosen):]
+            group = request.group
+            if not request.tokens and group.prefilled is None and id(group) not in seen:
+                seen.add(id(group))
+                ahead.append(group)
+        return ahead
 
     def _prefill(self, sequences: list[list[int]]) -> list[tuple]:
         """Per sequence: (prompt cache, logits, routing, row) of a batched prefill, sequences
