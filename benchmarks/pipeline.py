@@ -1,15 +1,18 @@
 r"""Agentic pipeline vs sequential training on the streaming scheduler: trained samples per
 second at a generation-dominated, long-tailed setting.
 
-  python benchmarks/pipeline.py [--updates=6] [--warmup=2] [--slots=16] [--median=64]
-                                [--sigma=1.0] [--cap=512] [--group=4] [--problems=2]
+  python -m benchmarks.pipeline [--updates=3] [--warmup=1] [--slots=16] [--median=256]
+                                [--sigma=1.0] [--cap=2048] [--group=4] [--problems=1]
+                                [--visible=32]
 
 Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float32, random
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
 update (times net of XLA compilation, which the warm-up updates cannot all absorb: batch shapes
 vary). Output lengths are log-normal (median `--median`, `--sigma`, cut at `--cap`), drawn per
 rollout from its sequence seed and forced on the engine (`pipeline_workload.ForcedLengths`), so
-both modes decode the same lengths; grades are drawn at seeded rates (`SeededGrades`). The
+both modes decode the same lengths; grades are drawn at seeded rates (`SeededGrades`). As in
+long-CoT RL, an output is mostly thought: the next stage's prompt embeds only its last
+`--visible` characters (`SeededGrades.visible`; 0: all of it). The
 sequential mode decodes `--problems` problems stage by stage with barriers and trains only when
 every trajectory is done; the pipeline streams and updates on as many samples as a sequential
 batch had on average. Prints per mode the time split into rollout and
@@ -42,6 +45,9 @@ from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer
 from mars_jax.sampling import Engine
 
 MAX_PROMPT = 384
+# Micro-batches cut to the shortest of L, 3L/4, L/2, .. L/8 that holds them (L up to 4096 at
+# the 2048-token cap): above L/8 at most 1.5x a micro-batch's longest row.
+UPDATE = UpdateConfig(length_halvings=3, fine_cuts=True)
 
 
 def run(mode: str, args, samples_per_update: int) -> dict:
@@ -53,8 +59,9 @@ def run(mode: str, args, samples_per_update: int) -> dict:
     state = init_train_state(model, optimizer)
     budgets = {"solver": args.cap, "verifier": args.cap, "corrector": args.cap}
     rollouts = SeededGrades(tokenizer, RolloutConfig(
-        group_size=args.group, fan_out=2, selection="random", prompt_style="compact",
+        group_size=args.group, fan_out=args.fan_out, selection="random", prompt_style="compact",
         max_new_tokens=budgets, max_prompt_tokens=MAX_PROMPT), seed=0, encode=encode_chat)
+    rollouts.visible = args.visible
     engine = Engine(model, num_slots=args.slots, max_length=MAX_PROMPT + args.cap,
                     chunk_steps=16, seed=0)
     stream = StreamingRollouts(
@@ -73,7 +80,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
             part, micro_batch_size=4, min_length=128, by_length=True), ref_params=None, graphdef=graphdef,
-            optimizer=optimizer, update_config=UpdateConfig(), learner=learner,
+            optimizer=optimizer, update_config=UPDATE, learner=learner,
             rng=np.random.default_rng(version))
         jax.block_until_ready(state.params)
         updated = time.perf_counter()
@@ -105,20 +112,25 @@ def _count_compiles(event: str, seconds: float, **_) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--updates", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--median", type=float, default=64)
+    parser.add_argument("--median", type=float, default=256)
     parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--cap", type=int, default=512)
+    parser.add_argument("--cap", type=int, default=2048)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--problems", type=int, default=2)
+    parser.add_argument("--problems", type=int, default=1)
+    parser.add_argument("--fan_out", type=int, default=2)
+    parser.add_argument("--visible", type=int, default=32,
+                        help="characters of an output the next prompt embeds (0: all of it; "
+                             "else the rest reads as thought, as a thinking model's)")
     args = parser.parse_args()
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
     print(bench_utils.machine_line())
     print(f"bench preset (vocab 512), float32, {args.slots} slots; lengths log-normal median "
           f"{args.median:g}, sigma {args.sigma:g}, cap {args.cap}; groups of {args.group}, "
-          f"fan-out 2, 5 stages; {args.problems} problems per sequential batch")
+          f"fan-out {args.fan_out}, 5 stages; {args.problems} problems per sequential batch; next prompts "
+          f"embed {args.visible or 'all'} characters of an output")
     results = {"sequential": run("sequential", args, samples_per_update=1)}
     # The pipeline updates on as many samples as a sequential batch trained on average.
     per_update = round(results["sequential"]["samples"] / args.updates)

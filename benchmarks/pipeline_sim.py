@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim.agents import SimRollouts, SimTokenizer, problems, role_of_prompt, sim_encode  # noqa: E402
 from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slots_per_chip  # noqa: E402
+from benchmarks.pipeline import UPDATE as BENCH_UPDATE  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
@@ -97,6 +98,7 @@ class Workload:
     byte_level: bool = False           # prompt tokens counted as a byte-level tokenizer's
     update_micro_batch: int = 0        # > 0: the update is charged on the padded rows of
     update_min_length: int = 128       # benchmarks/pipeline.py's batches (see padded_tokens)
+    update: UpdateConfig = UpdateConfig()  # the cuts those batches run at
 
     def rollout_config(self) -> RolloutConfig:
         return RolloutConfig(group_size=self.group_size, fan_out=self.fan_out,
@@ -182,14 +184,15 @@ def is_trained(group, drop_zero_variance: bool) -> bool:
     return not drop_zero_variance or len({r.reward for r in group}) > 1
 
 
-def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int) -> list[int]:
+def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int,
+                  config: UpdateConfig = UpdateConfig()) -> list[int]:
     """Tokens the update computes per micro-batch row for samples of `lengths` tokens, batched
     as `rl.batching.make_batch(by_length=True)` does and cut as `rl.update` cuts them: rows
     longest first, micro-batches of `micro_batch`, each as long as the shortest of
     `update.cut_lengths` holding its longest row (micro-batches of padding rows cost nothing)."""
     longest = sorted(lengths, reverse=True)
     width = pow2_at_least(longest[0], min_length)
-    cuts = cut_lengths(width, UpdateConfig().length_halvings)
+    cuts = cut_lengths(width, config.length_halvings, config.fine_cuts)
     out = []
     for start in range(0, len(longest), micro_batch):
         cut = next(c for c in cuts if c >= longest[start])
@@ -225,7 +228,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
         sample_tokens = [len(r.prompt_ids) + len(r.response_ids) for r in samples]
         if workload.update_micro_batch:
             sample_tokens = padded_tokens(sample_tokens, workload.update_micro_batch,
-                                          workload.update_min_length)
+                                          workload.update_min_length, workload.update)
         seconds = sum(costs.train.update_seconds(n) for n in sample_tokens)
         if len(ends) >= warmup:
             staleness.update(batch.staleness)
@@ -307,35 +310,70 @@ def print_row(r: dict, base: float) -> None:
           f"{r['deferred_share']:5.1%} {r['staleness']}", flush=True)
 
 
+def step_grid(text: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+    """(rows, spans, seconds row-major) of `--cpu_step_ms`: `rows:ms,..` (no spans) or
+    `rows@span:ms,..` with every rows x span pair given (`measure_cpu.py` prints it)."""
+    points = {}
+    for entry in text.split(","):
+        where, ms = entry.split(":")
+        rows, _, span = where.partition("@")
+        points[int(rows), int(span or 0)] = float(ms) / 1e3
+    rows = sorted({r for r, _ in points})
+    spans = sorted({s for _, s in points})
+    missing = [(r, s) for r in rows for s in spans if (r, s) not in points]
+    if missing or (len(spans) > 1 and 0 in spans):
+        raise ValueError(f"--cpu_step_ms: need every rows@span pair; missing {missing}")
+    grid = tuple(points[r, s] for r in rows for s in spans)
+    return tuple(rows), tuple(s for s in spans if s), grid
+
+
+def update_costs(text: str) -> list[tuple[int, float]]:
+    """(row length, update seconds per token) of `--cpu_update_ms_per_token`: `ms` (length 0:
+    every length) or `length:ms,..`, by length."""
+    points = []
+    for entry in text.split(","):
+        length, _, ms = entry.rpartition(":")
+        points.append((int(length or 0), float(ms) / 1e3))
+    return sorted(points)
+
+
 def profile_costs(args) -> Costs:
     """The calibration machine's measured costs (one device: nothing overlaps)."""
-    points = [p.split(":") for p in args.cpu_step_ms.split(",")]
-    cost = ProfileCost(step_rows=tuple(int(r) for r, _ in points),
-                       step_seconds=tuple(float(ms) / 1e3 for _, ms in points),
+    rows, spans, grid = step_grid(args.cpu_step_ms)
+    update_by_length = update_costs(args.cpu_update_ms_per_token)
+    cost = ProfileCost(step_rows=rows, step_seconds=grid, step_spans=spans,
+                       engine_buckets=bool(spans),
                        prefill_per_token_s=args.cpu_prefill_ms_per_token / 1e3,
-                       update_per_token_s=args.cpu_update_ms_per_token / 1e3,
+                       update_per_token_s=update_by_length[-1][1],
+                       update_lengths=tuple(n for n, _ in update_by_length if n),
+                       update_per_token_by_length=tuple(t for n, t in update_by_length if n),
                        update_per_sample_s=args.cpu_update_ms_per_sample / 1e3)
     return Costs(cost, cost, args.cpu_slots, 1, 0.0, False)
 
 
 def run_profile(args) -> None:
     """Predicts `benchmarks/pipeline.py`'s trained samples/s per mode from this machine's
-    costs, on that benchmark's workload (its defaults: 16 slots, log-normal lengths median 64,
-    sigma 1.0, cap 512, groups of 4, 2 problems per sequential batch, the pipeline updating on
-    as many samples as a sequential batch trained on average, staleness bound 4, `recompute`,
-    solve / verify rates 0.5 / 0.8, compact prompts counted in byte-level tokens, the update
-    charged on its padded micro-batches of 4)."""
+    costs, on that benchmark's workload (its defaults: 16 slots, log-normal lengths median 256,
+    sigma 1.0, cap 2048, next prompts embedding 32 characters of an output, groups of 4,
+    fan-out 2, 1 problem per sequential batch, the pipeline updating on as many samples as a
+    sequential batch trained on average, staleness bound 4, `recompute`, solve / verify rates
+    0.5 / 0.8, compact prompts counted in byte-level tokens, the update charged on its padded
+    micro-batches of 4 at the benchmark's cuts)."""
     workload = Workload(prompts_per_step=args.cpu_prompts, group_size=args.cpu_group,
+                        fan_out=args.cpu_fan_out,
                         max_new_tokens=args.cpu_budget, segment_tokens=None,
                         max_prompt_tokens=384, problem_words=args.cpu_problem_words,
                         prompt_style="compact", enable_thinking=False,
-                        # No thinking in the benchmark: an output is embedded whole in the
-                        # next prompt. The simulated engine shows at most half of an output as
-                        # answer words, each 2 byte-level tokens ('x' and its space): as many
-                        # prompt tokens as the output had.
-                        answer_tokens=(("solver", 1 << 20), ("verifier", 1 << 20),
-                                       ("corrector", 1 << 20)),
+                        # --cpu_visible=0: an output is embedded whole in the next prompt
+                        # (the simulated engine shows at most half of an output as answer
+                        # words, each 2 byte-level tokens, 'x' and its space: as many prompt
+                        # tokens as the output had). V > 0: an output is a thought and V
+                        # visible tokens (V / 2 answer words), as benchmarks/pipeline.py's
+                        # --visible.
+                        answer_tokens=tuple((role, args.cpu_visible // 2 or 1 << 20)
+                                            for role in ("solver", "verifier", "corrector")),
                         byte_level=True, update_micro_batch=4, update_min_length=128,
+                        update=BENCH_UPDATE,
                         correct_rates=(("solver", 0.5), ("verifier", 0.8), ("corrector", 0.5)),
                         drop_zero_variance=args.cpu_drop_zero_variance)
     lengths = LengthModel(cap=args.cpu_budget, sigma=args.cpu_sigma, median=args.cpu_median,
@@ -382,19 +420,24 @@ def main() -> None:
     cpu = parser.add_argument_group("cpu profile (calibration; defaults: bench preset, "
                                     "measured 2026-12-01)")
     cpu.add_argument("--cpu_step_ms", default="1:18,4:44,16:87,32:140",
-                     help="decode-step ms by live rows, rows:ms,...")
+                     help="decode-step ms: rows:ms,.. by live rows, or rows@span:ms,.. by the "
+                          "engine's slot bucket and KV span (measure_cpu.py prints it)")
     cpu.add_argument("--cpu_prefill_ms_per_token", type=float, default=0.5)
-    cpu.add_argument("--cpu_update_ms_per_token", type=float, default=1.0)
+    cpu.add_argument("--cpu_update_ms_per_token", default="1.0",
+                     help="update ms per trained token: `ms`, or `length:ms,..` by row length")
     cpu.add_argument("--cpu_update_ms_per_sample", type=float, default=0.0)
     cpu.add_argument("--cpu_slots", type=int, default=16)
     cpu.add_argument("--cpu_group", type=int, default=4)
-    cpu.add_argument("--cpu_prompts", type=int, default=2)
-    cpu.add_argument("--cpu_budget", type=int, default=512)
+    cpu.add_argument("--cpu_prompts", type=int, default=1)
+    cpu.add_argument("--cpu_fan_out", type=int, default=2)
+    cpu.add_argument("--cpu_budget", type=int, default=2048)
     cpu.add_argument("--cpu_problem_words", type=int, default=4,
                      help="words per problem (arith: `What is 7 + 3 * 2?` is ~20 bytes)")
-    cpu.add_argument("--cpu_median", type=float, default=64)
+    cpu.add_argument("--cpu_median", type=float, default=256)
     cpu.add_argument("--cpu_sigma", type=float, default=1.0)
     cpu.add_argument("--cpu_drop_zero_variance", action="store_true")
+    cpu.add_argument("--cpu_visible", type=int, default=32,
+                     help="visible tokens per output (0: all of it); the rest is thought")
     args = parser.parse_args()
     if args.profile == "cpu":
         run_profile(args)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mars_jax.rewards.text import THINK_CLOSE, THINK_OPEN
 from mars_jax.rl.rollout import AgenticRollouts
 
 
@@ -29,13 +30,19 @@ class SeededGrades(AgenticRollouts):
     """Rewards at fixed rates, seeded by rollout uid: a Solver / Corrector output is right with
     probability `solve_rate`, a Verifier's verdict is right with probability `verify_rate`
     (judging the actual correctness of its parent), so selection and the Corrector's
-    eligibility behave as on real text."""
+    eligibility behave as on real text. With `visible` > 0 an output reads as a thinking
+    model's does: a thought, then `visible` characters of answer, all the next stage's prompt
+    embeds (the trained tokens are unchanged)."""
 
     solve_rate = 0.5
     verify_rate = 0.8
+    visible = 0  # > 0: an output is a thought and its last `visible` characters (see _grade)
 
     def _grade(self, finished) -> None:
         for r in finished:
+            if self.visible:  # what a thinking model's text reads as: only the tail is shown
+                thought, answer = r.text[:-self.visible], r.text[-self.visible:]
+                r.text = f"{THINK_OPEN}{thought}{THINK_CLOSE}{answer}"
             u = np.random.default_rng(zlib.crc32(r.uid.encode())).random()
             if r.role == "verifier":
                 right = u < self.verify_rate

@@ -66,7 +66,7 @@ from mars_jax import builders, sharding, weight_sync  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
-from mars_jax.rl.update import (TrainBatch, TrainState, UpdateConfig, make_optimizer,  # noqa: E402
+from mars_jax.rl.update import (TrainBatch, TrainState, make_optimizer,  # noqa: E402
                                 opt_state_shardings, token_logprobs, train_step)
 from mars_jax.rl.generator import engine_shape  # noqa: E402
 from mars_jax.sampling import engine, sampler  # noqa: E402
@@ -253,9 +253,7 @@ class StepPrograms:
         self.sampling = sampler.SamplingParams(
             greedy=False, top_k=config.rollout.top_k, top_p=config.rollout.top_p,
             record_routing=config.learner.routing_replay and self.num_moe > 0)
-        self.update_config = UpdateConfig(
-            loss=trainer.loss_config(config), temperature=config.rollout.temperature,
-            logits_chunk=config.learner.logits_chunk, routing_replay=config.learner.routing_replay)
+        self.update_config = trainer.update_program_config(config)
         self.optimizer = make_optimizer(**dict(config.optimizer))
         # Outside `use_mesh`: optax builds a placeholder state eagerly, on the default device.
         self.opt_shardings = opt_state_shardings(self.optimizer, self.weights)

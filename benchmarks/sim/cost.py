@@ -138,10 +138,13 @@ class MeshCost:
             self.chips * self.chip.peak_flops)
         return max(memory, compute) + self.step_overhead_s
 
-    def decode_seconds(self, rows: int, context_tokens: int, steps: int) -> float:
+    def decode_seconds(self, rows: int, context_tokens: int, steps: int, *,
+                       bucket: int | None = None, span: int | None = None) -> float:
         """`steps` consecutive decode steps of `rows` rows starting at `context_tokens` (each
         step adds one token per row): the step times summed exactly (the memory and compute
-        terms are linear in the step index; their max is split where they cross)."""
+        terms are linear in the step index; their max is split where they cross). The roofline
+        charges live rows and their contexts: `bucket` and `span` are not read."""
+        del bucket, span
         if steps <= 0 or rows <= 0:
             return 0.0
         model, n = self.model, self.chips
@@ -190,29 +193,49 @@ def slots_per_chip(model: ModelCost, chip: Chip, *, resident_bytes: float, slot_
 
 @dataclasses.dataclass(frozen=True)
 class ProfileCost:
-    """Measured costs of one machine (the calibration path): decode-step seconds at a few live
-    row counts (linear in between, flat beyond the ends; context length not modelled),
-    prefill seconds per token and update seconds per trained token."""
-
+    """Measured costs of one machine (the calibration path): decode-step seconds on a grid of
+    row counts x KV spans (`step_seconds[i][j]` at `step_rows[i]` rows and `step_spans[j]`
+    positions; no spans: one column, the span not modelled), interpolated linearly in log2 of
+    both and flat beyond the ends; prefill seconds per token and update seconds per trained
+    token (of a row that long, with `update_lengths`). With `engine_buckets` a step is charged at the slot bucket and span the real
+    `Engine` decodes (as `SimEngine` reports them), else at the live rows."""
     step_rows: tuple[int, ...]
-    step_seconds: tuple[float, ...]
+    step_seconds: tuple
     prefill_per_token_s: float
     update_per_token_s: float
     update_per_sample_s: float = 0.0
+    step_spans: tuple[int, ...] = ()
+    engine_buckets: bool = False
+    # Update seconds per token measured at these row lengths (interpolated in log2 of the
+    # length, flat beyond the ends); () : update_per_token_s at every length.
+    update_lengths: tuple[int, ...] = ()
+    update_per_token_by_length: tuple[float, ...] = ()
 
-    def decode_step_seconds(self, rows: int, context_tokens: int = 0) -> float:
+    def decode_step_seconds(self, rows: int, context_tokens: int = 0, *,
+                            bucket: int | None = None, span: int | None = None) -> float:
         del context_tokens
-        return float(np.interp(rows, self.step_rows, self.step_seconds))
+        rows = bucket if self.engine_buckets and bucket else rows
+        grid = np.asarray(self.step_seconds, float).reshape(len(self.step_rows), -1)
+        log_rows = np.log2(self.step_rows)
+        by_span = [np.interp(np.log2(rows), log_rows, column) for column in grid.T]
+        if not self.step_spans or span is None:
+            return float(by_span[-1] if self.step_spans else by_span[0])
+        return float(np.interp(np.log2(span), np.log2(self.step_spans), by_span))
 
-    def decode_seconds(self, rows: int, context_tokens: int, steps: int) -> float:
-        return steps * self.decode_step_seconds(rows) if steps > 0 and rows > 0 else 0.0
+    def decode_seconds(self, rows: int, context_tokens: int, steps: int, *,
+                       bucket: int | None = None, span: int | None = None) -> float:
+        if steps <= 0 or rows <= 0:
+            return 0.0
+        return steps * self.decode_step_seconds(rows, bucket=bucket, span=span)
 
     def prefill_seconds(self, tokens: int, context_before: int = 0) -> float:
         del context_before
         return tokens * self.prefill_per_token_s
 
     def update_seconds(self, sample_tokens: int) -> float:
-        return self.update_per_sample_s + sample_tokens * self.update_per_token_s
+        per_token = self.update_per_token_s if not self.update_lengths else float(np.interp(
+            np.log2(sample_tokens), np.log2(self.update_lengths), self.update_per_token_by_length))
+        return self.update_per_sample_s + sample_tokens * per_token
 
     def weight_copy_seconds(self, receiving_chips: int) -> float:
         del receiving_chips

@@ -8,9 +8,10 @@ into free slots (a group's prompt is prefilled once, as `Engine` does; a request
 `generated` tokens, or resumed with `recompute`, is prefilled with them), then jumps straight to
 the next event, the earliest finish or segment end among the running requests, charging the
 decode steps in between at the cost model's step time for that many live rows and their
-contexts (`MeshCost.decode_seconds`). Prefills stall decoding (charged in sequence). A freed slot
-is refilled at the next event (the real engine's `admit_batch=1`; its chunks of `chunk_steps`
-steps are not modelled).
+contexts (`MeshCost.decode_seconds`), or for the slot bucket and KV span `Engine` would decode
+(`ProfileCost` with `engine_buckets`; the span taken at the interval's middle). Prefills stall
+decoding (charged in sequence). A freed slot is refilled at the next event (the real engine's
+`admit_batch=1`; its chunks of `chunk_steps` steps are not modelled).
 
 Tokens: an output of length L is `L - A - 2` thought tokens, `</think>`, A answer tokens and the
 first stop id (A = `answer_tokens[role]`, at most half the output); cut at the budget when L
@@ -23,7 +24,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from benchmarks.sim.lengths import LengthModel
-from mars_jax.sampling.engine import EngineOutput
+from mars_jax.sampling.engine import EngineOutput, span_bucket
 
 THOUGHT, THINK_CLOSE, ANSWER, EOS = 4, 3, 8, 1  # ids of `benchmarks.sim.agents.SimTokenizer`
 
@@ -216,7 +217,9 @@ class SimEngine:
         running = [self._requests[i] for i in self._running]
         steps = max(0, min(r.end - r.generated for r in running))
         rows, context = len(running), sum(r.context for r in running)
-        seconds = self.cost.decode_seconds(rows, context, steps)
+        seconds = self.cost.decode_seconds(rows, context, steps, bucket=self._bucket(running),
+                                           span=span_bucket(max(r.context for r in running)
+                                                            + (steps + 1) // 2, self.max_length))
         self.now += seconds
         self.stats["decode_seconds"] += seconds
         self.stats["decode_steps"] += steps
@@ -235,6 +238,14 @@ class SimEngine:
                 self._finish(request, "length")
             else:
                 self._finish(request, "segment")
+
+    def _bucket(self, running: Sequence[_Request]) -> int:
+        """The slots `Engine` decodes: all while a request waits or is paused in a slot or
+        segments are on, else the power of two that holds the running rows (`Engine._shrink`)."""
+        occupied = sum(s is not None for s in self._slots)
+        if self._queue or occupied > len(running) or any(r.segment_tokens for r in running):
+            return self.num_slots
+        return min(self.num_slots, 1 << (len(running) - 1).bit_length())
 
     def _finish(self, request: _Request, reason: str) -> None:
         tokens, logprobs = self._output(request)

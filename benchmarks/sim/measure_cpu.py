@@ -1,13 +1,15 @@
 r"""Measures this machine's costs for `pipeline_sim.py --profile=cpu` and prints them as flags.
 
   python benchmarks/sim/measure_cpu.py [--preset=bench] [--vocab_size=512] [--slots=16]
-      [--max_length=896]     # benchmarks/pipeline.py's model and engine
+      [--max_length=2432]    # benchmarks/pipeline.py's model and engine
 
-Decode-step seconds at 1, 4, 16 and `slots` live rows: `Engine.stats` decode seconds / decode
-steps of a second pass (the first compiles) of that many requests decoding `--steps` tokens each
-(no stop ids; once nothing waits the engine gathers the live rows into the smallest slot bucket
-that holds them). Prefill: prefill seconds per prompt token of the same pass. Update: one
-`train_step` over `--update_rows` rows of `--update_length` tokens (second call), per token.
+Decode-step seconds on a grid of live rows (1, 2, 4, .., `slots`) x KV spans (`--spans`):
+`Engine.stats` decode seconds / decode steps of a second pass (the first compiles) of that many
+requests with prompts of half the span decoding `--steps` tokens each (no stop ids; nothing
+waits, so the engine decodes the smallest slot bucket that holds them, over the span the
+longest needs). Prefill: prefill seconds per prompt token of the same passes. Update: one
+forward and backward over `--update_rows` rows of each of `--update_lengths` tokens (second
+call), per token.
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from flax import nnx  # noqa: E402
 
 from mars_jax.models import create_model, get_preset  # noqa: E402
 from mars_jax.rl.batching import TrainSample, make_batch  # noqa: E402
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step  # noqa: E402
+from mars_jax.rl.update import UpdateConfig, batch_gradients  # noqa: E402
 from mars_jax.sampling import Engine  # noqa: E402
 
 
 def decode_costs(model, rows: int, *, slots: int, max_length: int, steps: int,
                  prompt_len: int) -> tuple[float, float]:
     """(seconds per decode step, prefill seconds per token) at `rows` live rows."""
-    engine = Engine(model, num_slots=slots, max_length=max_length, chunk_steps=8)
+    engine = Engine(model, num_slots=slots, max_length=max_length, chunk_steps=16)
     rng = np.random.default_rng(0)
     for _ in range(2):  # the first pass compiles
         engine.stats.clear()
@@ -45,20 +47,20 @@ def decode_costs(model, rows: int, *, slots: int, max_length: int, steps: int,
 
 
 def update_cost(model, *, rows: int, length: int) -> float:
-    """Seconds per token of one `train_step` over `rows` rows of `length` tokens."""
-    graphdef, _ = nnx.split(model, nnx.Param)
-    optimizer = make_optimizer(1e-4)
-    state = init_train_state(model, optimizer)
+    """Seconds per token of the update's forward and backward over one micro-batch of `rows`
+    rows of `length` tokens (`update.batch_gradients`, second call; the optimizer's step, once
+    per update, is left out)."""
+    graphdef, params = nnx.split(model, nnx.Param)
     half = length // 2
     samples = [TrainSample(list(range(1, half + 1)), list(range(1, length - half + 1)),
                            [-1.0] * (length - half), 1.0 if i % 2 else -1.0) for i in range(rows)]
     batch = make_batch(samples, micro_batch_size=rows, min_length=length)
+    gradients = jax.jit(lambda p, b: batch_gradients(p, b, None, graphdef=graphdef,
+                                                     config=UpdateConfig())[0])
     seconds = []
     for _ in range(2):
         began = time.perf_counter()
-        state, _ = train_step(state, batch, None, graphdef=graphdef, optimizer=optimizer,
-                              config=UpdateConfig())
-        jax.block_until_ready(state.step)
+        jax.block_until_ready(gradients(params, batch))
         seconds.append(time.perf_counter() - began)
     return seconds[-1] / (rows * length)
 
@@ -68,26 +70,34 @@ def main() -> None:
     parser.add_argument("--preset", default="bench")
     parser.add_argument("--vocab_size", type=int, default=512, help="0: the preset's")
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--max_length", type=int, default=896)
+    parser.add_argument("--max_length", type=int, default=2432)
+    parser.add_argument("--spans", default="128,512,2048")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--prompt_len", type=int, default=64)
-    parser.add_argument("--update_rows", type=int, default=8)
-    parser.add_argument("--update_length", type=int, default=512)
+    parser.add_argument("--update_rows", type=int, default=4,
+                        help="rows of the update's micro-batch (benchmarks/pipeline.py: 4)")
+    parser.add_argument("--update_lengths", default="256,512,1024,2048,4096")
     args = parser.parse_args()
     config = get_preset(args.preset)
     model = create_model(config.replace(vocab_size=args.vocab_size or config.vocab_size), seed=0)
+    row_counts = [1 << k for k in range(args.slots.bit_length()) if 1 << k < args.slots]
     points, prefill = [], []
-    for rows in sorted({1, 4, 16, args.slots}):
-        step, per_token = decode_costs(model, rows, slots=args.slots, max_length=args.max_length,
-                                       steps=args.steps, prompt_len=args.prompt_len)
-        points.append(f"{rows}:{step * 1e3:.1f}")
-        prefill.append(per_token)
-        print(f"rows {rows:3d}: decode step {step * 1e3:.1f} ms, prefill {per_token * 1e3:.3f} "
-              f"ms/token", flush=True)
-    update = update_cost(model, rows=args.update_rows, length=args.update_length)
-    print(f"update: {update * 1e3:.3f} ms/token")
+    for span in (int(s) for s in args.spans.split(",")):
+        for rows in row_counts + [args.slots]:
+            step, per_token = decode_costs(model, rows, slots=args.slots,
+                                           max_length=args.max_length, steps=args.steps,
+                                           prompt_len=span // 2)
+            points.append(f"{rows}@{span}:{step * 1e3:.1f}")
+            prefill.append(per_token)
+            print(f"rows {rows:3d}, span {span:5d}: decode step {step * 1e3:.1f} ms, prefill "
+                  f"{per_token * 1e3:.3f} ms/token", flush=True)
+    updates = []
+    for length in (int(n) for n in args.update_lengths.split(",")):
+        update = update_cost(model, rows=args.update_rows, length=length)
+        updates.append(f"{length}:{update * 1e3:.3f}")
+        print(f"update, {args.update_rows} rows of {length}: {update * 1e3:.3f} ms/token",
+              flush=True)
     print(f"--cpu_step_ms={','.join(points)} --cpu_prefill_ms_per_token="
-          f"{np.median(prefill) * 1e3:.3f} --cpu_update_ms_per_token={update * 1e3:.3f} "
+          f"{np.median(prefill) * 1e3:.3f} --cpu_update_ms_per_token={','.join(updates)} "
           f"--cpu_slots={args.slots}")
 
 

@@ -85,8 +85,11 @@ def base_config() -> ConfigDict:
                                   max_grad_norm=1.0))
 
     # A step makes ppo_epochs x mini_batches optimizer updates on its samples (mars_jax.rl.learner).
+    # Each micro-batch (rows longest first) runs cut to the shortest of its width / 2**k,
+    # k <= length_halvings, that holds it; fine_cuts adds the 3/4 points (rl.update.cut_lengths).
     c.learner = ConfigDict(dict(ppo_epochs=1, mini_batches=1, micro_batch_size=8, min_length=32,
-                                logits_chunk=256, routing_replay=False))
+                                logits_chunk=256, routing_replay=False, length_halvings=2,
+                                fine_cuts=False))
 
     c.checkpoint = ConfigDict(dict(every_steps=1, keep=3, async_save=True))
 

@@ -7,10 +7,11 @@ r"""The toy study of experiments/RESULTS.md: its SFT warm start and the three RL
 Problems: `arith` with 2 operations over `+ -` on one-digit operands (`What is 7 - 3 + 5?`),
 6,000 distinct problems, 500 held out (`data.arith.sizes`). A solution reduces them in two
 lines (`7 - 3 = 4: 4 + 5`, `4 + 5 = 9`), so each step is a one-digit fact that a Verifier checks
-on its own line, and checking is no harder than solving. The warm start (`sft`) is a 0.86M dense
-Qwen3 (`sft.arch = "small"`) trained on generated traces of all three roles; its Solver traces
-carry one wrong step with probability `sft.solver_error_rate`, which sets the warm Solver's
-accuracy, while its Verifier traces (half on flawed solutions) always judge correctly.
+on its own line (its thinking recomputes each claim), and checking is no harder than solving.
+The warm start (`sft`) is a 0.86M dense Qwen3 (`sft.arch = "small"`) trained on generated
+traces of all three roles; its Solver traces carry one wrong step with probability
+`sft.solver_error_rate`, which sets the warm Solver's accuracy, while its Verifier traces (half
+on flawed solutions) think through every step, then judge correctly.
 
 RL: pipeline mode, 8 new problems a step, groups of 8, one parent per later stage; `balanced`
 selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
@@ -30,8 +31,8 @@ from common import base_config  # noqa: E402
 VARIANTS = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 ROOT = "/tmp/mars_study"
 ARITH = dict(num_ops=(2, 2), max_operand=9, operators="+-", sizes=(5_500, 500))
-# Longest replies: Solver / Corrector ~40 tokens, a Verifier's Wrong report ~110.
-MAX_NEW_TOKENS = dict(solver=64, verifier=128, corrector=64)
+# Longest replies: Solver / Corrector ~50 tokens, a Verifier's step check and Wrong report ~165.
+MAX_NEW_TOKENS = dict(solver=64, verifier=192, corrector=64)
 
 
 def get_config(arg: str = "marsrl"):
@@ -52,7 +53,9 @@ def sft_config(c):
     c.sft.arch, c.sft.steps = "small", 3000
     c.sft.rows, c.sft.row_tokens = 8, 512
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.6, 0.5
-    c.sft.keep.verifier, c.sft.keep.corrector = 0.5, 0.5
+    # Every Verifier example is kept: with half of them the Verifier stayed at chance (balanced
+    # accuracy 52.9%) while it judged a solution in one token, before it had thought.
+    c.sft.keep.verifier, c.sft.keep.corrector = 1.0, 0.5
     c.sft.holdout_problems, c.sft.eval_every = 32, 250
     c.optimizer.learning_rate = 3e-3
     c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 20
@@ -74,7 +77,10 @@ def rl_config(c, variant: str):
     c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0
     c.optimizer.learning_rate = 1e-4
-    c.learner.mini_batches, c.learner.micro_batch_size = 2, 64  # a step: ~190 samples, 2 updates
+    # A step: ~190 samples, 2 updates. Micro-batches of 16 rows, longest first, are each cut to
+    # their own length (Solver rows ~110 tokens, Verifier rows ~450): 64 rows padded most of the
+    # Solver rows to 512.
+    c.learner.mini_batches, c.learner.micro_batch_size = 2, 16
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.
     c.eval.dataset, c.eval.split = "arith", "test"

@@ -91,6 +91,16 @@ def loss_config(config: ConfigDict) -> LossConfig:
     return LossConfig(**fields)
 
 
+def update_program_config(config: ConfigDict) -> UpdateConfig:
+    """The update program's static settings from config.loss, config.learner and the rollout
+    temperature."""
+    return UpdateConfig(loss=loss_config(config), temperature=config.rollout.temperature,
+                        logits_chunk=config.learner.logits_chunk,
+                        routing_replay=config.learner.routing_replay,
+                        length_halvings=config.learner.length_halvings,
+                        fine_cuts=config.learner.fine_cuts)
+
+
 def learner_config(config: ConfigDict) -> LearnerConfig:
     return LearnerConfig(ppo_epochs=config.learner.ppo_epochs,
                          mini_batches=config.learner.mini_batches, pi_old=config.loss.pi_old)
@@ -265,9 +275,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     optimizer = make_optimizer(**dict(config.optimizer))
     graphdef, _ = nnx.split(model, nnx.Param)
     state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
-    update_config = UpdateConfig(loss=loss_config(config), temperature=config.rollout.temperature,
-                                 logits_chunk=config.learner.logits_chunk,
-                                 routing_replay=config.learner.routing_replay)
+    update_config = update_program_config(config)
     ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
                   if update_config.loss.needs_ref_logprobs else None)
     rollouts = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed,

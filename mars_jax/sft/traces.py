@@ -10,9 +10,17 @@ what remains (`: rest`), then the boxed answer:
     \\boxed{28}
 
 A *flawed* solution has one step whose result is off (the error then propagates, so the final
-answer is wrong). The Verifier's report names the first wrong step and its right result; the
-Corrector rewrites the whole solution correctly. The Verifier's Wrong report reads
+answer is wrong). The Verifier first thinks: it recomputes every claimed step on its own line and
+marks it `ok` or `not <claimed>`, so its verdict only has to read those marks (checking stays
+local: one one-digit fact per line, never the whole expression at once). Its report then names the
+first wrong step and its right result; the Corrector rewrites the whole solution correctly. The
+Verifier's Wrong reply for the solution above with `3 * 7 = 20` reads
 
+    <think>
+    12 - 5 = 7 ok
+    3 * 7 = 21 not 20
+    7 + 20 = 27 ok
+    </think>
     **Final Verdict:** Critical Error.
     **List of Findings:**
     * 3 * 7 = 20: Critical Error, it is 21
@@ -30,6 +38,7 @@ from collections.abc import Sequence
 
 from mars_jax.agents import prompts
 from mars_jax.data.arith import APPLY, PRECEDENCE, evaluate, render
+from mars_jax.rewards.text import THINK_CLOSE, THINK_OPEN
 
 Expr = int | tuple[str, "Expr", "Expr"]
 
@@ -146,14 +155,27 @@ def solution_text(steps: Sequence[Step]) -> str:
     return "\n".join([*(s.line for s in steps), f"\\boxed{{{steps[-1].result}}}"])
 
 
+def check_text(steps: Sequence[Step]) -> str:
+    """The Verifier's thinking: each claimed step recomputed, `ok` or `not <claimed result>`."""
+    lines = []
+    for s in steps:
+        right = APPLY[s.op](s.left, s.right)
+        mark = "ok" if s.is_right else f"not {s.result}"
+        lines.append(f"{_operand(s.left)} {s.op} {_operand(s.right)} = {right} {mark}")
+    return f"{THINK_OPEN}\n" + "\n".join(lines) + f"\n{THINK_CLOSE}\n"
+
+
 def verifier_text(steps: Sequence[Step]) -> str:
-    """The Verifier's three-part reply: Wrong naming the first wrong step, else Correct."""
+    """The Verifier's reply: the step check (`check_text`), then the three-part report, Wrong
+    naming the first wrong step, else Correct."""
     wrong = next((s for s in steps if not s.is_right), None)
     if wrong is None:
-        return "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
-    right = APPLY[wrong.op](wrong.left, wrong.right)
-    return ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
-            f"* {wrong.claim}: Critical Error, it is {right}\n**Correctness:** Wrong")
+        report = "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
+    else:
+        right = APPLY[wrong.op](wrong.left, wrong.right)
+        report = ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
+                  f"* {wrong.claim}: Critical Error, it is {right}\n**Correctness:** Wrong")
+    return check_text(steps) + report
 
 
 def make_examples(problem: str, rng: random.Random, *, solver_error_rate: float,

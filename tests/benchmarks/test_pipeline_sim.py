@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from benchmarks.pipeline_sim import padded_tokens
+from benchmarks.pipeline_sim import padded_tokens, step_grid, update_costs
 from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_prompt,
                                    sim_encode)
 from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost, slots_per_chip
@@ -237,3 +237,63 @@ def test_byte_level_sim_tokens_count_bytes():
     ids = tokenizer.word_ids("What is 7 + 3?")
     assert len(ids) == len("What is 7 + 3? ")  # each word and its space
     assert tokenizer.decode(ids, skip_special_tokens=True) == "What is 7 + 3?"
+
+
+def test_step_grid_parses_both_forms_and_needs_every_pair():
+    assert step_grid("1:12,4:20") == ((1, 4), (), (0.012, 0.02))
+    assert step_grid("1@128:10,4@128:20,1@512:14,4@512:40") == (
+        (1, 4), (128, 512), (0.01, 0.014, 0.02, 0.04))
+    with pytest.raises(ValueError, match="missing"):
+        step_grid("1@128:10,4@128:20,1@512:14")
+
+
+def test_profile_cost_grid_interpolates_in_log2_rows_and_span():
+    cost = ProfileCost(step_rows=(1, 4), step_seconds=(0.01, 0.014, 0.02, 0.04),
+                       step_spans=(128, 512), engine_buckets=True,
+                       prefill_per_token_s=0.0, update_per_token_s=0.0)
+    assert cost.decode_step_seconds(1, bucket=1, span=128) == pytest.approx(0.01)
+    # 2 rows: halfway in log2 between 1 and 4 -> 0.015 at span 128, 0.027 at 512; span 256 is
+    # halfway in log2 between those: 0.021.
+    assert cost.decode_step_seconds(3, bucket=2, span=256) == pytest.approx(0.021)
+    assert cost.decode_step_seconds(3, bucket=4, span=4096) == pytest.approx(0.04)  # flat beyond
+    assert cost.decode_seconds(3, 0, 10, bucket=2, span=128) == pytest.approx(0.15)
+
+
+def test_update_cost_per_token_by_row_length():
+    assert update_costs("1.5") == [(0, 0.0015)]
+    by_length = update_costs("1024:3,256:1")
+    assert by_length == [(256, 0.001), (1024, 0.003)]
+    cost = ProfileCost(step_rows=(1,), step_seconds=(0.01,), prefill_per_token_s=0.0,
+                       update_per_token_s=0.003, update_lengths=(256, 1024),
+                       update_per_token_by_length=(0.001, 0.003))
+    # 512 is halfway in log2: 2 ms per token; beyond the ends the end values hold.
+    assert cost.update_seconds(512) == pytest.approx(512 * 0.002)
+    assert cost.update_seconds(128) == pytest.approx(128 * 0.001)
+    assert cost.update_seconds(4096) == pytest.approx(4096 * 0.003)
+
+
+class _Recorder:
+    """A cost model that records what each decode interval is charged for."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode_seconds(self, rows, context_tokens, steps, *, bucket=None, span=None):
+        self.calls.append((rows, bucket, span, steps))
+        return float(steps)
+
+    def prefill_seconds(self, tokens, context_before=0):
+        return 0.0
+
+
+def test_sim_engine_charges_the_slot_bucket_and_span_the_engine_decodes():
+    # 4 slots, 5 requests of 2, 4, 6, 8, 3 tokens with 300-token prompts (span 512). Request 4
+    # waits until request 0 ends; then 4, 3, 2, 1 rows run in buckets 4, 4, 2, 1.
+    cost = _Recorder()
+    engine = SimEngine(cost, FixedLengths({0: 2, 1: 4, 2: 6, 3: 8, 4: 3}), num_slots=4,
+                       max_length=1024, role_of=lambda ids: "solver", answer_tokens={})
+    for s in range(5):
+        engine.submit([7] * 300, max_new_tokens=10, seed=s, stop_ids=(1,))
+    list(engine.stream())
+    assert cost.calls == [(4, 4, 512, 2), (4, 4, 512, 2), (3, 4, 512, 1), (2, 2, 512, 1),
+                          (1, 1, 512, 2)]

@@ -13,8 +13,8 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, mini_batch_indices, ppo_update
 from mars_jax.rl.losses import LossConfig, policy_loss
-from mars_jax.rl.update import (UpdateConfig, batch_gradients, init_train_state, make_optimizer,
-                                token_logprobs)
+from mars_jax.rl.update import (UpdateConfig, batch_gradients, cut_lengths, init_train_state,
+                                make_optimizer, token_logprobs)
 from mars_jax.sampling import generate
 
 
@@ -68,6 +68,31 @@ def test_gradient_does_not_depend_on_micro_batches_or_padding(tiny, aggregation)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             scale = float(jnp.max(jnp.abs(w)))
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=f"micro {micro}")
+
+
+def test_cut_lengths_hand_checked():
+    assert cut_lengths(1024, 2) == (256, 512, 1024)
+    assert cut_lengths(1024, 2, fine=True) == (256, 384, 512, 768, 1024)
+    assert cut_lengths(32, 2, fine=True) == (16, 24, 32)  # 8 and 12 are under 16
+    assert cut_lengths(48, 3) == (24, 48)                 # 12 and 6 are under 16, 48 / 8 is not whole
+
+
+def test_fine_cuts_leave_the_gradient_unchanged(tiny):
+    """Rows of 10-30 tokens in a 32-wide batch: micro-batches run at 16, 24 or 32 columns."""
+    model, graphdef, params = tiny
+    loss = LossConfig(aggregation="seq-mean-token-mean")
+    rng = np.random.default_rng(1)
+    samples = [TrainSample(list(rng.integers(1, 512, p)), list(rng.integers(1, 512, r)),
+                           list(-rng.uniform(3.0, 9.0, r)), float(rng.normal()))
+               for p, r in ((4, 6), (9, 10), (12, 18), (6, 9))]
+    want = _one_piece_grads(model, graphdef, params, samples, loss)
+    config = UpdateConfig(loss=loss, fine_cuts=True)
+    batch = make_batch(samples, micro_batch_size=1, by_length=True)
+    assert batch.tokens.shape[-1] == 32
+    got = jax.jit(lambda p, b: batch_gradients(p, b, None, graphdef=graphdef,
+                                               config=config)[0])(params, batch)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
 
 
 def test_micro_batches_branch_on_their_length(tiny):
