@@ -51,7 +51,7 @@ def sft_config(c):
     # 800 steps left the Solver copying its own intermediate results wrongly (Solver ~10%):
     # copying is learnt late, so the warm start trains longer (~1 h here).
     c.sft.arch, c.sft.steps = "small", 3000
-    c.sft.rows, c.sft.row_tokens = 8, 512
+    c.sft.rows, c.sft.row_tokens = 8, 512  # the longest example (a Wrong Verifier reply) is 511
     # 0.6 gave a 42.3% Solver with half the Verifier examples kept, 23.0% with all of them.
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5
     # Every Verifier example is kept: with half of them the Verifier stayed at chance (balanced

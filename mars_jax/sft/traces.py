@@ -11,7 +11,7 @@ what remains (`: rest`), then the boxed answer:
 
 A *flawed* solution has one step whose result is off (the error then propagates, so the final
 answer is wrong). The Verifier first thinks: it copies every claimed step on its own line,
-recomputes its result and marks the line `ok` or `wrong`, so each mark compares two numbers a few
+recomputes its result and marks the line `ok` or `bad`, so each mark compares two numbers a few
 tokens apart and the verdict only has to read the marks (checking stays local: one one-digit
 fact per line, never the whole expression at once). Its report then names the first wrong step
 and its right result; the Corrector rewrites the whole solution correctly. The Verifier's Wrong
@@ -19,7 +19,7 @@ reply for the solution above with `3 * 7 = 20` reads
 
     <think>
     12 - 5 = 7 -> 7 ok
-    3 * 7 = 20 -> 21 wrong
+    3 * 7 = 20 -> 21 bad
     7 + 20 = 27 -> 27 ok
     </think>
     **Final Verdict:** Critical Error.
@@ -158,8 +158,8 @@ def solution_text(steps: Sequence[Step]) -> str:
 
 def check_text(steps: Sequence[Step]) -> str:
     """The Verifier's thinking: each claimed step copied, its result recomputed, and the two
-    compared on the same line (`3 * 7 = 20 -> 21 wrong`, `12 - 5 = 7 -> 7 ok`)."""
-    lines = [f"{s.claim} -> {APPLY[s.op](s.left, s.right)} {'ok' if s.is_right else 'wrong'}"
+    compared on the same line (`3 * 7 = 20 -> 21 bad`, `12 - 5 = 7 -> 7 ok`)."""
+    lines = [f"{s.claim} -> {APPLY[s.op](s.left, s.right)} {'ok' if s.is_right else 'bad'}"
              for s in steps]
     return f"{THINK_OPEN}\n" + "\n".join(lines) + f"\n{THINK_CLOSE}\n"
 

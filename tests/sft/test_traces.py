@@ -91,7 +91,7 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
                 thought = ex.response.split("<think>\n")[1].split("\n</think>\n")[0]
                 for line, (left, result, _) in zip(thought.splitlines(), claims(judged),
                                                    strict=True):
-                    mark = "ok" if value(left) == int(result) else "wrong"
+                    mark = "ok" if value(left) == int(result) else "bad"
                     assert line == f"{left} = {result} -> {value(left)} {mark}", (judged, line)
                 verifier_wrong += not is_right
                 if not is_right:  # the finding names the first false step and its true result
