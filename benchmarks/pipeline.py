@@ -129,8 +129,8 @@ def main() -> None:
     print(bench_utils.machine_line())
     print(f"bench preset (vocab 512), float32, {args.slots} slots; lengths log-normal median "
           f"{args.median:g}, sigma {args.sigma:g}, cap {args.cap}; groups of {args.group}, "
-          f"fan-out {args.fan_out}, 5 stages; {args.problems} problems per sequential batch; next prompts "
-          f"embed {args.visible or 'all'} characters of an output")
+          f"fan-out {args.fan_out}, 5 stages; {args.problems} problems per sequential batch; "
+          f"next prompts embed {args.visible or 'all'} characters of an output")
     results = {"sequential": run("sequential", args, samples_per_update=1)}
     # The pipeline updates on as many samples as a sequential batch trained on average.
     per_update = round(results["sequential"]["samples"] / args.updates)

@@ -321,7 +321,9 @@ def step_grid(text: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float,
     rows = sorted({r for r, _ in points})
     spans = sorted({s for _, s in points})
     missing = [(r, s) for r in rows for s in spans if (r, s) not in points]
-    if missing or (len(spans) > 1 and 0 in spans):
+    if len(spans) > 1 and 0 in spans:
+        raise ValueError("--cpu_step_ms: give every entry a span (rows@span:ms) or none")
+    if missing:
         raise ValueError(f"--cpu_step_ms: need every rows@span pair; missing {missing}")
     grid = tuple(points[r, s] for r in rows for s in spans)
     return tuple(rows), tuple(s for s in spans if s), grid

@@ -196,9 +196,11 @@ class ProfileCost:
     """Measured costs of one machine (the calibration path): decode-step seconds on a grid of
     row counts x KV spans (`step_seconds[i][j]` at `step_rows[i]` rows and `step_spans[j]`
     positions; no spans: one column, the span not modelled), interpolated linearly in log2 of
-    both and flat beyond the ends; prefill seconds per token and update seconds per trained
-    token (of a row that long, with `update_lengths`). With `engine_buckets` a step is charged at the slot bucket and span the real
-    `Engine` decodes (as `SimEngine` reports them), else at the live rows."""
+    both and flat beyond the ends (no span given: the longest span measured); prefill seconds
+    per token and update seconds per trained token (of a row that long, with `update_lengths`).
+    With `engine_buckets` a step is charged at the slot bucket and span the real `Engine`
+    decodes (as `SimEngine` reports them), else at the live rows."""
+
     step_rows: tuple[int, ...]
     step_seconds: tuple
     prefill_per_token_s: float
@@ -219,7 +221,7 @@ class ProfileCost:
         log_rows = np.log2(self.step_rows)
         by_span = [np.interp(np.log2(rows), log_rows, column) for column in grid.T]
         if not self.step_spans or span is None:
-            return float(by_span[-1] if self.step_spans else by_span[0])
+            return float(by_span[-1])
         return float(np.interp(np.log2(span), np.log2(self.step_spans), by_span))
 
     def decode_seconds(self, rows: int, context_tokens: int, steps: int, *,

@@ -165,7 +165,7 @@ def _micro_loss(params, graphdef, micro: TrainBatch, weights: jax.Array, ref_par
 def cut_lengths(length: int, halvings: int, fine: bool = False) -> tuple[int, ...]:
     """The row lengths a micro-batch of `length` columns may be cut to, ascending: length / 2**k
     for k = halvings .. 0, with `fine` also 3 * length / 2**(k + 2) for k = halvings - 1 .. 0
-    (whole numbers of at least 16 only)."""
+    (whole numbers of at least 16 only; `length` itself always)."""
     cuts = {length >> k for k in range(halvings + 1) if length % (1 << k) == 0}
     if fine:
         cuts |= {3 * length >> (k + 2) for k in range(halvings)

@@ -245,6 +245,8 @@ def test_step_grid_parses_both_forms_and_needs_every_pair():
         (1, 4), (128, 512), (0.01, 0.014, 0.02, 0.04))
     with pytest.raises(ValueError, match="missing"):
         step_grid("1@128:10,4@128:20,1@512:14")
+    with pytest.raises(ValueError, match="or none"):
+        step_grid("1@128:10,4:20")
 
 
 def test_profile_cost_grid_interpolates_in_log2_rows_and_span():

@@ -74,7 +74,7 @@ def test_cut_lengths_hand_checked():
     assert cut_lengths(1024, 2) == (256, 512, 1024)
     assert cut_lengths(1024, 2, fine=True) == (256, 384, 512, 768, 1024)
     assert cut_lengths(32, 2, fine=True) == (16, 24, 32)  # 8 and 12 are under 16
-    assert cut_lengths(48, 3) == (24, 48)                 # 12 and 6 are under 16, 48 / 8 is not whole
+    assert cut_lengths(48, 3) == (24, 48)  # 48 / 4 = 12 and 48 / 8 = 6 are under 16
 
 
 def test_fine_cuts_leave_the_gradient_unchanged(tiny):
