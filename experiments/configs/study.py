@@ -31,8 +31,8 @@ from common import base_config  # noqa: E402
 VARIANTS = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 ROOT = "/tmp/mars_study"
 ARITH = dict(num_ops=(2, 2), max_operand=9, operators="+-", sizes=(5_500, 500))
-# Longest replies: Solver / Corrector ~50 tokens, a Verifier's step check and Wrong report 175.
-MAX_NEW_TOKENS = dict(solver=64, verifier=192, corrector=64)
+# Longest replies: Solver / Corrector ~50 tokens, a Verifier's step check and Wrong report 181.
+MAX_NEW_TOKENS = dict(solver=64, verifier=208, corrector=64)
 
 
 def get_config(arg: str = "marsrl"):
@@ -51,7 +51,10 @@ def sft_config(c):
     # 800 steps left the Solver copying its own intermediate results wrongly (Solver ~10%):
     # copying is learnt late, so the warm start trains longer (~1 h here).
     c.sft.arch, c.sft.steps = "small", 3000
-    c.sft.rows, c.sft.row_tokens = 8, 512  # the longest example (a Wrong Verifier reply) is 511
+    # The longest example (a Wrong Verifier reply) is 519 tokens; dense attention over 576-token
+    # rows ('auto' switches to the blockwise kernel above 512, 2.4x slower a step here).
+    c.sft.rows, c.sft.row_tokens = 8, 576
+    c.model.attention_impl = "dense"
     # 0.6 gave a 42.3% Solver with half the Verifier examples kept, 23.0% with all of them.
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5
     # Every Verifier example is kept: with half of them the Verifier stayed at chance (balanced

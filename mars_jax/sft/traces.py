@@ -10,17 +10,19 @@ what remains (`: rest`), then the boxed answer:
     \\boxed{28}
 
 A *flawed* solution has one step whose result is off (the error then propagates, so the final
-answer is wrong). The Verifier first thinks: it copies every claimed step on its own line,
-recomputes its result and marks the line `ok` or `bad`, so each mark compares two numbers a few
-tokens apart and the verdict only has to read the marks (checking stays local: one one-digit
-fact per line, never the whole expression at once). Its report then names the first wrong step
-and its right result; the Corrector rewrites the whole solution correctly. The Verifier's Wrong
+answer is wrong). The Verifier first thinks: for every claimed step it copies the operation,
+computes its result itself, then copies the claimed result and marks the line `ok` or `bad`, so
+each mark compares two adjacent numbers and the verdict only has to read the marks (checking
+stays local: one fact per line, never the whole expression at once). The result it computes
+comes before the claimed one and after `->`, not `=`: what follows `3 * 7 ->` is always the
+true result, never one to copy from the solution's `3 * 7 = 20`. Its report then names the
+first wrong step and its right result; the Corrector rewrites the whole solution correctly. The Verifier's Wrong
 reply for the solution above with `3 * 7 = 20` reads
 
     <think>
-    12 - 5 = 7 -> 7 ok
-    3 * 7 = 20 -> 21 bad
-    7 + 20 = 27 -> 27 ok
+    12 - 5 -> 7, says 7 ok
+    3 * 7 -> 21, says 20 bad
+    7 + 20 -> 27, says 27 ok
     </think>
     **Final Verdict:** Critical Error.
     **List of Findings:**
@@ -157,10 +159,10 @@ def solution_text(steps: Sequence[Step]) -> str:
 
 
 def check_text(steps: Sequence[Step]) -> str:
-    """The Verifier's thinking: each claimed step copied, its result recomputed, and the two
-    compared on the same line (`3 * 7 = 20 -> 21 bad`, `12 - 5 = 7 -> 7 ok`)."""
-    lines = [f"{s.claim} -> {APPLY[s.op](s.left, s.right)} {'ok' if s.is_right else 'bad'}"
-             for s in steps]
+    """The Verifier's thinking: each claimed step's operation with its true result, then the claimed
+    result and the mark (`3 * 7 -> 21, says 20 bad`, `12 - 5 -> 7, says 7 ok`)."""
+    lines = [f"{_operand(s.left)} {s.op} {_operand(s.right)} -> {APPLY[s.op](s.left, s.right)}, "
+             f"says {s.result} {'ok' if s.is_right else 'bad'}" for s in steps]
     return f"{THINK_OPEN}\n" + "\n".join(lines) + f"\n{THINK_CLOSE}\n"
 
 

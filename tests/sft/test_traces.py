@@ -87,12 +87,12 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
                 judged = ex.messages[1]["content"].split("## Solution\n")[1].split("\n\n## ")[0]
                 is_right = extract_answer(judged) == str(gold)
                 assert parse_verdict(ex.response) is is_right, (judged, ex.response)
-                # Thinking copies every claim, recomputes it and marks it.
+                # Thinking computes every claimed operation, then copies its claim and marks it.
                 thought = ex.response.split("<think>\n")[1].split("\n</think>\n")[0]
                 for line, (left, result, _) in zip(thought.splitlines(), claims(judged),
                                                    strict=True):
                     mark = "ok" if value(left) == int(result) else "bad"
-                    assert line == f"{left} = {result} -> {value(left)} {mark}", (judged, line)
+                    assert line == f"{left} -> {value(left)}, says {result} {mark}", (judged, line)
                 verifier_wrong += not is_right
                 if not is_right:  # the finding names the first false step and its true result
                     first = next(f"{left} = {result}" for left, result, _ in claims(judged)

@@ -26,7 +26,7 @@ def examples(num_problems: int, seed: int = 0) -> list[train.Encoded]:
 
 def test_pack_keeps_every_example_whole_and_in_order():
     encoded = examples(6)
-    batches = list(train.pack(encoded, rows=2, row_tokens=576))
+    batches = list(train.pack(encoded, rows=2, row_tokens=640))
     pieces = []
     for batch in batches:
         for row in range(2):
@@ -54,7 +54,7 @@ def test_packed_loss_equals_the_sum_of_separate_losses():
 def test_sft_job_lowers_heldout_loss_and_saves_a_loadable_model(tmp_path):
     config = base_config()
     config.job, config.tokenizer = "sft", "tiny"
-    config.sft.steps, config.sft.rows, config.sft.row_tokens = 12, 4, 576
+    config.sft.steps, config.sft.rows, config.sft.row_tokens = 12, 4, 640
     config.sft.holdout_problems, config.sft.eval_every = 4, 12
     config.optimizer.learning_rate = 3e-3
     summary = job.run(config, str(tmp_path))
@@ -67,7 +67,7 @@ def test_sft_job_lowers_heldout_loss_and_saves_a_loadable_model(tmp_path):
     loaded = from_pretrained(tmp_path / "model")
     problems = arith.load_split("train")[-4:]
     heldout = list(train.pack(train.encoded_examples(problems, tiny_tokenizer(), random.Random(-1),
-                                                     **RATES), rows=4, row_tokens=576))
+                                                     **RATES), rows=4, row_tokens=640))
     graphdef, params = nnx.split(loaded, nnx.Param)
     np.testing.assert_allclose(train.heldout_loss(params, heldout, graphdef)["loss"], final,
                                rtol=1e-5)
