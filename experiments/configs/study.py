@@ -8,7 +8,7 @@ Problems: `arith` with 2 operations over `+ -` on one-digit operands (`What is 7
 6,000 distinct problems, 500 held out (`data.arith.sizes`). A solution reduces them in two
 lines (`7 - 3 = 4: 4 + 5`, `4 + 5 = 9`), so each step is a one-digit fact that a Verifier checks
 on its own line (its thinking recomputes each claim), and checking is no harder than solving.
-The warm start (`sft`) is a 0.86M dense Qwen3 (`sft.arch = "small"`) trained on generated
+The warm start (`sft`) is a 3.3M dense Qwen3 (`sft.arch = "medium"`) trained on generated
 traces of all three roles; its Solver traces carry one wrong step with probability
 `sft.solver_error_rate`, which sets the warm Solver's accuracy, while its Verifier traces (half
 on flawed solutions) think through every step, then judge correctly.
