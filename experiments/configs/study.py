@@ -91,7 +91,7 @@ def rl_config(c, variant: str):
     c.eval.num_problems, c.eval.num_samples = 500, 2
     c.eval.k_accept, c.eval.max_iterations, c.eval.max_retries = 2, 4, 1
     c.eval.temperature, c.eval.top_p = 0.6, 0.95
-    # 64 engine slots: one static `generate` over all 1,000 runs of a round asked the `medium`
-    # model for a 28.6 GB allocation here (out of memory).
+    # 64 engine slots: a static `generate` prefills all 1,000 runs of a round at once (the
+    # Verifier round's temporaries: 28.6 GB for `medium`, out of memory here).
     c.eval.engine_slots = 64
     return c
