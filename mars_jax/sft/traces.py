@@ -14,10 +14,10 @@ answer is wrong). The Verifier first thinks: for every claimed step it copies th
 computes its result itself, then copies the claimed result and marks the line `ok` or `bad`, so
 each mark compares two adjacent numbers and the verdict only has to read the marks (checking
 stays local: one fact per line, never the whole expression at once). The result it computes
-comes before the claimed one and after `->`, not `=`: what follows `3 * 7 ->` is always the
-true result, never one to copy from the solution's `3 * 7 = 20`. Its report then names the
-first wrong step and its right result; the Corrector rewrites the whole solution correctly. The Verifier's Wrong
-reply for the solution above with `3 * 7 = 20` reads
+comes before the claimed one and after `->`, not `=`: in these traces `a op b =` may be followed
+by a wrong result (a flawed solution), `a op b ->` only by the true one. Its report then names
+the first wrong step and its right result; the Corrector rewrites the whole solution correctly.
+The Verifier's Wrong reply for the solution above with `3 * 7 = 20` reads
 
     <think>
     12 - 5 -> 7, says 7 ok
