@@ -34,7 +34,7 @@ ARCHS: dict[str, dict] = {
     "small": dict(vocab_size=272, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, intermediate_size=384,
                   rope_theta=10_000.0, max_position_embeddings=2048),
-    # 3.2M parameters, dense: 4 layers, hidden 256.
+    # 3.3M parameters, dense: 4 layers, hidden 256.
     "medium": dict(vocab_size=272, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=32, intermediate_size=768,
                    rope_theta=10_000.0, max_position_embeddings=2048),

@@ -61,8 +61,16 @@ class Step:
     rest: Expr
 
     @property
+    def operation(self) -> str:
+        return f"{_operand(self.left)} {self.op} {_operand(self.right)}"
+
+    @property
+    def true_result(self) -> int:
+        return APPLY[self.op](self.left, self.right)
+
+    @property
     def claim(self) -> str:
-        return f"{_operand(self.left)} {self.op} {_operand(self.right)} = {self.result}"
+        return f"{self.operation} = {self.result}"
 
     @property
     def line(self) -> str:
@@ -70,7 +78,7 @@ class Step:
 
     @property
     def is_right(self) -> bool:
-        return APPLY[self.op](self.left, self.right) == self.result
+        return self.true_result == self.result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +169,8 @@ def solution_text(steps: Sequence[Step]) -> str:
 def check_text(steps: Sequence[Step]) -> str:
     """The Verifier's thinking: each claimed step's operation with its true result, then the claimed
     result and the mark (`3 * 7 -> 21, says 20 bad`, `12 - 5 -> 7, says 7 ok`)."""
-    lines = [f"{_operand(s.left)} {s.op} {_operand(s.right)} -> {APPLY[s.op](s.left, s.right)}, "
-             f"says {s.result} {'ok' if s.is_right else 'bad'}" for s in steps]
+    lines = [f"{s.operation} -> {s.true_result}, says {s.result} {'ok' if s.is_right else 'bad'}"
+             for s in steps]
     return f"{THINK_OPEN}\n" + "\n".join(lines) + f"\n{THINK_CLOSE}\n"
 
 
@@ -173,9 +181,9 @@ def verifier_text(steps: Sequence[Step]) -> str:
     if wrong is None:
         report = "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
     else:
-        right = APPLY[wrong.op](wrong.left, wrong.right)
         report = ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
-                  f"* {wrong.claim}: Critical Error, it is {right}\n**Correctness:** Wrong")
+                  f"* {wrong.claim}: Critical Error, it is {wrong.true_result}\n"
+                  "**Correctness:** Wrong")
     return check_text(steps) + report
 
 
