@@ -100,6 +100,7 @@ AT_LEAST: dict[str, float] = {
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
     "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
     "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
+    "sft.probe_every": 0, "sft.probe_slots": 1,
 }
 
 Rule = Callable[[ConfigDict, int], Iterator[Problem]]

@@ -117,5 +117,8 @@ def base_config() -> ConfigDict:
                             steps=200, rows=16, row_tokens=512,
                             solver_error_rate=0.3, verifier_flawed_rate=0.5,
                             keep=ConfigDict(dict(solver=1.0, verifier=1.0, corrector=1.0)),
-                            holdout_problems=64, eval_every=50))
+                            holdout_problems=64, eval_every=50,
+                            # probe_every > 0: each role's decisions sampled on the held-out
+                            # problems (mars_jax.sft.probe) on an engine of probe_slots slots.
+                            probe_every=0, probe_slots=64))
     return c

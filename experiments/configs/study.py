@@ -5,13 +5,13 @@ r"""The toy study of experiments/RESULTS.md: its SFT warm start and the three RL
   bash experiments/study.sh /tmp/mars_study   # the whole study: warm start, RL runs, report
 
 Problems: `arith` with 2 operations over `+ -` on one-digit operands (`What is 7 - 3 + 5?`),
-6,000 distinct problems, 500 held out (`data.arith.sizes`). A solution reduces them in two
-lines (`7 - 3 = 4: 4 + 5`, `4 + 5 = 9`), so each step is a one-digit fact that a Verifier checks
-on its own line (its thinking recomputes each claim), and checking is no harder than solving.
-The warm start (`sft`) is a 3.3M dense Qwen3 (`sft.arch = "medium"`) trained on generated
-traces of all three roles; its Solver traces carry one wrong step with probability
-`sft.solver_error_rate`, which sets the warm Solver's accuracy, while its Verifier traces (half
-on flawed solutions) think through every step, then judge correctly.
+6,000 distinct problems, 500 held out (`data.arith.sizes`). Checking is easier than solving by
+construction (`mars_jax.sft.traces`): a Solver or Corrector answers in one line (`7 - 3 + 5 = 9`),
+composing both operations at once, while the Verifier's thinking reduces the expression one
+fact a line and compares the value it reaches with the claimed one. The warm start (`sft`) is
+a dense Qwen3 (`sft.arch`) trained on exact traces of all three roles (`sft.solver_error_rate`
+0: the Solver's errors are its own); half the Verifier's examples judge a flawed solution.
+`sft.probe_every` samples each role's decisions on held-out problems while it trains.
 
 RL: pipeline mode, 8 new problems a step, groups of 8, one parent per later stage; `balanced`
 selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
@@ -30,9 +30,10 @@ from common import base_config  # noqa: E402
 
 VARIANTS = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 ROOT = "/tmp/mars_study"
-ARITH = dict(num_ops=(2, 2), max_operand=9, operators="+-", sizes=(5_500, 500))
-# Longest replies: Solver / Corrector ~50 tokens, a Verifier's step check and Wrong report 181.
-MAX_NEW_TOKENS = dict(solver=64, verifier=208, corrector=64)
+ARITH = dict(num_ops=(3, 3), max_operand=9, operators="+-", sizes=(5_500, 500))
+# Longest replies: Solver / Corrector 107 tokens (thinking, then the one-line solution), a
+# Verifier's step check and Wrong report 217.
+MAX_NEW_TOKENS = dict(solver=120, verifier=240, corrector=120)
 
 
 def get_config(arg: str = "marsrl"):
@@ -43,25 +44,29 @@ def get_config(arg: str = "marsrl"):
     c.tokenizer = "tiny"
     c.data.name, c.data.split = "arith", "train"
     c.data.arith.update(ARITH)
+    c.rollout.max_prompt_tokens = 512
+    c.rollout.prompt_style = "compact"
+    c.eval.max_new_tokens.update(MAX_NEW_TOKENS)
+    c.eval.temperature, c.eval.top_p = 0.6, 0.95
     return sft_config(c) if arg == "sft" else rl_config(c, arg)
 
 
 def sft_config(c):
     c.job = "sft"
-    # The 0.86M `small` left the Verifier at chance after 3,000 steps in every trace format tried
-    # (experiments/RESULTS.md): the 3.3M `medium` (1.7 s a step here, 2x `small`'s), 1,500 steps.
-    c.sft.arch, c.sft.steps = "medium", 1500
-    # The longest example (a Wrong Verifier reply) is 519 tokens; dense attention over 576-token
+    # The 0.86M `small` (1.4 s a step here); the 3.3M `medium` learnt no faster per wall-clock
+    # minute (experiments/RESULTS.md).
+    c.sft.arch, c.sft.steps = "small", 1500
+    # The longest example (a Wrong Verifier reply) is 548 tokens; dense attention over 576-token
     # rows ('auto' switches to the blockwise kernel above 512, 2.4x slower a step here).
     c.sft.rows, c.sft.row_tokens = 8, 576
     c.model.attention_impl = "dense"
-    # 0.6 gave a 42.3% Solver with half the Verifier examples kept, 23.0% with all of them.
-    c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5
-    # Every Verifier example is kept: with half of them the Verifier stayed at chance (balanced
-    # accuracy 52.9%) while it judged a solution in one token, before it had thought.
+    # Exact traces: the Solver's errors are its own (slip-injected traces taught near-miss
+    # arithmetic that the Verifier then shared); half the Verifier's examples judge a flawed one.
+    c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.0, 0.5
     c.sft.keep.verifier, c.sft.keep.corrector = 1.0, 0.5
-    c.sft.holdout_problems, c.sft.eval_every = 32, 250
-    c.optimizer.learning_rate = 2e-3
+    # Held-out loss and each role's sampled decisions (mars_jax.sft.probe) every 250 steps.
+    c.sft.holdout_problems, c.sft.eval_every, c.sft.probe_every = 128, 250, 250
+    c.optimizer.learning_rate = 3e-3
     c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 50
     c.optimizer.max_grad_norm = 1.0
     return c
@@ -76,9 +81,6 @@ def rl_config(c, variant: str):
     c.rollout.max_stages = 3
     c.rollout.selection = "balanced"
     c.rollout.max_new_tokens.update(MAX_NEW_TOKENS)
-    c.eval.max_new_tokens.update(MAX_NEW_TOKENS)
-    c.rollout.max_prompt_tokens = 512
-    c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0
     c.optimizer.learning_rate = 1e-4
     # A step: ~190 samples, 2 updates. Micro-batches of 16 rows, longest first, are each cut to
@@ -90,7 +92,6 @@ def rl_config(c, variant: str):
     c.eval.dataset, c.eval.split = "arith", "test"
     c.eval.num_problems, c.eval.num_samples = 500, 2
     c.eval.k_accept, c.eval.max_iterations, c.eval.max_retries = 2, 4, 1
-    c.eval.temperature, c.eval.top_p = 0.6, 0.95
     # 64 engine slots: a static `generate` prefills all 1,000 runs of a round at once (the
     # Verifier round's temporaries: 28.6 GB for `medium`, out of memory here).
     c.eval.engine_slots = 64

@@ -88,14 +88,14 @@ def parse_verification(completion: Completion) -> VerificationOutput:
 def solve(policy: Policy, problems: Sequence[str], *, max_new_tokens: int) -> list[SolutionOutput]:
     """One Solver call per problem, in one batch; no retries."""
     requests = [solver_request(p, max_new_tokens) for p in problems]
-    return [parse_solution(c) for c in _complete(policy, requests)]
+    return [parse_solution(c) for c in complete(policy, requests)]
 
 
 def verify(policy: Policy, problems: Sequence[str], solutions: Sequence[str], *,
            max_new_tokens: int) -> list[VerificationOutput]:
     """One Verifier call per (problem, solution) pair, in one batch; no retries."""
     requests = [verifier_request(p, s, max_new_tokens) for p, s in zip(problems, solutions, strict=True)]
-    return [parse_verification(c) for c in _complete(policy, requests)]
+    return [parse_verification(c) for c in complete(policy, requests)]
 
 
 def correct(policy: Policy, problems: Sequence[str], solutions: Sequence[str], reports: Sequence[str], *,
@@ -103,10 +103,11 @@ def correct(policy: Policy, problems: Sequence[str], solutions: Sequence[str], r
     """One Corrector call per (problem, solution, report), in one batch; no retries."""
     requests = [corrector_request(p, s, r, max_new_tokens)
                 for p, s, r in zip(problems, solutions, reports, strict=True)]
-    return [parse_solution(c) for c in _complete(policy, requests)]
+    return [parse_solution(c) for c in complete(policy, requests)]
 
 
-def _complete(policy: Policy, requests: list[ChatRequest]) -> list[Completion]:
+def complete(policy: Policy, requests: list[ChatRequest]) -> list[Completion]:
+    """`policy`'s completions of `requests`, checked to answer each one."""
     completions = policy.complete(requests) if requests else []
     check_batch(requests, completions)
     return completions

@@ -1,36 +1,35 @@
 """Generated SFT traces for the three MarsRL roles on `arith` problems, in short texts.
 
-A tiny model with the byte-level tokenizer pays one token per character, so every trace is terse.
-A solution reduces the expression one operation at a time, each line `a op b = c` followed by
-what remains (`: rest`), then the boxed answer:
-
-    12 - 5 = 7: 7 + 3 * 7
-    3 * 7 = 21: 7 + 21
-    7 + 21 = 28
-    \\boxed{28}
-
-A *flawed* solution has one step whose result is off (the error then propagates, so the final
-answer is wrong). The Verifier first thinks: for every claimed step it copies the operation,
-computes its result itself, then copies the claimed result and marks the line `ok` or `bad`, so
-each mark compares two adjacent numbers and the verdict only has to read the marks (checking
-stays local: one fact per line, never the whole expression at once). The result it computes
-comes before the claimed one and after `->`, not `=`: in these traces `a op b =` may be followed
-by a wrong result (a flawed solution), `a op b ->` only by the true one. Its report then names
-the first wrong step and its right result; the Corrector rewrites the whole solution correctly.
-The Verifier's Wrong reply for the solution above with `3 * 7 = 20` reads
+Every role thinks in the same terse steps, one fact a line (`a op b -> c`) followed by what
+remains, and thinking is stripped before a reply reaches the next agent (as for any thinking
+model), so a solution reaches the Verifier as one line. The Solver's (and Corrector's) reply:
 
     <think>
-    12 - 5 -> 7, says 7 ok
-    3 * 7 -> 21, says 20 bad
-    7 + 20 -> 27, says 27 ok
+    12 - 5 -> 7: 7 + 3
+    7 + 3 -> 10
+    </think>
+    12 - 5 + 3 = 10
+    \\boxed{10}
+
+(a one-operation problem gets no thinking). A *flawed* solution has one slipped step, small or
+in the tens digit, that carries on to a wrong value. The Verifier reduces the expression itself
+and compares the value it reaches with the claimed one; with nothing but the claimed value in
+view, no thinking line can be copied from the solution, so its check is independent of how the
+Solver erred. Its Wrong reply for `12 - 5 + 3 = 12`:
+
+    <think>
+    12 - 5 -> 7: 7 + 3
+    7 + 3 -> 10, says 12 bad
     </think>
     **Final Verdict:** Critical Error.
     **List of Findings:**
-    * 3 * 7 = 20: Critical Error, it is 21
+    * 12 - 5 + 3 = 12: Critical Error, it is 10
     **Correctness:** Wrong
 
-Operations are reduced leftmost-first among those whose operands are both numbers; negative
-numbers are written `(-7)` inside expressions.
+and the Corrector answers afresh, as the Solver does, using the report.
+Operations are reduced
+leftmost-first among those whose operands are both numbers; negative numbers are written `(-7)`
+inside expressions.
 """
 from __future__ import annotations
 
@@ -52,7 +51,8 @@ _SLIPS = (-10, -2, -1, 1, 2, 10)
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One reduction `left op right = result`; `rest` is the expression left afterwards."""
+    """One reduction `left op right -> result` (a slipped one's result is off); `rest` is the
+    expression left after it."""
 
     left: int
     op: str
@@ -65,20 +65,10 @@ class Step:
         return f"{_operand(self.left)} {self.op} {_operand(self.right)}"
 
     @property
-    def true_result(self) -> int:
-        return APPLY[self.op](self.left, self.right)
-
-    @property
-    def claim(self) -> str:
-        return f"{self.operation} = {self.result}"
-
-    @property
     def line(self) -> str:
-        return self.claim if isinstance(self.rest, int) else f"{self.claim}: {render(self.rest)}"
-
-    @property
-    def is_right(self) -> bool:
-        return self.true_result == self.result
+        """The thinking line: `12 - 5 -> 7: 7 + 3`, or `7 + 3 -> 10` for the last step."""
+        line = f"{self.operation} -> {self.result}"
+        return line if isinstance(self.rest, int) else f"{line}: {render(self.rest)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +131,8 @@ def _substitute(expr: tuple, value: int) -> Expr:
 
 
 def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0) -> list[Step]:
-    """The reduction steps of `expr`; step `slip_at` (if any) gets `slip` added to its result."""
+    """The reduction steps of `expr`, leftmost-first; step `slip_at` (if any) gets `slip` added to
+    its result, which the later steps carry on with."""
     steps: list[Step] = []
     while isinstance(expr, tuple):
         left, op, right = _next_op(expr)
@@ -152,7 +143,7 @@ def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0) -> list[Step
 
 
 def flawed_steps(expr: Expr, rng: random.Random) -> list[Step]:
-    """Steps with one wrong result that makes the final answer wrong (a random step and slip among
+    """Steps with one slipped result that makes the final value wrong (a random step and slip among
     those that do; a slip in the last step always does)."""
     gold = evaluate(expr)
     options = [(i, s) for i in range(len(solve(expr))) for s in _SLIPS]
@@ -161,48 +152,58 @@ def flawed_steps(expr: Expr, rng: random.Random) -> list[Step]:
     return next(steps for steps in spoiled if steps[-1].result != gold)
 
 
-def solution_text(steps: Sequence[Step]) -> str:
-    """The Solver / Corrector reply: one line per step, then the boxed answer."""
-    return "\n".join([*(s.line for s in steps), f"\\boxed{{{steps[-1].result}}}"])
-
-
-def check_text(steps: Sequence[Step]) -> str:
-    """The Verifier's thinking: each claimed step's operation with its true result, then the claimed
-    result and the mark (`3 * 7 -> 21, says 20 bad`, `12 - 5 -> 7, says 7 ok`)."""
-    lines = [f"{s.operation} -> {s.true_result}, says {s.result} {'ok' if s.is_right else 'bad'}"
-             for s in steps]
+def thinking_text(steps: Sequence[Step], comparison: str = "") -> str:
+    """`<think>`, one `Step.line` a line (the last followed by `comparison`), `</think>`."""
+    lines = [s.line for s in steps]
+    lines[-1] += comparison
     return f"{THINK_OPEN}\n" + "\n".join(lines) + f"\n{THINK_CLOSE}\n"
 
 
-def verifier_text(steps: Sequence[Step]) -> str:
-    """The Verifier's reply: the step check (`check_text`), then the three-part report, Wrong
-    naming the first wrong step, else Correct."""
-    wrong = next((s for s in steps if not s.is_right), None)
-    if wrong is None:
+def solution_text(expr: Expr, value: int) -> str:
+    """A solution as the next agent sees it: the expression and `value` on one line, then boxed."""
+    return f"{render(expr)} = {value}\n\\boxed{{{value}}}"
+
+
+def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
+    """The Solver / Corrector reply: thinking through `steps` (when there are several), then the
+    solution with the value they reach."""
+    solution = solution_text(expr, steps[-1].result)
+    return solution if len(steps) == 1 else thinking_text(steps) + solution
+
+
+def verifier_text(expr: Expr, claimed: int) -> str:
+    """The Verifier's reply on the solution claiming `claimed`: thinking that reduces `expr` itself
+    and compares the value it reaches with the claim (`7 + 3 -> 10, says 12 bad`), then the
+    three-part report, Wrong naming the claim and the true value, else Correct."""
+    gold = evaluate(expr)
+    mark = "ok" if claimed == gold else "bad"
+    thinking = thinking_text(solve(expr), f", says {claimed} {mark}")
+    if claimed == gold:
         report = "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
     else:
         report = ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
-                  f"* {wrong.claim}: Critical Error, it is {wrong.true_result}\n"
+                  f"* {render(expr)} = {claimed}: Critical Error, it is {gold}\n"
                   "**Correctness:** Wrong")
-    return check_text(steps) + report
+    return thinking + report
 
 
 def make_examples(problem: str, rng: random.Random, *, solver_error_rate: float,
                   verifier_flawed_rate: float, style: str = "compact") -> list[Example]:
     """A Solver, a Verifier and a Corrector example for one problem.
 
-    The Solver's reply is flawed with probability `solver_error_rate`; the Verifier judges a flawed
-    solution with probability `verifier_flawed_rate`, else a correct one; the Corrector fixes a
-    flawed solution given the right report.
+    The Solver's reply is flawed (a slipped step) with probability `solver_error_rate`; the
+    Verifier judges a flawed solution with probability `verifier_flawed_rate`, else a correct one;
+    the Corrector fixes a flawed solution given the right report.
     """
     expr = parse_problem(problem)
     good, bad = solve(expr), flawed_steps(expr, rng)
-    good_text, bad_text = solution_text(good), solution_text(bad)
-    solver = bad_text if rng.random() < solver_error_rate else good_text
-    judged = bad if rng.random() < verifier_flawed_rate else good
-    report = prompts.bug_report(verifier_text(bad))
-    return [Example("solver", prompts.solver_messages(problem, style), solver),
-            Example("verifier", prompts.verifier_messages(problem, solution_text(judged), style),
-                    verifier_text(judged)),
-            Example("corrector", prompts.corrector_messages(problem, bad_text, report, style),
-                    good_text)]
+    wrong = bad[-1].result
+    solver = bad if rng.random() < solver_error_rate else good
+    judged = wrong if rng.random() < verifier_flawed_rate else good[-1].result
+    report = prompts.bug_report(verifier_text(expr, wrong))
+    return [Example("solver", prompts.solver_messages(problem, style), answer_text(expr, solver)),
+            Example("verifier", prompts.verifier_messages(problem, solution_text(expr, judged), style),
+                    verifier_text(expr, judged)),
+            Example("corrector", prompts.corrector_messages(problem, solution_text(expr, wrong),
+                                                            report, style),
+                    answer_text(expr, good))]

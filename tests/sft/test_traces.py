@@ -14,6 +14,7 @@ from mars_jax.sft import traces
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _CLAIM = re.compile(r"^(.+) = (-?\d+)(?:: (.+))?$")
+_CHECK = re.compile(r"^(.+) -> (-?\d+)(?:: (.+))?$")
 _FINDING = re.compile(r"^\* (.+ = -?\d+): Critical Error, it is (-?\d+)$", re.MULTILINE)
 PROBLEMS = arith.load_split("test") + arith.load_split("train")[:1500]
 
@@ -32,7 +33,7 @@ def value(expression: str) -> int:
 
 
 def claims(solution: str) -> list[tuple[str, int, str | None]]:
-    """(left side, claimed result, rest) of every step line of a solution."""
+    """(left side, claimed result, rest) of every line of a solution before its boxed answer."""
     lines = solution.splitlines()
     assert lines[-1].startswith("\\boxed{")
     return [_CLAIM.fullmatch(line).groups() for line in lines[:-1]]
@@ -49,25 +50,38 @@ def test_parse_and_render_round_trip_and_agree_with_the_gold_answer():
         assert traces.evaluate(expr) == int(p["answer"]) == problem_value(p["problem"])
 
 
-def test_correct_solutions_recompute_step_by_step():
-    for p in PROBLEMS:
-        text = traces.solution_text(traces.solve(traces.parse_problem(p["problem"])))
-        steps = claims(text)
-        for left, result, rest in steps:
-            assert value(left) == int(result), text
-            # What remains still has the problem's value.
-            assert value(rest if rest is not None else result) == int(p["answer"]), text
-        assert steps[-1][2] is None and extract_answer(text) == p["answer"]
+def split_reply(reply: str) -> tuple[list[tuple[str, int, str | None]], str]:
+    """(operation, result, rest) of each thinking line (none without thinking; the last line's
+    comparison, if any, cut off) and what follows the thinking."""
+    if not reply.startswith("<think>\n"):
+        return [], reply
+    thought, after = reply.removeprefix("<think>\n").split("\n</think>\n")
+    lines = thought.splitlines()
+    lines[-1] = lines[-1].split(", says ")[0]
+    return [_CHECK.fullmatch(line).groups() for line in lines], after
 
 
-def test_flawed_solutions_have_exactly_one_wrong_step_and_a_wrong_answer():
+def test_solver_replies_think_step_by_step_and_flawed_ones_slip_once():
     rng = random.Random(0)
     for p in PROBLEMS:
-        steps = traces.flawed_steps(traces.parse_problem(p["problem"]), rng)
-        text = traces.solution_text(steps)
-        wrong = [i for i, (left, result, _) in enumerate(claims(text)) if value(left) != int(result)]
-        assert len(wrong) == 1, text
-        assert extract_answer(text) != p["answer"]
+        expr = traces.parse_problem(p["problem"])
+        gold = int(p["answer"])
+        for steps, is_right in ((traces.solve(expr), True), (traces.flawed_steps(expr, rng), False)):
+            thought, solution = split_reply(traces.answer_text(expr, steps))
+            (left, claimed, rest), = claims(solution)
+            assert left == p["problem"].removeprefix("What is ").removesuffix("?") and rest is None
+            assert int(claimed) == int(extract_answer(solution)) and (int(claimed) == gold) is is_right
+            if p["num_ops"] == 1:
+                assert not thought
+                continue
+            assert len(thought) == p["num_ops"] and int(thought[-1][1]) == int(claimed)
+            slipped = [i for i, (operation, result, _) in enumerate(thought)
+                       if value(operation) != int(result)]
+            assert len(slipped) == (0 if is_right else 1), thought
+            # What remains after a step has the problem's value before the slip, the claim's after.
+            first_slip = slipped[0] if slipped else len(thought)
+            for i, (_, _, rest) in enumerate(thought[:-1]):
+                assert value(rest) == (gold if i < first_slip else int(claimed)), thought
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -82,28 +96,34 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
             roles[ex.role] += 1
             if ex.role == "solver":
                 assert ex.messages == prompts.solver_messages(p["problem"], "compact")
-                solver_flawed += extract_answer(ex.response) != str(gold)
+                solver_flawed += extract_answer(split_reply(ex.response)[1]) != str(gold)
             elif ex.role == "verifier":
                 judged = ex.messages[1]["content"].split("## Solution\n")[1].split("\n\n## ")[0]
-                is_right = extract_answer(judged) == str(gold)
+                (left, claimed, _), = claims(judged)
+                is_right = int(claimed) == gold
                 assert parse_verdict(ex.response) is is_right, (judged, ex.response)
-                # Thinking computes every claimed operation, then copies its claim and marks it.
-                thought = ex.response.split("<think>\n")[1].split("\n</think>\n")[0]
-                for line, (left, result, _) in zip(thought.splitlines(), claims(judged),
-                                                   strict=True):
-                    mark = "ok" if value(left) == int(result) else "bad"
-                    assert line == f"{left} -> {value(left)}, says {result} {mark}", (judged, line)
+                # Thinking reduces the expression one true operation a line, each line's rest
+                # keeping the problem's value, and compares the value reached with the claim.
+                steps, _ = split_reply(ex.response)
+                thought = ex.response.split("\n</think>\n")[0]
+                for operation, result, rest in steps:
+                    assert value(operation) == int(result), thought
+                    assert value(rest if rest is not None else result) == gold, thought
+                assert steps[-1][2] is None and len(steps) == p["num_ops"]
+                mark = "ok" if is_right else "bad"
+                assert thought.splitlines()[-1].endswith(f", says {claimed} {mark}"), thought
+                assert " = " not in thought
                 verifier_wrong += not is_right
-                if not is_right:  # the finding names the first false step and its true result
-                    first = next(f"{left} = {result}" for left, result, _ in claims(judged)
-                                 if value(left) != int(result))
+                if not is_right:  # the finding names the claim and the true value
                     location, fix = _FINDING.search(ex.response).groups()
-                    assert location == first and int(fix) == value(first.split(" = ")[0])
+                    assert location == f"{left} = {claimed}" and int(fix) == gold
             else:
                 previous, report = ex.messages[1]["content"], ex.messages[2]["content"]
                 assert extract_answer(previous) != str(gold)
                 assert _FINDING.search(report) and "Correctness" not in report
-                assert extract_answer(ex.response) == str(gold)
+                thought, solution = split_reply(ex.response)
+                assert extract_answer(solution) == str(gold)
+                assert all(value(operation) == int(result) for operation, result, _ in thought)
     n = len(PROBLEMS)
     assert roles == {"solver": n, "verifier": n, "corrector": n}
     # Controlled rates, within 4 standard deviations of a binomial.
@@ -113,5 +133,5 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
 
 def test_negative_intermediate_values_are_parenthesised():
     steps = traces.solve(traces.parse_problem("What is 2 * (3 - 10) - 1?"))
-    assert [s.line for s in steps] == ["3 - 10 = -7: 2 * (-7) - 1", "2 * (-7) = -14: (-14) - 1",
-                                       "(-14) - 1 = -15"]
+    assert [s.line for s in steps] == ["3 - 10 -> -7: 2 * (-7) - 1",
+                                             "2 * (-7) -> -14: (-14) - 1", "(-14) - 1 -> -15"]

@@ -1,0 +1,57 @@
+"""Each role's decisions sampled on held-out problems: the warm-start bar of the toy study.
+
+A per-token loss hides what the study needs (a Verifier's verdict is 2 tokens of a 150-token
+reply), so `probe` samples whole replies, as the evaluation does, and grades the decisions:
+
+- Solver: accuracy, its boxed answer equal to the gold one in a reply that ended by itself;
+- Verifier, on a right and a flawed solution of each problem (`traces.solution_text`):
+  recall (Wrong on the flawed one), specificity (Correct on the right one) and their mean, the
+  balanced accuracy; an unreadable or cut-off verdict counts as a miss;
+- Corrector, on each flawed solution with its right bug report: the share it fixes.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from mars_jax.agents import prompts, stages
+from mars_jax.agents.policy import Policy
+from mars_jax.data.arith import evaluate
+from mars_jax.sft import traces
+
+
+def probe(policy: Policy, problems: Sequence[dict], *, max_new_tokens: Mapping[str, int],
+          seed: int, style: str = "compact") -> dict[str, float]:
+    """`probe/solver_accuracy`, `probe/verifier_{recall,specificity,balanced_accuracy}` and
+    `probe/corrector_fix_rate` of `policy` on `problems`, one request each (flawed values drawn
+    from `seed`)."""
+    rng = random.Random(seed)
+    texts = [p["problem"] for p in problems]
+    exprs = [traces.parse_problem(t) for t in texts]
+    golds = [str(evaluate(e)) for e in exprs]
+    right = [traces.solution_text(e, evaluate(e)) for e in exprs]
+    wrong_values = [traces.flawed_steps(e, rng)[-1].result for e in exprs]
+    flawed = [traces.solution_text(e, v) for e, v in zip(exprs, wrong_values)]
+    reports = [prompts.bug_report(traces.verifier_text(e, v)) for e, v in zip(exprs, wrong_values)]
+    requests = (
+        [stages.solver_request(t, max_new_tokens["solver"], style) for t in texts]
+        + [stages.verifier_request(t, s, max_new_tokens["verifier"], style)
+           for t, s in zip(texts * 2, right + flawed)]
+        + [stages.corrector_request(t, s, r, max_new_tokens["corrector"], style)
+           for t, s, r in zip(texts, flawed, reports)])
+    completions = stages.complete(policy, requests)
+    n = len(texts)
+    solved = [stages.parse_solution(c) for c in completions[:n]]
+    verdicts = [stages.parse_verification(c) for c in completions[n:3 * n]]
+    fixed = [stages.parse_solution(c) for c in completions[3 * n:]]
+
+    def share(hits: Sequence[bool]) -> float:
+        return sum(hits) / len(hits)
+
+    specificity = share([v.usable and v.passed for v in verdicts[:n]])
+    recall = share([v.usable and not v.passed for v in verdicts[n:]])
+    return {"probe/solver_accuracy": share([s.usable and s.answer == g for s, g in zip(solved, golds)]),
+            "probe/verifier_recall": recall, "probe/verifier_specificity": specificity,
+            "probe/verifier_balanced_accuracy": (recall + specificity) / 2,
+            "probe/corrector_fix_rate": share([s.usable and s.answer == g
+                                               for s, g in zip(fixed, golds)])}
