@@ -4,14 +4,15 @@ r"""The toy study of experiments/RESULTS.md: its SFT warm start and the three RL
   python experiments/run.py --config=experiments/configs/study.py:marsrl --workdir=/tmp/mars_study/marsrl_seed0
   bash experiments/study.sh /tmp/mars_study   # the whole study: warm start, RL runs, report
 
-Problems: `arith` with 2 operations over `+ -` on one-digit operands (`What is 7 - 3 + 5?`),
-6,000 distinct problems, 500 held out (`data.arith.sizes`). Checking is easier than solving by
-construction (`mars_jax.sft.traces`): a Solver or Corrector answers in one line (`7 - 3 + 5 = 9`),
-composing both operations at once, while the Verifier's thinking reduces the expression one
-fact a line and compares the value it reaches with the claimed one. The warm start (`sft`) is
-a dense Qwen3 (`sft.arch`) trained on exact traces of all three roles (`sft.solver_error_rate`
-0: the Solver's errors are its own); half the Verifier's examples judge a flawed solution.
-`sft.probe_every` samples each role's decisions on held-out problems while it trains.
+Problems: `arith` with 3 operations over `+ -` on one-digit operands (`What is 0 + 5 - 7 - 5?`),
+5,500 to train on, 500 held out (`data.arith.sizes`). Every role thinks in one-fact steps
+(`mars_jax.sft.traces`) and thinking is stripped before the next agent reads a reply, so a
+solution reaches the Verifier as one line (`0 + 5 - 7 - 5 = -7`); the Verifier reduces the
+expression itself and compares the value it reaches with the claimed one. The warm start
+(`sft`) is a dense Qwen3 (`sft.arch`) trained on exact traces of all three roles
+(`sft.solver_error_rate` 0: the Solver's errors are its own); half the Verifier's examples judge
+a flawed solution. `sft.probe_every` samples each role's decisions on held-out problems while it
+trains and saves the model at each probe.
 
 RL: pipeline mode, 8 new problems a step, groups of 8, one parent per later stage; `balanced`
 selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
@@ -83,9 +84,9 @@ def rl_config(c, variant: str):
     c.rollout.max_new_tokens.update(MAX_NEW_TOKENS)
     c.rollout.temperature = 1.0
     c.optimizer.learning_rate = 1e-4
-    # A step: ~190 samples, 2 updates. Micro-batches of 16 rows, longest first, are each cut to
-    # their own length (Solver rows ~110 tokens, Verifier rows ~450): 64 rows padded most of the
-    # Solver rows to 512.
+    # 2 updates a step. Micro-batches of 16 rows, longest first, are each cut to their own length
+    # (Solver rows ~160 tokens, Verifier rows ~500 in the SFT traces), so Solver rows are not
+    # padded to a Verifier row's length.
     c.learner.mini_batches, c.learner.micro_batch_size = 2, 16
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.

@@ -28,8 +28,9 @@ def probe(policy: Policy, problems: Sequence[dict], *, max_new_tokens: Mapping[s
     rng = random.Random(seed)
     texts = [p["problem"] for p in problems]
     exprs = [traces.parse_problem(t) for t in texts]
-    golds = [str(evaluate(e)) for e in exprs]
-    right = [traces.solution_text(e, evaluate(e)) for e in exprs]
+    values = [evaluate(e) for e in exprs]
+    golds = [str(v) for v in values]
+    right = [traces.solution_text(e, v) for e, v in zip(exprs, values)]
     wrong_values = [traces.flawed_steps(e, rng)[-1].result for e in exprs]
     flawed = [traces.solution_text(e, v) for e, v in zip(exprs, wrong_values)]
     reports = [prompts.bug_report(traces.verifier_text(e, v)) for e, v in zip(exprs, wrong_values)]

@@ -13,9 +13,9 @@ model), so a solution reaches the Verifier as one line. The Solver's (and Correc
 
 (a one-operation problem gets no thinking). A *flawed* solution has one slipped step, small or
 in the tens digit, that carries on to a wrong value. The Verifier reduces the expression itself
-and compares the value it reaches with the claimed one; with nothing but the claimed value in
-view, no thinking line can be copied from the solution, so its check is independent of how the
-Solver erred. Its Wrong reply for `12 - 5 + 3 = 12`:
+and compares the value it reaches with the claimed one; the solution it reads holds no
+intermediate result, so no thinking line has a claim to copy. Its Wrong reply for
+`12 - 5 + 3 = 12`:
 
     <think>
     12 - 5 -> 7: 7 + 3
@@ -26,10 +26,9 @@ Solver erred. Its Wrong reply for `12 - 5 + 3 = 12`:
     * 12 - 5 + 3 = 12: Critical Error, it is 10
     **Correctness:** Wrong
 
-and the Corrector answers afresh, as the Solver does, using the report.
-Operations are reduced
-leftmost-first among those whose operands are both numbers; negative numbers are written `(-7)`
-inside expressions.
+and the Corrector's reply is the right solution, thought through as the Solver's is. Operations
+are reduced leftmost-first among those whose operands are both numbers; negative numbers are
+written `(-7)` inside expressions.
 """
 from __future__ import annotations
 
