@@ -3,7 +3,8 @@
 #
 #   nohup nice -n 19 bash experiments/study.sh /tmp/mars_study > /tmp/mars_study/study.log 2>&1 &
 #
-# warm start (study.py:sft) -> its evaluation (the base row, in $OUT/base) -> RL runs in this
+# warm start (the committed experiments/results/study/sft, copied to $ROOT/sft; with RETRAIN_SFT=1
+# study.py:sft trains it again from experiments/results/study/warm_start) -> its evaluation (the base row, in $OUT/base) -> RL runs in this
 # order: marsrl_seed0, marsrl_s_seed0, marsrl_vc_seed0, marsrl_seed1, marsrl_s_seed1, then MarsRL
 # with the two selection policies other than the config's (seed 0) -> experiments/report.py
 # (evaluates every model, writes the tables and plots to $OUT, default $ROOT/report; then
@@ -22,7 +23,11 @@ mkdir -p "$ROOT"
 run() { echo "== $(date -u +%FT%TZ) $*"; nice -n 19 python "$@"; }
 
 if [[ ! -f $ROOT/sft/model/config.json ]]; then  # the sft job does not resume: it starts over
-  run experiments/run.py --config=$CONFIG:sft --workdir="$ROOT/sft"
+  if [[ ${RETRAIN_SFT:-0} == 1 ]]; then
+    run experiments/run.py --config=$CONFIG:sft --workdir="$ROOT/sft"
+  else
+    mkdir -p "$ROOT/sft" && cp -r experiments/results/study/sft/. "$ROOT/sft/"
+  fi
 fi
 
 # The warm start's row first (issue 17: report it before any RL): the report evaluates only the

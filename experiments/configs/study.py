@@ -7,8 +7,9 @@ r"""The toy study of experiments/RESULTS.md: its SFT warm start and the three RL
 Problems: `arith` with 3 operations over `+ -` on one-digit operands (`What is 0 + 5 - 7 - 5?`),
 5,500 to train on, 500 held out (`data.arith.sizes`). Every role thinks in one-fact steps
 (`mars_jax.sft.traces`) and thinking is stripped before the next agent reads a reply, so a
-solution reaches the Verifier as one line (`0 + 5 - 7 - 5 = -7`); the Verifier reduces the
-expression itself and compares the value it reaches with the claimed one. The warm start
+solution reaches the Verifier as one line (`0 + 5 - 7 - 5 = -7`); the Verifier casts out tens:
+it reduces the expression modulo 10 (one-digit facts, easier than the Solver's) and compares the
+digit it reaches with the claim's units digit. The warm start
 (`sft`) is a dense Qwen3 (`sft.arch`) trained on exact traces of all three roles
 (`sft.solver_error_rate` 0: the Solver's errors are its own); half the Verifier's examples judge
 a flawed solution. `sft.probe_every` samples each role's decisions on held-out problems while it
@@ -31,10 +32,12 @@ from common import base_config  # noqa: E402
 
 VARIANTS = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 ROOT = "/tmp/mars_study"
+RESULTS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "results", "study"))
+WARM_START = os.path.join(RESULTS, "warm_start")
 ARITH = dict(num_ops=(3, 3), max_operand=9, operators="+-", sizes=(5_500, 500))
-# Longest replies: Solver / Corrector 107 tokens (thinking, then the one-line solution), a
-# Verifier's step check and Wrong report 217.
-MAX_NEW_TOKENS = dict(solver=120, verifier=240, corrector=120)
+# Longest replies: Solver / Corrector 106 tokens (thinking, then the one-line solution), a
+# Verifier's check modulo 10 and Wrong report 245.
+MAX_NEW_TOKENS = dict(solver=120, verifier=256, corrector=120)
 
 
 def get_config(arg: str = "marsrl"):
@@ -54,12 +57,16 @@ def get_config(arg: str = "marsrl"):
 
 def sft_config(c):
     c.job = "sft"
-    # The 0.86M `small` (1.4 s a step here); the 3.3M `medium` learnt no faster per wall-clock
-    # minute (experiments/RESULTS.md).
-    c.sft.arch, c.sft.steps = "small", 1500
-    # The longest example (a Wrong Verifier reply) is 548 tokens; dense attention over 576-token
+    # Continues the committed warm start (experiments/results/study/warm_start: 3,250 steps on
+    # Study 4's traces, whose Verifier recomputed the value) on the current traces. The study's
+    # SFT model, experiments/results/study/sft, came from this recipe in three phases (Study 5 of
+    # experiments/RESULTS.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt no faster
+    # per wall-clock minute here).
+    c.model.checkpoint = WARM_START
+    c.sft.steps = 1000
+    # The longest example (a Wrong Verifier reply) is 578 tokens; dense attention over 592-token
     # rows ('auto' switches to the blockwise kernel above 512, 2.4x slower a step here).
-    c.sft.rows, c.sft.row_tokens = 8, 576
+    c.sft.rows, c.sft.row_tokens = 8, 592
     c.model.attention_impl = "dense"
     # Exact traces: the Solver's errors are its own (slip-injected traces taught near-miss
     # arithmetic that the Verifier then shared); half the Verifier's examples judge a flawed one.
@@ -67,8 +74,8 @@ def sft_config(c):
     c.sft.keep.verifier, c.sft.keep.corrector = 1.0, 0.5
     # Held-out loss and each role's sampled decisions (mars_jax.sft.probe) every 250 steps.
     c.sft.holdout_problems, c.sft.eval_every, c.sft.probe_every = 128, 250, 250
-    c.optimizer.learning_rate = 3e-3
-    c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 50
+    c.optimizer.learning_rate = 2e-3
+    c.optimizer.schedule, c.optimizer.warmup_steps = "cosine", 20
     c.optimizer.max_grad_norm = 1.0
     return c
 

@@ -11,24 +11,32 @@ model), so a solution reaches the Verifier as one line. The Solver's (and Correc
     12 - 5 + 3 = 10
     \\boxed{10}
 
-(a one-operation problem gets no thinking). A *flawed* solution has one slipped step, small or
-in the tens digit, that carries on to a wrong value. The Verifier reduces the expression itself
-and compares the value it reaches with the claimed one; the solution it reads holds no
-intermediate result, so no thinking line has a claim to copy. Its Wrong reply for
-`12 - 5 + 3 = 12`:
+(a one-operation problem gets no thinking). A *flawed* solution has one slipped step (off by 1
+or 2) that carries on to a final value with a wrong units digit.
+
+Checking is easier than solving: the Verifier does not redo the arithmetic, it casts out tens.
+It reduces the expression on units digits (every value modulo 10: 100 facts an operation instead
+of one for each pair of running value and operand) and compares the digit it reaches with the
+claimed value's. The check is sound for `+ - *` (a units digit that differs proves an error) and
+misses only errors that keep the units digit, which the models of experiments/RESULTS.md's
+Study 4 almost never make. The two digits are compared by one more fact, their difference modulo
+10, so the verdict follows from whether one digit is 0 (a 0.86M model did not learn to compare
+two digits for equality, even side by side). Its Wrong reply for `12 - 5 + 3 = 12`:
 
     <think>
-    12 - 5 -> 7: 7 + 3
-    7 + 3 -> 10, says 12 bad
+    mod 10: 2 - 5 + 3
+    2 - 5 -> 7: 7 + 3
+    7 + 3 -> 0
+    says 12 -> 2: 0 - 2 -> 8 bad
     </think>
     **Final Verdict:** Critical Error.
     **List of Findings:**
-    * 12 - 5 + 3 = 12: Critical Error, it is 10
+    * 12 - 5 + 3 = 12: Critical Error, it is 0 mod 10, not 2
     **Correctness:** Wrong
 
-and the Corrector's reply is the right solution, thought through as the Solver's is. Operations
-are reduced leftmost-first among those whose operands are both numbers; negative numbers are
-written `(-7)` inside expressions.
+and the Corrector's reply is the right solution, thought through as the Solver's is (the report
+gives it the units digit, not the value). Operations are reduced leftmost-first among those whose
+operands are both numbers; negative numbers are written `(-7)` inside expressions.
 """
 from __future__ import annotations
 
@@ -44,8 +52,10 @@ from mars_jax.rewards.text import THINK_CLOSE, THINK_OPEN
 Expr = int | tuple[str, "Expr", "Expr"]
 
 _TOKEN = re.compile(r"\s*(\d+|[-+*()])")
-# Result offsets of an injected error: small slips and a wrong tens digit.
-_SLIPS = (-10, -2, -1, 1, 2, 10)
+# Result offsets of an injected error, small slips in the units digit as the models' own errors
+# are; the Verifier's check works modulo 10.
+_SLIPS = (-2, -1, 1, 2)
+MODULUS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,32 +139,42 @@ def _substitute(expr: tuple, value: int) -> Expr:
     return value
 
 
-def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0) -> list[Step]:
+def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0,
+          modulus: int | None = None) -> list[Step]:
     """The reduction steps of `expr`, leftmost-first; step `slip_at` (if any) gets `slip` added to
-    its result, which the later steps carry on with."""
+    its result, which the later steps carry on with; with `modulus`, every result is taken modulo
+    it (Python's `%`, so in `[0, modulus)`)."""
     steps: list[Step] = []
     while isinstance(expr, tuple):
         left, op, right = _next_op(expr)
         result = APPLY[op](left, right) + (slip if len(steps) == slip_at else 0)
+        if modulus is not None:
+            result %= modulus
         expr = _substitute(expr, result)
         steps.append(Step(left, op, right, result, expr))
     return steps
 
 
+def residues(expr: Expr, modulus: int = MODULUS) -> Expr:
+    """`expr` with every number replaced by its residue modulo `modulus`."""
+    if isinstance(expr, int):
+        return expr % modulus
+    op, left, right = expr
+    return op, residues(left, modulus), residues(right, modulus)
+
+
 def flawed_steps(expr: Expr, rng: random.Random) -> list[Step]:
-    """Steps with one slipped result that makes the final value wrong (a random step and slip among
-    those that do; a slip in the last step always does)."""
-    gold = evaluate(expr)
+    """Steps with one slipped result that gives the final value a wrong units digit (a random step
+    and slip among those that do; a slip in the last step always does)."""
+    gold = evaluate(expr) % MODULUS
     options = [(i, s) for i in range(len(solve(expr))) for s in _SLIPS]
     rng.shuffle(options)
     spoiled = (solve(expr, slip_at=i, slip=s) for i, s in options)
-    return next(steps for steps in spoiled if steps[-1].result != gold)
+    return next(steps for steps in spoiled if steps[-1].result % MODULUS != gold)
 
 
-def thinking_text(steps: Sequence[Step], comparison: str = "") -> str:
-    """`<think>`, one `Step.line` a line (the last followed by `comparison`), `</think>`."""
-    lines = [s.line for s in steps]
-    lines[-1] += comparison
+def thinking_text(lines: Sequence[str]) -> str:
+    """`<think>`, one line each, `</think>`."""
     return f"{THINK_OPEN}\n" + "\n".join(lines) + f"\n{THINK_CLOSE}\n"
 
 
@@ -167,22 +187,28 @@ def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
     """The Solver / Corrector reply: thinking through `steps` (when there are several), then the
     solution with the value they reach."""
     solution = solution_text(expr, steps[-1].result)
-    return solution if len(steps) == 1 else thinking_text(steps) + solution
+    return solution if len(steps) == 1 else thinking_text([s.line for s in steps]) + solution
 
 
 def verifier_text(expr: Expr, claimed: int) -> str:
-    """The Verifier's reply on the solution claiming `claimed`: thinking that reduces `expr` itself
-    and compares the value it reaches with the claim (`7 + 3 -> 10, says 12 bad`), then the
-    three-part report, Wrong naming the claim and the true value, else Correct."""
-    gold = evaluate(expr)
-    mark = "ok" if claimed == gold else "bad"
-    thinking = thinking_text(solve(expr), f", says {claimed} {mark}")
-    if claimed == gold:
+    """The Verifier's reply on the solution claiming `claimed`: thinking that reduces `expr` modulo
+    10 and subtracts the claim's units digit from the one it reached (`says 12 -> 2: 0 - 2 -> 8
+    bad`), then the three-part report: Wrong, naming the claim and both digits, when the
+    difference is not 0, else Correct."""
+    digits = residues(expr)
+    steps = solve(digits, modulus=MODULUS)
+    reached, says = (steps[-1].result if steps else digits), claimed % MODULUS
+    difference = (reached - says) % MODULUS
+    mark = "ok" if difference == 0 else "bad"
+    lines = [f"mod {MODULUS}: {render(digits)}", *(s.line for s in steps),
+             f"says {claimed} -> {says}: {reached} - {says} -> {difference} {mark}"]
+    thinking = thinking_text(lines)
+    if difference == 0:
         report = "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
     else:
         report = ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
-                  f"* {render(expr)} = {claimed}: Critical Error, it is {gold}\n"
-                  "**Correctness:** Wrong")
+                  f"* {render(expr)} = {claimed}: Critical Error, it is {reached} mod {MODULUS}, "
+                  f"not {says}\n**Correctness:** Wrong")
     return thinking + report
 
 

@@ -1,5 +1,6 @@
 """The toy study's configs (`experiments/configs/study.py`) pass the run-time validation (`sft` is
 checked like `train`) and, shrunk, build and run: SFT, then a couple of RL steps per variant."""
+import json
 import sys
 from pathlib import Path
 
@@ -35,7 +36,9 @@ def test_study_sft_is_valid_and_shares_the_problems():
     checked = config.copy_and_resolve_references()
     checked.job = "train"  # as experiments/run.py checks an sft config
     validate(checked, base_config(), device_count=1)
-    assert config.sft.arch in ARCHS and config.model.checkpoint == ""
+    # It continues the committed warm start, a `small` model.
+    saved = json.loads((Path(config.model.checkpoint) / "config.json").read_text())
+    assert {k: saved[k] for k in ARCHS["small"]} == ARCHS["small"]
     assert dict(config.data.arith) == dict(study.get_config("marsrl").data.arith)
 
 

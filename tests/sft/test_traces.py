@@ -15,7 +15,9 @@ from mars_jax.sft import traces
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _CLAIM = re.compile(r"^(.+) = (-?\d+)(?:: (.+))?$")
 _CHECK = re.compile(r"^(.+) -> (-?\d+)(?:: (.+))?$")
-_FINDING = re.compile(r"^\* (.+ = -?\d+): Critical Error, it is (-?\d+)$", re.MULTILINE)
+_FINDING = re.compile(r"^\* (.+ = -?\d+): Critical Error, it is (\d) mod 10, not (\d)$",
+                      re.MULTILINE)
+_NUMBER = re.compile(r"\d+")
 PROBLEMS = arith.load_split("test") + arith.load_split("train")[:1500]
 
 
@@ -50,15 +52,17 @@ def test_parse_and_render_round_trip_and_agree_with_the_gold_answer():
         assert traces.evaluate(expr) == int(p["answer"]) == problem_value(p["problem"])
 
 
-def split_reply(reply: str) -> tuple[list[tuple[str, int, str | None]], str]:
-    """(operation, result, rest) of each thinking line (none without thinking; the last line's
-    comparison, if any, cut off) and what follows the thinking."""
+def split_reply(reply: str) -> tuple[list[str], str]:
+    """The thinking lines (none without thinking) and what follows the thinking."""
     if not reply.startswith("<think>\n"):
         return [], reply
     thought, after = reply.removeprefix("<think>\n").split("\n</think>\n")
-    lines = thought.splitlines()
-    lines[-1] = lines[-1].split(", says ")[0]
-    return [_CHECK.fullmatch(line).groups() for line in lines], after
+    return thought.splitlines(), after
+
+
+def steps_of(lines: list[str]) -> list[tuple[str, int, str | None]]:
+    """(operation, result, rest) of each `a op b -> c: rest` thinking line."""
+    return [(m[1], int(m[2]), m[3]) for m in map(_CHECK.fullmatch, lines)]
 
 
 def test_solver_replies_think_step_by_step_and_flawed_ones_slip_once():
@@ -67,16 +71,20 @@ def test_solver_replies_think_step_by_step_and_flawed_ones_slip_once():
         expr = traces.parse_problem(p["problem"])
         gold = int(p["answer"])
         for steps, is_right in ((traces.solve(expr), True), (traces.flawed_steps(expr, rng), False)):
-            thought, solution = split_reply(traces.answer_text(expr, steps))
+            lines, solution = split_reply(traces.answer_text(expr, steps))
+            thought = steps_of(lines)
             (left, claimed, rest), = claims(solution)
             assert left == p["problem"].removeprefix("What is ").removesuffix("?") and rest is None
             assert int(claimed) == int(extract_answer(solution)) and (int(claimed) == gold) is is_right
+            # A slip always reaches the units digit, as the Verifier's check needs.
+            assert (int(claimed) % 10 == gold % 10) is is_right
             if p["num_ops"] == 1:
                 assert not thought
                 continue
-            assert len(thought) == p["num_ops"] and int(thought[-1][1]) == int(claimed)
+            assert len(thought) == p["num_ops"] and thought[-1][1] == int(claimed)
             slipped = [i for i, (operation, result, _) in enumerate(thought)
-                       if value(operation) != int(result)]
+                       if value(operation) != result]
+            assert all(abs(value(thought[i][0]) - thought[i][1]) <= 2 for i in slipped)
             assert len(slipped) == (0 if is_right else 1), thought
             # What remains after a step has the problem's value before the slip, the claim's after.
             first_slip = slipped[0] if slipped else len(thought)
@@ -102,28 +110,36 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
                 (left, claimed, _), = claims(judged)
                 is_right = int(claimed) == gold
                 assert parse_verdict(ex.response) is is_right, (judged, ex.response)
-                # Thinking reduces the expression one true operation a line, each line's rest
-                # keeping the problem's value, and compares the value reached with the claim.
-                steps, _ = split_reply(ex.response)
-                thought = ex.response.split("\n</think>\n")[0]
+                # Thinking casts out tens: the problem's numbers modulo 10, reduced one true
+                # operation modulo 10 a line, each rest keeping the problem's value modulo 10,
+                # then the claim's units digit against the one reached.
+                lines, _ = split_reply(ex.response)
+                header, *reduction, comparison = lines
+                digits = header.removeprefix("mod 10: ")
+                assert header.startswith("mod 10: ")
+                assert _NUMBER.sub(lambda m: str(int(m[0]) % 10), left) == digits
+                steps = steps_of(reduction)
                 for operation, result, rest in steps:
-                    assert value(operation) == int(result), thought
-                    assert value(rest if rest is not None else result) == gold, thought
+                    assert value(operation) % 10 == result, lines
+                    assert value(rest if rest is not None else str(result)) % 10 == gold % 10, lines
                 assert steps[-1][2] is None and len(steps) == p["num_ops"]
                 mark = "ok" if is_right else "bad"
-                assert thought.splitlines()[-1].endswith(f", says {claimed} {mark}"), thought
-                assert " = " not in thought
+                reached, digit = steps[-1][1], int(claimed) % 10
+                difference = (reached - digit) % 10
+                assert comparison == (f"says {claimed} -> {digit}: {reached} - {digit} -> "
+                                      f"{difference} {mark}")
                 verifier_wrong += not is_right
-                if not is_right:  # the finding names the claim and the true value
-                    location, fix = _FINDING.search(ex.response).groups()
-                    assert location == f"{left} = {claimed}" and int(fix) == gold
+                if not is_right:  # the finding names the claim and both units digits
+                    location, reached, says = _FINDING.search(ex.response).groups()
+                    assert location == f"{left} = {claimed}"
+                    assert (int(reached), int(says)) == (gold % 10, int(claimed) % 10)
             else:
                 previous, report = ex.messages[1]["content"], ex.messages[2]["content"]
                 assert extract_answer(previous) != str(gold)
                 assert _FINDING.search(report) and "Correctness" not in report
-                thought, solution = split_reply(ex.response)
+                lines, solution = split_reply(ex.response)
                 assert extract_answer(solution) == str(gold)
-                assert all(value(operation) == int(result) for operation, result, _ in thought)
+                assert all(value(operation) == result for operation, result, _ in steps_of(lines))
     n = len(PROBLEMS)
     assert roles == {"solver": n, "verifier": n, "corrector": n}
     # Controlled rates, within 4 standard deviations of a binomial.
@@ -135,3 +151,14 @@ def test_negative_intermediate_values_are_parenthesised():
     steps = traces.solve(traces.parse_problem("What is 2 * (3 - 10) - 1?"))
     assert [s.line for s in steps] == ["3 - 10 -> -7: 2 * (-7) - 1",
                                              "2 * (-7) -> -14: (-14) - 1", "(-14) - 1 -> -15"]
+
+
+def test_the_verifier_casts_out_tens_on_a_hand_checked_example():
+    expr = traces.parse_problem("What is 2 * (3 - 10) - 1?")  # -15
+    assert traces.verifier_text(expr, -17) == (
+        "<think>\nmod 10: 2 * (3 - 0) - 1\n3 - 0 -> 3: 2 * 3 - 1\n2 * 3 -> 6: 6 - 1\n"
+        "6 - 1 -> 5\nsays -17 -> 3: 5 - 3 -> 2 bad\n</think>\n**Final Verdict:** Critical Error.\n"
+        "**List of Findings:**\n* 2 * (3 - 10) - 1 = -17: Critical Error, it is 5 mod 10, not 3\n"
+        "**Correctness:** Wrong")
+    # A tens error passes the check.
+    assert "says -25 -> 5: 5 - 5 -> 0 ok" in traces.verifier_text(expr, -25)
