@@ -10,8 +10,9 @@
 # (evaluates every model, writes the tables and plots to $OUT, default $ROOT/report; then
 # `report.py --root=$ROOT --skip_eval --out=experiments/results/study` for the repository's copy).
 # Everything runs under `nice -n 19`. Re-running it skips finished runs (a `done` file in the run
-# directory) and resumes an interrupted one from its newest checkpoint; the report's evaluation
-# resumes from its records. Extra arguments go to every RL run (e.g. --config.total_steps=3).
+# directory) and resumes an interrupted one from its newest checkpoint, or from the copy committed
+# under experiments/results/study/runs/<run> when $ROOT has none; the report's evaluation resumes
+# from its records. Extra arguments go to every RL run (e.g. --config.total_steps=3).
 set -euo pipefail
 ROOT=${1:-/tmp/mars_study}
 shift || true
@@ -46,6 +47,10 @@ for spec in "${runs[@]}"; do
   IFS=: read -r variant seed sel <<< "$spec"
   name=${variant}${sel:+_$sel}_seed$seed
   [[ -f $ROOT/$name/done ]] && { echo "== $name: done, skipped"; continue; }
+  saved=experiments/results/study/runs/$name  # a run committed part-way, resumed from there
+  if [[ ! -d $ROOT/$name && -d $saved ]]; then
+    mkdir -p "$ROOT/$name" && cp -r "$saved/." "$ROOT/$name/"
+  fi
   run experiments/run.py --config=$CONFIG:"$variant" --workdir="$ROOT/$name" \
     --config.seed="$seed" --config.model.checkpoint="$ROOT/sft/model" \
     ${sel:+--config.rollout.selection=$sel} "$@"

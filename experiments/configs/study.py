@@ -95,6 +95,9 @@ def rl_config(c, variant: str):
     # (Solver rows ~160 tokens, Verifier rows ~500 in the SFT traces), so Solver rows are not
     # padded to a Verifier row's length.
     c.learner.mini_batches, c.learner.micro_batch_size = 2, 16
+    # Verifier rows (~330-token prompts, up to 583 tokens in all) pad to 1,024 columns: the 3/4
+    # cuts run them at 768 instead.
+    c.learner.fine_cuts = True
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.
     c.eval.dataset, c.eval.split = "arith", "test"
