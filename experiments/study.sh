@@ -3,10 +3,11 @@
 #
 #   nohup nice -n 19 bash experiments/study.sh /tmp/mars_study > /tmp/mars_study/study.log 2>&1 &
 #
-# warm start (the committed experiments/results/study/sft, copied to $ROOT/sft; with RETRAIN_SFT=1
-# study.py:sft trains it again from experiments/results/study/warm_start) -> its evaluation (the base row, in $OUT/base) -> RL runs in this
-# order: marsrl_seed0, marsrl_s_seed0, marsrl_vc_seed0, marsrl_seed1, marsrl_s_seed1, then MarsRL
-# with the two selection policies other than the config's (seed 0) -> experiments/report.py
+# warm start (the committed experiments/results/study/sft, copied to $ROOT/sft; with
+# RETRAIN_SFT=1 study.py:sft trains it again from experiments/results/study/warm_start) -> its
+# evaluation (the base row, in $OUT/base) -> RL runs in this order: marsrl_seed0,
+# marsrl_s_seed0, marsrl_vc_seed0, marsrl_seed1, marsrl_s_seed1, then MarsRL with the two
+# selection policies other than the config's (seed 0) -> experiments/report.py
 # (evaluates every model, writes the tables and plots to $OUT, default $ROOT/report; then
 # `report.py --root=$ROOT --skip_eval --out=experiments/results/study` for the repository's copy).
 # Everything runs under `nice -n 19`. Re-running it skips finished runs (a `done` file in the run

@@ -41,7 +41,7 @@ def get_config():
     c.rollout.mode = "pipeline"
     c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 6, 8, 1
     c.rollout.max_stages = 3
-    # The longest Verifier trace (check modulo 10, then a Wrong report) is 177 tokens.
+    # The longest Verifier trace (check modulo 10, then a Wrong report) is 189 tokens.
     c.rollout.max_new_tokens.update(dict(solver=32, verifier=192, corrector=32))
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
