@@ -41,8 +41,8 @@ def get_config():
     c.rollout.mode = "pipeline"
     c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 6, 8, 1
     c.rollout.max_stages = 3
-    # The longest Verifier trace (check modulo 10, then a Wrong report) is 189 tokens.
-    c.rollout.max_new_tokens.update(dict(solver=32, verifier=192, corrector=32))
+    # The longest Verifier trace (check modulo 10, then a Wrong report) is 193 tokens.
+    c.rollout.max_new_tokens.update(dict(solver=32, verifier=200, corrector=32))
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0

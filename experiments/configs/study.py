@@ -8,8 +8,8 @@ Problems: `arith` with 3 operations over `+ -` on one-digit operands (`What is 0
 5,500 to train on, 500 held out (`data.arith.sizes`). Every role thinks in one-fact steps
 (`mars_jax.sft.traces`) and thinking is stripped before the next agent reads a reply, so a
 solution reaches the Verifier as one line (`0 + 5 - 7 - 5 = -7`); the Verifier casts out tens:
-it reduces the expression modulo 10 (one-digit facts, easier than the Solver's) and compares the
-digit it reaches with the claim's units digit. The warm start (`sft`) continues a committed
+it subtracts the claim's units digit from the expression and reduces that modulo 10 (one-digit
+facts, easier than the Solver's), passing the claim when it reaches 0. The warm start (`sft`) continues a committed
 dense 0.86M Qwen3 on exact traces of all three roles (`sft.solver_error_rate` 0: the Solver's
 errors are its own); half the Verifier's examples judge
 a flawed solution. `sft.probe_every` samples each role's decisions on held-out problems while it
@@ -35,8 +35,8 @@ ROOT = "/tmp/mars_study"
 RESULTS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "results", "study"))
 WARM_START = os.path.join(RESULTS, "warm_start")
 ARITH = dict(num_ops=(3, 3), max_operand=9, operators="+-", sizes=(5_500, 500))
-# Longest replies: Solver / Corrector 106 tokens (thinking, then the one-line solution), a
-# Verifier's check modulo 10 and Wrong report 257.
+# Longest replies: Solver / Corrector 109 tokens (thinking, then the one-line solution), a
+# Verifier's check modulo 10 and Wrong report 269.
 MAX_NEW_TOKENS = dict(solver=120, verifier=272, corrector=120)
 
 
@@ -59,14 +59,14 @@ def sft_config(c):
     c.job = "sft"
     # Continues the committed warm start (experiments/results/study/warm_start: 3,250 steps on
     # Study 4's traces, whose Verifier recomputed the value) on the current traces. The study's
-    # SFT model, experiments/results/study/sft, came from this recipe in three phases (Study 5 of
-    # experiments/RESULTS.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt no faster
+    # SFT model, experiments/results/study/sft, came from this recipe in four phases (Studies 5
+    # and 6 of experiments/RESULTS.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt no faster
     # per wall-clock minute here).
     c.model.checkpoint = WARM_START
     c.sft.steps = 1000
-    # The longest example (a Wrong Verifier reply) is 590 tokens; dense attention over 592-token
+    # The longest example (a Wrong Verifier reply) is 602 tokens; dense attention over 608-token
     # rows ('auto' switches to the blockwise kernel above 512, 2.4x slower a step here).
-    c.sft.rows, c.sft.row_tokens = 8, 592
+    c.sft.rows, c.sft.row_tokens = 8, 608
     c.model.attention_impl = "dense"
     # Exact traces: the Solver's errors are its own (slip-injected traces taught near-miss
     # arithmetic that the Verifier then shared); half the Verifier's examples judge a flawed one.
@@ -95,7 +95,7 @@ def rl_config(c, variant: str):
     # (Solver rows ~160 tokens, Verifier rows ~500 in the SFT traces), so Solver rows are not
     # padded to a Verifier row's length.
     c.learner.mini_batches, c.learner.micro_batch_size = 2, 16
-    # Verifier rows (~330-token prompts, up to 590 tokens in all) pad to 1,024 columns: the 3/4
+    # Verifier rows (~330-token prompts, up to 602 tokens in all) pad to 1,024 columns: the 3/4
     # cuts run them at 768 instead.
     c.learner.fine_cuts = True
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2

@@ -15,27 +15,29 @@ model), so a solution reaches the Verifier as one line. The Solver's (and Correc
 or 2) that carries on to a final value with a wrong units digit.
 
 Checking is easier than solving: the Verifier does not redo the arithmetic, it casts out tens.
-It reduces the expression on units digits (every value modulo 10: 100 facts an operation instead
-of one for each pair of running value and operand) and compares the digit it reaches with the
-claimed value's. The check is sound for `+ - *` (a units digit that differs proves an error) and
-misses only errors that keep the units digit, which the models of experiments/RESULTS.md's
-Study 4 almost never make. The two digits are compared by one more fact, their difference modulo
-10, so the verdict follows from whether one digit is 0 (a 0.86M model did not learn to compare
-two digits for equality, even side by side). Its Wrong reply for `12 - 5 + 3 = 12`:
+It takes the claim's units digit, subtracts it from the expression and reduces that on units
+digits (every value modulo 10: 100 facts an operation instead of one for each pair of running
+value and operand); the claim is right (up to a multiple of 10) when the digit reached is 0. The
+check is sound for `+ - *` (a non-zero digit proves an error) and misses only errors that keep
+the units digit, which the models of experiments/RESULTS.md's Study 4 almost never make. The
+claim's digit enters the reduction as one more operand, so the fact that decides is an ordinary
+reduction line (a 0.86M model compared two digits, or took their difference on a line of its
+own, no better than chance while it reduced correctly). Its Wrong reply for `12 - 5 + 3 = 12`:
 
     <think>
-    mod 10: 2 - 5 + 3
-    2 - 5 -> 7: 7 + 3
-    7 + 3 -> 0
-    says 12 -> 2: 0 - 2 -> 8 bad
+    says 12 -> 2
+    mod 10: 2 - 5 + 3 - 2
+    2 - 5 -> 7: 7 + 3 - 2
+    7 + 3 -> 0: 0 - 2
+    0 - 2 -> 8 bad
     </think>
     **Final Verdict:** Critical Error.
     **List of Findings:**
-    * 12 - 5 + 3 = 12: Critical Error, it is 0 mod 10, not 2
+    * 12 - 5 + 3 = 12: Critical Error, off by 8 mod 10
     **Correctness:** Wrong
 
 and the Corrector's reply is the right solution, thought through as the Solver's is (the report
-gives it the units digit, not the value). Operations are reduced leftmost-first among those whose
+gives it the difference modulo 10, not the value). Operations are reduced leftmost-first among those whose
 operands are both numbers; negative numbers are written `(-7)` inside expressions.
 """
 from __future__ import annotations
@@ -191,24 +193,24 @@ def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
 
 
 def verifier_text(expr: Expr, claimed: int) -> str:
-    """The Verifier's reply on the solution claiming `claimed`: thinking that reduces `expr` modulo
-    10 and subtracts the claim's units digit from the one it reached (`says 12 -> 2: 0 - 2 -> 8
-    bad`), then the three-part report: Wrong, naming the claim and both digits, when the
-    difference is not 0, else Correct."""
-    digits = residues(expr)
-    steps = solve(digits, modulus=MODULUS)
-    reached, says = (steps[-1].result if steps else digits), claimed % MODULUS
-    difference = (reached - says) % MODULUS
+    """The Verifier's reply on the solution claiming `claimed`: thinking that takes the claim's
+    units digit, subtracts it from `expr` modulo 10 and reduces that, marking the last line `ok`
+    when it reaches 0, else `bad`; then the three-part report: Wrong, naming the claim and the
+    difference, when it is not 0, else Correct."""
+    says = claimed % MODULUS
+    check = ("-", residues(expr), says)
+    steps = solve(check, modulus=MODULUS)
+    difference = steps[-1].result
     mark = "ok" if difference == 0 else "bad"
-    lines = [f"mod {MODULUS}: {render(digits)}", *(s.line for s in steps),
-             f"says {claimed} -> {says}: {reached} - {says} -> {difference} {mark}"]
+    lines = [f"says {claimed} -> {says}", f"mod {MODULUS}: {render(check)}",
+             *(s.line for s in steps[:-1]), f"{steps[-1].line} {mark}"]
     thinking = thinking_text(lines)
     if difference == 0:
         report = "**Final Verdict:** Correct.\n**List of Findings:** None\n**Correctness:** Correct"
     else:
         report = ("**Final Verdict:** Critical Error.\n**List of Findings:**\n"
-                  f"* {render(expr)} = {claimed}: Critical Error, it is {reached} mod {MODULUS}, "
-                  f"not {says}\n**Correctness:** Wrong")
+                  f"* {render(expr)} = {claimed}: Critical Error, off by {difference} "
+                  f"mod {MODULUS}\n**Correctness:** Wrong")
     return thinking + report
 
 

@@ -15,8 +15,7 @@ from mars_jax.sft import traces
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _CLAIM = re.compile(r"^(.+) = (-?\d+)(?:: (.+))?$")
 _CHECK = re.compile(r"^(.+) -> (-?\d+)(?:: (.+))?$")
-_FINDING = re.compile(r"^\* (.+ = -?\d+): Critical Error, it is (\d) mod 10, not (\d)$",
-                      re.MULTILINE)
+_FINDING = re.compile(r"^\* (.+ = -?\d+): Critical Error, off by (\d) mod 10$", re.MULTILINE)
 _NUMBER = re.compile(r"\d+")
 PROBLEMS = arith.load_split("test") + arith.load_split("train")[:1500]
 
@@ -110,29 +109,26 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
                 (left, claimed, _), = claims(judged)
                 is_right = int(claimed) == gold
                 assert parse_verdict(ex.response) is is_right, (judged, ex.response)
-                # Thinking casts out tens: the problem's numbers modulo 10, reduced one true
-                # operation modulo 10 a line, each rest keeping the problem's value modulo 10,
-                # then the claim's units digit against the one reached.
+                # Thinking casts out tens: the claim's units digit, subtracted from the problem's
+                # numbers modulo 10, reduced one true operation modulo 10 a line, each rest keeping
+                # the value (problem - claim) modulo 10; the last line is marked by whether it is 0.
                 lines, _ = split_reply(ex.response)
-                header, *reduction, comparison = lines
-                digits = header.removeprefix("mod 10: ")
-                assert header.startswith("mod 10: ")
-                assert _NUMBER.sub(lambda m: str(int(m[0]) % 10), left) == digits
+                says, header, *reduction = lines
+                digit, difference = int(claimed) % 10, (gold - int(claimed)) % 10
+                assert says == f"says {claimed} -> {digit}"
+                assert header == "mod 10: " + _NUMBER.sub(lambda m: str(int(m[0]) % 10), left) + \
+                    f" - {digit}"
+                reduction[-1], mark = reduction[-1].rsplit(" ", 1)
+                assert mark == ("ok" if is_right else "bad")
                 steps = steps_of(reduction)
                 for operation, result, rest in steps:
                     assert value(operation) % 10 == result, lines
-                    assert value(rest if rest is not None else str(result)) % 10 == gold % 10, lines
-                assert steps[-1][2] is None and len(steps) == p["num_ops"]
-                mark = "ok" if is_right else "bad"
-                reached, digit = steps[-1][1], int(claimed) % 10
-                difference = (reached - digit) % 10
-                assert comparison == (f"says {claimed} -> {digit}: {reached} - {digit} -> "
-                                      f"{difference} {mark}")
+                    assert value(rest if rest is not None else str(result)) % 10 == difference, lines
+                assert steps[-1][2] is None and len(steps) == p["num_ops"] + 1
                 verifier_wrong += not is_right
-                if not is_right:  # the finding names the claim and both units digits
-                    location, reached, says = _FINDING.search(ex.response).groups()
-                    assert location == f"{left} = {claimed}"
-                    assert (int(reached), int(says)) == (gold % 10, int(claimed) % 10)
+                if not is_right:  # the finding names the claim and how far off its units digit is
+                    location, off_by = _FINDING.search(ex.response).groups()
+                    assert location == f"{left} = {claimed}" and int(off_by) == difference
             else:
                 previous, report = ex.messages[1]["content"], ex.messages[2]["content"]
                 assert extract_answer(previous) != str(gold)
@@ -156,9 +152,9 @@ def test_negative_intermediate_values_are_parenthesised():
 def test_the_verifier_casts_out_tens_on_a_hand_checked_example():
     expr = traces.parse_problem("What is 2 * (3 - 10) - 1?")  # -15
     assert traces.verifier_text(expr, -17) == (
-        "<think>\nmod 10: 2 * (3 - 0) - 1\n3 - 0 -> 3: 2 * 3 - 1\n2 * 3 -> 6: 6 - 1\n"
-        "6 - 1 -> 5\nsays -17 -> 3: 5 - 3 -> 2 bad\n</think>\n**Final Verdict:** Critical Error.\n"
-        "**List of Findings:**\n* 2 * (3 - 10) - 1 = -17: Critical Error, it is 5 mod 10, not 3\n"
-        "**Correctness:** Wrong")
+        "<think>\nsays -17 -> 3\nmod 10: 2 * (3 - 0) - 1 - 3\n3 - 0 -> 3: 2 * 3 - 1 - 3\n"
+        "2 * 3 -> 6: 6 - 1 - 3\n6 - 1 -> 5: 5 - 3\n5 - 3 -> 2 bad\n</think>\n"
+        "**Final Verdict:** Critical Error.\n**List of Findings:**\n"
+        "* 2 * (3 - 10) - 1 = -17: Critical Error, off by 2 mod 10\n**Correctness:** Wrong")
     # A tens error passes the check.
-    assert "says -25 -> 5: 5 - 5 -> 0 ok" in traces.verifier_text(expr, -25)
+    assert "\n6 - 1 -> 5: 5 - 5\n5 - 5 -> 0 ok\n" in traces.verifier_text(expr, -25)
