@@ -9,9 +9,9 @@ Problems: `arith` with 3 operations over `+ -` on one-digit operands (`What is 0
 (`mars_jax.sft.traces`) and thinking is stripped before the next agent reads a reply, so a
 solution reaches the Verifier as one line (`0 + 5 - 7 - 5 = -7`); the Verifier casts out tens:
 it subtracts the claim's units digit from the expression and reduces that modulo 10 (one-digit
-facts, easier than the Solver's), passing the claim when it reaches 0. The warm start (`sft`) continues a committed
-dense 0.86M Qwen3 on exact traces of all three roles (`sft.solver_error_rate` 0: the Solver's
-errors are its own); half the Verifier's examples judge
+facts, easier than the Solver's), passing the claim when it reaches 0. The warm start (`sft`)
+continues a committed dense 0.86M Qwen3 on exact traces of all three roles
+(`sft.solver_error_rate` 0: the Solver's errors are its own); half the Verifier's examples judge
 a flawed solution. `sft.probe_every` samples each role's decisions on held-out problems while it
 trains and saves the model at each probe.
 
@@ -60,8 +60,8 @@ def sft_config(c):
     # Continues the committed warm start (experiments/results/study/warm_start: 3,250 steps on
     # Study 4's traces, whose Verifier recomputed the value) on the current traces. The study's
     # SFT model, experiments/results/study/sft, came from this recipe in four phases (Studies 5
-    # and 6 of experiments/RESULTS.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt no faster
-    # per wall-clock minute here).
+    # and 6 of experiments/RESULTS.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt
+    # no faster per wall-clock minute here).
     c.model.checkpoint = WARM_START
     c.sft.steps = 1000
     # The longest example (a Wrong Verifier reply) is 602 tokens; dense attention over 608-token

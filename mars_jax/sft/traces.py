@@ -37,8 +37,8 @@ own, no better than chance while it reduced correctly). Its Wrong reply for `12 
     **Correctness:** Wrong
 
 and the Corrector's reply is the right solution, thought through as the Solver's is (the report
-gives it the difference modulo 10, not the value). Operations are reduced leftmost-first among those whose
-operands are both numbers; negative numbers are written `(-7)` inside expressions.
+gives it the difference modulo 10, not the value). Operations are reduced leftmost-first among
+those whose operands are both numbers; negative numbers are written `(-7)` inside expressions.
 """
 from __future__ import annotations
 

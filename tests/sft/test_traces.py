@@ -123,7 +123,8 @@ def test_examples_verdicts_findings_and_fixes_are_right(seed):
                 steps = steps_of(reduction)
                 for operation, result, rest in steps:
                     assert value(operation) % 10 == result, lines
-                    assert value(rest if rest is not None else str(result)) % 10 == difference, lines
+                    remaining = rest if rest is not None else str(result)
+                    assert value(remaining) % 10 == difference, lines
                 assert steps[-1][2] is None and len(steps) == p["num_ops"] + 1
                 verifier_wrong += not is_right
                 if not is_right:  # the finding names the claim and how far off its units digit is
