@@ -32,9 +32,9 @@ base, get intervals by the same draws (confusion counts summed over the drawn ru
 Writes to `--out`: `tables.md` (the main table, the Verifier / outcome table, the targets as
 met / not met with their numbers, the selection-policy table when MarsRL runs of several
 selections exist), `summary.json` and the plots `rewards.png`, `verifier.png` (accuracy,
-balanced accuracy, recall, pass rate), `training_lengths.png` (over training, from each run's
-metrics.jsonl), `system_vs_solver.png`, `selection.png` (avg@k bars with interval whiskers),
-`lengths.png` (tokens per role at evaluation) and `sft_loss.png`.
+balanced accuracy, recall, pass rate), `training_lengths.png`, `held_out_probe.png` (over
+training, from each run's metrics.jsonl), `system_vs_solver.png`, `selection.png` (avg@k bars
+with interval whiskers), `lengths.png` (tokens per role at evaluation) and `sft_loss.png`.
 """
 from __future__ import annotations
 
@@ -352,11 +352,14 @@ def _legend(ax) -> None:
         ax.legend(fontsize=8)
 
 
+# name -> (metrics, whether they lie in [0, 1], moving-average window in logged values)
 TRAINING_PLOTS = {
-    "rewards": ([f"reward/{role}" for role in ROLES], True),
+    "rewards": ([f"reward/{role}" for role in ROLES], True, 5),
     "verifier": (["verifier/accuracy", "verifier/balanced_accuracy", "verifier/recall",
-                  "verifier/pass_rate"], True),
-    "training_lengths": ([f"length/{role}" for role in ROLES], False),
+                  "verifier/pass_rate"], True, 5),
+    "training_lengths": ([f"length/{role}" for role in ROLES], False, 5),
+    "held_out_probe": (["probe/solver_accuracy", "probe/verifier_balanced_accuracy",
+                        "probe/corrector_fix_rate"], True, 1),
 }
 
 
@@ -366,17 +369,18 @@ TITLES = {"verifier/pass_rate": "verifier/pass_rate (~acceptance)"}
 def plot_training(runs: dict[str, list[list[dict]]], out: Path) -> None:
     """Per metric, a moving-average curve of every run, one colour per row (label -> runs'
     metrics); `verifier/pass_rate` is the share of Correct verdicts, the training analogue of
-    the acceptance rate."""
-    for name, (keys, unit_range) in TRAINING_PLOTS.items():
+    the acceptance rate; `probe/*` are held-out decisions (`eval.probe_every`), unsmoothed."""
+    for name, (keys, unit_range, window) in TRAINING_PLOTS.items():
         fig, axes = plt.subplots(1, len(keys), figsize=(4.4 * len(keys), 3.6))
         for ax, key in zip(axes, keys):
             for color, (label, seeds) in enumerate(runs.items()):
                 for i, lines in enumerate(seeds):
-                    steps, values = curve(lines, key)
+                    steps, values = curve(lines, key, window)
                     if len(steps):
                         ax.plot(steps, values, color=f"C{color}", alpha=0.85,
                                 label=label if i == 0 else None)
-            ax.set(title=f"{TITLES.get(key, key)} (moving avg of 5)", xlabel="RL step")
+            smoothing = f" (moving avg of {window})" if window > 1 else ""
+            ax.set(title=f"{TITLES.get(key, key)}{smoothing}", xlabel="RL step")
             if unit_range:
                 ax.set_ylim(-0.02, 1.02)
             _legend(ax)

@@ -54,6 +54,15 @@ def load_problems(data: ConfigDict, split: str | None = None):
                          arith_knobs={k: v for k, v in dict(knobs or {}).items() if v is not None})
 
 
+def load_eval_records(config: ConfigDict, count: int) -> list[dict]:
+    """The first `count` records (0: all) of `eval.dataset`'s `eval.split`, read with the `data`
+    section's other settings."""
+    data = ConfigDict(dict(config.data))
+    data.name = config.eval.dataset
+    records = load_problems(data, config.eval.split)
+    return [records[i] for i in range(min(count or len(records), len(records)))]
+
+
 def build_problem_iterator(config: ConfigDict) -> ProblemIterator:
     """Shuffled, repeating, resumable iterator over this host's shard of the training problems."""
     return ProblemIterator(load_problems(config.data), seed=config.seed,

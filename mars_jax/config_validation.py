@@ -100,6 +100,7 @@ AT_LEAST: dict[str, float] = {
     "checkpoint.every_steps": 1, "checkpoint.keep": 1,
     "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
     "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
+    "eval.probe_every": 0, "eval.probe_problems": 1,
     "sft.probe_every": 0, "sft.probe_slots": 1,
 }
 
@@ -364,6 +365,14 @@ def _data(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                   f"{manual_dir or '(no data dir found)'} and the dataset is not prepared in "
                   f"{data.data_dir or 'the TFDS data dir'}",
                   f"set data.manual_dir (or ${MANUAL_DIR_ENV}) to a directory holding {file_name}")
+
+
+@_rule("job", "eval.probe_every", "eval.dataset")
+def _probe(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    if config.job == "train" and config.eval.probe_every and config.eval.dataset != "arith":
+        yield Problem("eval.probe_every",
+                      f"the probe grades toy arithmetic traces, not {config.eval.dataset!r}",
+                      "set eval.dataset='arith', or eval.probe_every=0")
 
 
 @_rule("job", "eval.policy", "eval.vc_base_url", "eval.solver_base_url", "eval.served_model")

@@ -43,12 +43,8 @@ def build_policy(config: ConfigDict) -> Policy:
 
 
 def load_eval_problems(config: ConfigDict) -> list[EvalProblem]:
-    data = ConfigDict(dict(config.data))
-    data.name = config.eval.dataset
-    records = builders.load_problems(data, config.eval.split)
-    count = config.eval.num_problems or len(records)
     return [EvalProblem(str(r["id"]), r["problem"], str(r["answer"]))
-            for r in (records[i] for i in range(min(count, len(records))))]
+            for r in builders.load_eval_records(config, config.eval.num_problems)]
 
 
 def run(config: ConfigDict, workdir: str) -> dict:

@@ -103,7 +103,12 @@ def base_config() -> ConfigDict:
                              temperature=0.6, top_p=0.95, policy="sampler",
                              vc_base_url="", solver_base_url="", served_model="",
                              timeout_s=600.0, max_concurrency=32,
-                             engine_slots=0))  # > 0: the sampler policy on an Engine
+                             engine_slots=0,  # > 0: the sampler policy on an Engine
+                             # A train job with probe_every > 0 ('arith' only) samples each
+                             # role's decisions (mars_jax.sft.probe) on the first probe_problems
+                             # held-out problems at these settings before step 1 and every
+                             # probe_every steps: `probe/*` in metrics.jsonl.
+                             probe_every=0, probe_problems=256))
 
     # A train job with `warm_start.sft` starts from an SFT model built on first use by the 'sft'
     # job from this config's data, model, sft and seed, with this learning rate, schedule and

@@ -19,6 +19,10 @@ RL: pipeline mode, 8 new problems a step, groups of 8, one parent per later stag
 selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
 both (`adaptive` would give it a wrong one whenever one exists).
 
+Every RL run probes each role's decisions on 256 held-out problems before step 1 and every 20
+steps (`eval.probe_every`, `probe/*` in metrics.jsonl), so learning shows apart from the mix of
+the training problems.
+
 `marsrl` trains on the samples of all three agents, `marsrl_s` on Solver samples only (its
 rollouts stop after the Solver), `marsrl_vc` on Verifier and Corrector samples only; all start
 from `<root>/sft/model` (`ROOT` below; `--config.model.checkpoint=...` to move it). The `eval`
@@ -106,4 +110,7 @@ def rl_config(c, variant: str):
     # 64 engine slots: a static `generate` prefills all 1,000 runs of a round at once (the
     # Verifier round's temporaries: 28.6 GB for `medium`, out of memory here).
     c.eval.engine_slots = 64
+    # Each role's decisions on the first 256 held-out problems (mars_jax.sft.probe) before step 1
+    # and every 20 steps: learning told apart from the training problems' mix.
+    c.eval.probe_every, c.eval.probe_problems = 20, 256
     return c

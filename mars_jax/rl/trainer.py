@@ -11,6 +11,8 @@ steps, `mars_jax.rl.streaming`). With `mesh.rollout.devices > 0` the engine runs
 submesh with its own copy of the weights (`weight_sync`, copied after every update, metrics
 `sync/*`); in pipeline mode it keeps decoding while the update runs in a worker thread on the
 training mesh (`StreamingRollouts.decode_while`).
+With `eval.probe_every` > 0 each role's decisions are sampled on held-out problems
+(`mars_jax.sft.probe`) before step 1 (a step-0 line) and after every `eval.probe_every`-th step.
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
@@ -51,6 +53,7 @@ from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer
+from mars_jax.sft.probe import probe_model
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
 
@@ -319,6 +322,19 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                                inflight_cap)
         if saved_stream is not None:
             stream.load_state_dict(*saved_stream)
+    probe_every = config.eval.probe_every
+    probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
+                      if probe_every else [])
+
+    def held_out_probe(params) -> dict[str, float]:
+        t = time.perf_counter()
+        with sharding.use_mesh(mesh):
+            decisions = probe_model(config, nnx.merge(graphdef, params), tokenizer,
+                                    probe_problems, slots=config.eval.engine_slots)
+        return {**decisions, "time/probe": time.perf_counter() - t}
+
+    if probe_every and start == 0:
+        writer.write(0, held_out_probe(state.params))
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
@@ -378,6 +394,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             metrics["update/nonfinite_streak"] = nonfinite_streak
             metrics["time/update"] = time.perf_counter() - t1
             metrics["policy_version"] = version
+            if probe_every and step % probe_every == 0:
+                metrics.update(held_out_probe(state.params))
             writer.write(step, metrics)
             bar.set_postfix(console.postfix(metrics))
             if nonfinite_streak >= config.max_nonfinite_updates:

@@ -21,11 +21,10 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from mars_jax import builders
-from mars_jax.agents.sampler_policy import SamplerPolicy
 from mars_jax.metrics import MetricsWriter
 from mars_jax.models import Qwen3, Qwen3Config, create_model, save_pretrained
 from mars_jax.rl.update import make_optimizer
-from mars_jax.sft.probe import probe
+from mars_jax.sft.probe import probe_model
 from mars_jax.sft.train import encoded_examples, example_stream, heldout_loss, pack, sft_step
 
 # Toy architectures (`sft.arch`), for the byte-level `tiny` tokenizer (261 tokens).
@@ -60,16 +59,6 @@ def build_model(config: ConfigDict) -> Qwen3:
     return builders.build_model(config, mesh=None)
 
 
-def probe_roles(config: ConfigDict, model: Qwen3, tokenizer, problems: list[dict]) -> dict[str, float]:
-    """`probe.probe` at the `eval` section's sampling settings and budgets."""
-    e, budgets = config.eval, dict(config.eval.max_new_tokens)
-    policy = SamplerPolicy(model, tokenizer, temperature=e.temperature, top_p=e.top_p,
-                           seed=config.seed, engine_slots=config.sft.probe_slots,
-                           max_length=config.rollout.max_prompt_tokens + max(budgets.values()))
-    return probe(policy, problems, max_new_tokens=budgets, seed=config.seed,
-                 style=config.rollout.prompt_style)
-
-
 def run(config: ConfigDict, workdir: str) -> dict[str, float]:
     """Trains `sft.steps` steps and returns the final held-out losses (also in `summary.json`)."""
     s, out = config.sft, Path(workdir)
@@ -100,7 +89,8 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
                 metrics.update({f"heldout/{k}": v for k, v in summary.items()})
             if s.probe_every and (step % s.probe_every == 0 or step == s.steps):
                 model = nnx.merge(graphdef, params)
-                decisions = probe_roles(config, model, tokenizer, holdout)
+                decisions = probe_model(config, model, tokenizer, holdout,
+                                        slots=s.probe_slots)
                 save_pretrained(model, out / f"model_step{step}")
                 metrics.update(decisions)
                 summary = {**summary, **decisions}

@@ -14,8 +14,11 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
+from ml_collections import ConfigDict
+
 from mars_jax.agents import prompts, stages
 from mars_jax.agents.policy import Policy
+from mars_jax.agents.sampler_policy import SamplerPolicy
 from mars_jax.data.arith import evaluate
 from mars_jax.sft import traces
 
@@ -56,3 +59,15 @@ def probe(policy: Policy, problems: Sequence[dict], *, max_new_tokens: Mapping[s
             "probe/verifier_balanced_accuracy": (recall + specificity) / 2,
             "probe/corrector_fix_rate": share([s.usable and s.answer == g
                                                for s, g in zip(fixed, golds)])}
+
+
+def probe_model(config: ConfigDict, model, tokenizer, problems: Sequence[dict], *,
+                slots: int) -> dict[str, float]:
+    """`probe` of `model` at the `eval` section's sampling settings and budgets, on an engine of
+    `slots` slots."""
+    e, budgets = config.eval, dict(config.eval.max_new_tokens)
+    policy = SamplerPolicy(model, tokenizer, temperature=e.temperature, top_p=e.top_p,
+                           seed=config.seed, engine_slots=slots,
+                           max_length=config.rollout.max_prompt_tokens + max(budgets.values()))
+    return probe(policy, problems, max_new_tokens=budgets, seed=config.seed,
+                 style=config.rollout.prompt_style)

@@ -49,7 +49,8 @@ def _write(root, name, records, metrics=None):
     if name != "base":
         (root / name).mkdir()
         lines = metrics or [{"step": s, "reward/solver": 0.1 * s, "verifier/pass_rate": 0.5,
-                             "length/solver": 30 + s} for s in range(1, 8)]
+                             "length/solver": 30 + s, "probe/solver_accuracy": 0.05 * s}
+                            for s in range(0, 8)]
         (root / name / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
 
 
@@ -111,6 +112,7 @@ def test_report_tables_and_targets_from_records(study):
     assert "| MarsRL (adaptive) | 1 | 75.0 [" in text and "| MarsRL (random) | 1 | 20.0 [" in text
     assert "| SFT warm start | 1 | 0 | 40.0 [" in text and "60 problems, avg@2" in text
     for name in ("tables.md", "rewards.png", "verifier.png", "training_lengths.png",
+                 "held_out_probe.png",
                  "system_vs_solver.png", "selection.png", "lengths.png", "sft_loss.png"):
         assert (out / name).stat().st_size > 0, name
 

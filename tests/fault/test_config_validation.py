@@ -117,6 +117,14 @@ def test_file_backed_dataset_without_a_data_dir(tmp_path, monkeypatch):
     assert set(_problems(config)) == {"eval.split", "eval.vc_base_url", "eval.served_model"}
 
 
+def test_a_held_out_probe_outside_the_toy_task_is_named():
+    config = smoke.get_config()
+    config.eval.probe_every, config.eval.dataset, config.eval.split = 5, "gsm8k", "test"
+    assert "toy arithmetic" in _problems(config)["eval.probe_every"]
+    config.eval.dataset, config.eval.split = "arith", "test"
+    validate(config, common.base_config(), device_count=1)
+
+
 def test_run_py_exits_2_with_the_message_before_building_anything(tmp_path):
     config_file = tmp_path / "typo.py"
     config_file.write_text(

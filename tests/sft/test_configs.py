@@ -60,8 +60,15 @@ def test_study_configs_run_shrunk(tmp_path):
         for role in ("solver", "verifier", "corrector"):
             rl.rollout.max_new_tokens[role] = 16
         rl.rollout.verify_truncated = True  # a 2-step model's 16-token solutions are all cut off
+        probed = variant == "marsrl"  # the held-out probe before step 1 and after step 2
+        rl.eval.probe_every, rl.eval.probe_problems = (2, 2) if probed else (0, 0)
+        rl.eval.max_new_tokens.update(rl.rollout.max_new_tokens)
         trainer.train(rl, str(tmp_path / variant))
         rows = console.read_metrics(tmp_path / variant)
+        if probed:
+            probes = [r["step"] for r in rows if "probe/solver_accuracy" in r]
+            assert probes == [0, 2] and 0 <= rows[-1]["probe/verifier_balanced_accuracy"] <= 1
+            rows = rows[1:]
         assert [r["step"] for r in rows] == [1, 2], variant
         assert all(r["reward/solver"] is not None for r in rows), variant
         # MarsRL-S stops after the Solver; the others verify step 1's solutions in step 2.
