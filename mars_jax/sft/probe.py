@@ -20,6 +20,7 @@ from mars_jax.agents import prompts, stages
 from mars_jax.agents.policy import Policy
 from mars_jax.agents.sampler_policy import SamplerPolicy
 from mars_jax.data.arith import evaluate
+from mars_jax.models import Qwen3
 from mars_jax.sft import traces
 
 
@@ -61,10 +62,10 @@ def probe(policy: Policy, problems: Sequence[dict], *, max_new_tokens: Mapping[s
                                                for s, g in zip(fixed, golds)])}
 
 
-def probe_model(config: ConfigDict, model, tokenizer, problems: Sequence[dict], *,
+def probe_model(config: ConfigDict, model: Qwen3, tokenizer, problems: Sequence[dict], *,
                 slots: int) -> dict[str, float]:
     """`probe` of `model` at the `eval` section's sampling settings and budgets, on an engine of
-    `slots` slots."""
+    `slots` slots (0: one static batch)."""
     e, budgets = config.eval, dict(config.eval.max_new_tokens)
     policy = SamplerPolicy(model, tokenizer, temperature=e.temperature, top_p=e.top_p,
                            seed=config.seed, engine_slots=slots,
