@@ -12,12 +12,13 @@ policy's reward on fresh problems at the rollout temperature.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 from absl import app, flags
+
+from mars_jax import console
 
 _CONTROL = flags.DEFINE_string("control", None, "Workdir of the learning-rate-0 run.",
                                required=True)
@@ -27,10 +28,10 @@ _WINDOW = flags.DEFINE_integer("window", 20, "Steps per window.")
 
 def step_rewards(workdir: str | Path, role: str) -> dict[int, float]:
     """Step -> mean `role` reward of `workdir/metrics.jsonl` (steps without that role left out)."""
-    path = Path(workdir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no metrics (is this a training run's workdir?)")
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    rows = console.read_metrics(workdir)
+    if not rows:
+        raise FileNotFoundError(f"{Path(workdir) / 'metrics.jsonl'}: no metrics (is this a "
+                                "training run's workdir?)")
     return {r["step"]: r[f"reward/{role}"] for r in rows if r.get(f"reward/{role}") is not None}
 
 

@@ -61,7 +61,7 @@ def test_study_configs_run_shrunk(tmp_path):
             rl.rollout.max_new_tokens[role] = 16
         rl.rollout.verify_truncated = True  # a 2-step model's 16-token solutions are all cut off
         probed = variant == "marsrl"  # the held-out probe before step 1 and after step 2
-        rl.eval.probe_every, rl.eval.probe_problems = (2, 2) if probed else (0, 0)
+        rl.eval.probe_every, rl.eval.probe_problems = (2, 2) if probed else (0, 256)
         rl.eval.max_new_tokens.update(rl.rollout.max_new_tokens)
         trainer.train(rl, str(tmp_path / variant))
         rows = console.read_metrics(tmp_path / variant)
