@@ -4,6 +4,7 @@ engine whose clock follows a roofline cost model (`benchmarks/sim/`).
   python benchmarks/pipeline_sim.py                       # 8 x H200 and v5p-64, Solver mean 19k and 28k
   python benchmarks/pipeline_sim.py --hardware=h200x8 --progress=0 --updates=4
   python benchmarks/pipeline_sim.py --profile=cpu         # calibration: this CPU's measured costs
+  python benchmarks/pipeline_sim.py --kv=paged            # what a paged KV cache would buy
 
 Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
 (Solver, V, C, V, C), 64k output budget per role decoded in 16k segments, 32k prompt cap,
@@ -34,6 +35,11 @@ slot of 32k + 64k positions, reserved in full as `Engine` does):
                         weight copy at the link rate.
   bound: decode only    every chip decoding at the rollout submesh's slot density, updates free:
                         no schedule on this machine does better under the cost model.
+With `--kv=paged` (a projection: `Engine` reserves slots) the same rows run on a paged cache:
+the free HBM (0.9 x HBM - resident) of the rollout chips is one pool of KV positions, a request
+holds as many as its context, and `sim.engine.SimEngine` admits first come, first served while
+the pool holds the next request, preempting the request admitted last when it is full (vLLM's
+policy), with at most `--max_rows` rows decoding.
 Accelerator-hours per 1,000 trained samples are measured between the end of update `--warmup`
 and the end of the last update (all chips of the machine, busy or not).
 """
@@ -51,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim.agents import SimRollouts, SimTokenizer, problems, role_of_prompt, sim_encode  # noqa: E402
-from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, slots_per_chip  # noqa: E402
+from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, kv_capacity  # noqa: E402
 from benchmarks.pipeline import UPDATE as BENCH_UPDATE  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
@@ -63,6 +69,7 @@ from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
 
 GiB = 1 << 30
 TRAIN_STATE_BYTES_PER_PARAM = 8  # bf16 weights + AdamW mu, nu (param dtype) + gradients
+USABLE_HBM = 0.9                 # of each chip's HBM, for the resident bytes and the KV cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +118,26 @@ class Workload:
                              prompt_style=self.prompt_style)
 
 
-def mesh_slots(hw: Hardware, model: ModelCost, chips: int, *, resident: str,
-               positions: int) -> int:
-    """Slots of `chips` chips: (0.9 x HBM - resident bytes) / one slot's KV, per chip.
-    resident: 'train_state+update' (one mesh, KV kept through the update), 'train_state'
-    (one mesh, KV freed for the update), 'weights' (a rollout submesh)."""
-    chip = dataclasses.replace(CHIPS[hw.chip], hbm_bytes=hw.hbm_bytes)
+def free_kv_bytes_per_chip(hw: Hardware, model: ModelCost, chips: int, *, resident: str) -> float:
+    """0.9 x HBM - the resident bytes per chip. resident: 'train_state+update' (one mesh, KV kept
+    through the update), 'train_state' (one mesh, KV freed for the update), 'weights' (a
+    rollout submesh)."""
     state = model.total_params * TRAIN_STATE_BYTES_PER_PARAM / chips
     bytes_ = {"train_state+update": state + hw.update_temp_bytes, "train_state": state,
               "weights": model.weight_bytes / chips}[resident]
-    return chips * slots_per_chip(model, chip, resident_bytes=bytes_, slot_positions=positions)
+    return hw.hbm_bytes * USABLE_HBM - bytes_
+
+
+def mesh_slots(hw: Hardware, model: ModelCost, chips: int, *, resident: str,
+               positions: int) -> int:
+    """Slots of `chips` chips, each slot reserving `positions` positions of KV (as `Engine`)."""
+    free = free_kv_bytes_per_chip(hw, model, chips, resident=resident)
+    return chips * kv_capacity(model, free, positions)
+
+
+def mesh_kv_tokens(hw: Hardware, model: ModelCost, chips: int, *, resident: str) -> int:
+    """KV positions a paged cache on `chips` chips holds."""
+    return chips * kv_capacity(model, free_kv_bytes_per_chip(hw, model, chips, resident=resident))
 
 
 def check_train_memory(hw: Hardware, model: ModelCost, chips: int) -> None:
@@ -161,6 +178,7 @@ class Costs:
     chips_total: int
     copy_seconds: float
     overlap: bool
+    kv_tokens: int | None = None   # paged KV: positions the rollout chips' cache holds
 
 
 def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> Costs:
@@ -173,10 +191,17 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
         model, chip, n, step_overhead_s=args.step_overhead_ms / 1e3,
         prefill_mfu=args.prefill_mfu, update_mfu=mfu)
     positions = args.slot_positions or workload.max_prompt_tokens + workload.max_new_tokens
-    slots = mesh_slots(hw, model, rollout_chips, resident=variant.resident, positions=positions)
+    kv_tokens = None
+    if args.kv == "paged":
+        kv_tokens = mesh_kv_tokens(hw, model, rollout_chips, resident=variant.resident)
+        slots = args.max_rows
+    else:
+        slots = mesh_slots(hw, model, rollout_chips, resident=variant.resident,
+                           positions=positions)
     copy = make(train_chips).weight_copy_seconds(rollout_chips) if variant.split else 0.0
     train = make(train_chips, float("inf")) if variant.update_free else make(train_chips)
-    return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split))
+    return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split),
+                 kv_tokens)
 
 
 def is_trained(group, drop_zero_variance: bool) -> bool:
@@ -209,7 +234,8 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
                            correct_rates=dict(workload.correct_rates))
     max_length = workload.max_prompt_tokens + workload.max_new_tokens
     engine = SimEngine(costs.decode, lengths, num_slots=costs.slots, max_length=max_length,
-                       role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens))
+                       role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens),
+                       kv_tokens=costs.kv_tokens)
     overlap = costs.overlap
     scheduler = StreamingRollouts(
         rollouts, engine, problems(workload.problem_words, seed), mode=mode,
@@ -266,6 +292,8 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
         update_h_per_update=statistics.mean(update_s[warmup:]) / 3600,
         occupancy=stats["live_slot_seconds"] / (costs.slots * window),
         decode_occupancy=stats["live_slot_seconds"] / max(stats["decode_seconds"], 1e-12) / costs.slots,
+        decode_rows=stats["live_slot_seconds"] / max(stats["decode_seconds"], 1e-12),
+        preemptions=stats["preemptions"],
         decode_share=stats["decode_seconds"] / window,
         prefill_share=stats["prefill_seconds"] / window,
         staleness=dict(sorted(staleness.items())),
@@ -298,16 +326,17 @@ def run_hardware(name: str, progress: float, args) -> list[dict]:
 
 
 HEADER = (f"{'mode':24} {'slots':>5} {'acc-h/1k':>9} {'vs seq':>7} {'h/update':>9} "
-          f"{'update h':>9} {'occupancy':>9} {'decode occ':>10} {'samples/upd':>11} "
-          f"{'held':>5} staleness (versions: samples)")
+          f"{'update h':>9} {'occupancy':>9} {'decode occ':>10} {'rows':>6} {'preempt':>7} "
+          f"{'samples/upd':>11} {'held':>5} staleness (versions: samples)")
 
 
 def print_row(r: dict, base: float) -> None:
     print(f"{r['label']:24} {r['slots']:5d} {r['hours_per_1k']:9.2f} "
           f"{base / r['hours_per_1k']:6.2f}x {r['wall_h_per_update']:9.2f} "
           f"{r['update_h_per_update']:9.2f} {r['occupancy']:9.1%} "
-          f"{r['decode_occupancy']:10.1%} {r['samples_per_update']:11.0f} "
-          f"{r['deferred_share']:5.1%} {r['staleness']}", flush=True)
+          f"{r['decode_occupancy']:10.1%} {r['decode_rows']:6.0f} {r['preemptions']:7d} "
+          f"{r['samples_per_update']:11.0f} {r['deferred_share']:5.1%} {r['staleness']}",
+          flush=True)
 
 
 def step_grid(text: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
@@ -416,6 +445,12 @@ def main() -> None:
     parser.add_argument("--slot_positions", type=int, default=0,
                         help="KV positions reserved per slot (0: prompt cap + budget, as Engine)")
     parser.add_argument("--resume", default="keep", choices=("keep", "recompute"))
+    parser.add_argument("--kv", default="reserved", choices=("reserved", "paged"),
+                        help="reserved: a slot holds --slot_positions of KV (as Engine); paged: "
+                             "the rollout chips' free HBM is one pool of positions, each request "
+                             "holding its context (vLLM's paged cache; not in Engine)")
+    parser.add_argument("--max_rows", type=int, default=1024,
+                        help="--kv=paged: the most rows decoded at once on the rollout chips")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="paper", choices=("paper", "cpu"),
                         help="cpu: predict benchmarks/pipeline.py from the --cpu_* costs")

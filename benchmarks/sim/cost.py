@@ -183,12 +183,10 @@ class MeshCost:
         return self.model.weight_bytes / (links * self.chip.link_bandwidth)
 
 
-def slots_per_chip(model: ModelCost, chip: Chip, *, resident_bytes: float, slot_positions: int,
-                   usable_fraction: float = 0.9) -> int:
-    """Decode slots one chip holds: (usable HBM - its share of what stays resident) over one
-    slot's KV cache (`slot_positions` positions, reserved in full: no paging)."""
-    free = chip.hbm_bytes * usable_fraction - resident_bytes
-    return max(0, int(free // (model.kv_bytes_per_token * slot_positions)))
+def kv_capacity(model: ModelCost, free_bytes: float, positions: int = 1) -> int:
+    """Whole KV caches of `positions` positions (a reserved slot; 1: single positions, a paged
+    cache's unit) that `free_bytes` hold."""
+    return max(0, int(free_bytes // (model.kv_bytes_per_token * positions)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,14 @@ contexts (`MeshCost.decode_seconds`), or for the slot bucket and KV span `Engine
 decoding (charged in sequence). A freed slot is refilled at the next event (the real engine's
 `admit_batch=1`; its chunks of `chunk_steps` steps are not modelled).
 
+KV memory: by default a slot holds its KV whatever its request's length (as `Engine` reserves
+it), so `num_slots` alone bounds the rows. With `kv_tokens` the cache is paged, as vLLM's: the
+requests in slots together hold at most `kv_tokens` positions, each as many as its context;
+requests are admitted first come, first served while their context fits, and when the running
+rows' next tokens would not fit, the running request admitted last is preempted (its KV freed;
+back at the head of the queue, re-prefilled with its generated tokens when admitted again, its
+segment end unchanged). `num_slots` is then the most rows decoded at once.
+
 Tokens: an output of length L is `L - A - 2` thought tokens, `</think>`, A answer tokens and the
 first stop id (A = `answer_tokens[role]`, at most half the output); cut at the budget when L
 exceeds it (finish 'length'). Log-probabilities are -1.0.
@@ -50,6 +58,8 @@ class _Request:
     needs_prefill: bool = False   # prompt + generated tokens (restored, or `recompute`)
     pause_at: int = 0
     slot: int | None = None
+    admitted: int = 0             # admission order (the preemption victim is the latest)
+    preempted: bool = False
 
     @property
     def end(self) -> int:
@@ -66,9 +76,15 @@ class SimEngine:
     (seconds) and `clock()` reads it. `role_of(prompt_ids)` names the role a prompt is for."""
 
     def __init__(self, cost, lengths: LengthModel, *, num_slots: int, max_length: int,
-                 role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int]):
+                 role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int],
+                 kv_tokens: int | None = None):
         if num_slots < 1:
             raise ValueError(f"num_slots: need >= 1, got {num_slots}")
+        if kv_tokens is not None and kv_tokens < max_length:
+            raise ValueError(f"kv_tokens: need >= max_length ({max_length}) so that one request "
+                             f"always fits, got {kv_tokens}")
+        self.kv_tokens = kv_tokens
+        self._admissions = 0
         self.cost, self.lengths, self.num_slots, self.max_length = cost, lengths, num_slots, max_length
         self.role_of, self.answer_tokens = role_of, dict(answer_tokens)
         self.now = 0.0
@@ -180,6 +196,9 @@ class SimEngine:
                 return
             self._admit()
             if not self._running:
+                if self._queue and self.kv_tokens is not None:
+                    raise RuntimeError("paged KV: paused requests hold the cache the queued "
+                                       "ones need; resume them first")
                 return
             self._decode_to_next_event()
 
@@ -198,12 +217,26 @@ class SimEngine:
         self.stats["prefill_tokens"] += tokens
         self.stats["prefill_calls"] += 1
 
+    def kv_in_use(self) -> int:
+        """Positions the requests in slots hold (their contexts)."""
+        return sum(self._requests[i].context for i in self._slots if i is not None)
+
     def _admit(self) -> None:
+        used = self.kv_in_use() if self.kv_tokens is not None else 0
         while self._queue and None in self._slots:
-            request = self._queue.popleft()
+            request = self._queue[0]
+            if self.kv_tokens is not None:
+                if used + request.context + 1 > self.kv_tokens:
+                    return
+                used += request.context
+            self._queue.popleft()
             slot = self._slots.index(None)
             self._slots[slot], request.slot = request.id, slot
-            request.pause_at = self._pause_at(request)
+            self._admissions += 1
+            request.admitted = self._admissions
+            if not request.preempted:
+                request.pause_at = self._pause_at(request)
+            request.preempted = False
             if request.needs_prefill:
                 self._prefill(request.context)
                 request.needs_prefill = False
@@ -213,9 +246,28 @@ class SimEngine:
             self.stats["prefills"] += 1
             self._running.add(request.id)
 
+    def _preempt(self, request: _Request) -> None:
+        """Frees a running request's KV and slot; it waits at the head of the queue."""
+        self._running.discard(request.id)
+        self._slots[request.slot], request.slot = None, None
+        request.preempted = request.needs_prefill = True
+        self._queue.appendleft(request)
+        self.stats["preemptions"] += 1
+
     def _decode_to_next_event(self) -> None:
         running = [self._requests[i] for i in self._running]
         steps = max(0, min(r.end - r.generated for r in running))
+        if self.kv_tokens is not None:
+            free = self.kv_tokens - self.kv_in_use()
+            running.sort(key=lambda r: r.admitted)
+            while free < len(running):
+                victim = running.pop()
+                free += victim.context
+                self._preempt(victim)
+            if not running:
+                return
+            steps = min(max(0, min(r.end - r.generated for r in running)),
+                        free // len(running))
         rows, context = len(running), sum(r.context for r in running)
         seconds = self.cost.decode_seconds(rows, context, steps, bucket=self._bucket(running),
                                            span=span_bucket(max(r.context for r in running)

@@ -5,10 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from benchmarks.pipeline_sim import padded_tokens, step_grid, update_costs
+from benchmarks.pipeline_sim import (HARDWARE, mesh_kv_tokens, mesh_slots, padded_tokens,
+                                     step_grid, update_costs)
 from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_prompt,
                                    sim_encode)
-from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost, slots_per_chip
+from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost
 from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.lengths import LengthModel, capped_lognormal_mean
 from mars_jax.models import get_preset
@@ -64,12 +65,16 @@ def test_decode_step_seconds_by_hand():
     assert mesh.decode_step_seconds(1, 0) == pytest.approx(weights * 2 / 4.8e12)
 
 
-def test_slots_per_chip_by_hand():
+def test_mesh_slots_and_paged_positions_by_hand():
+    # 4 chips of 10 slots' worth of HBM (a slot: 100,000 positions, 9.8 GB); a rollout submesh
+    # keeps the bf16 weights' quarter (15.3 GB) per chip, the rest of 0.9 x HBM holds KV.
     model = ModelCost.of(get_preset("qwen3_30b_a3b"))
-    slot = 98_304 * 1000   # KV bytes of 1,000 positions
-    chip = dataclasses.replace(CHIPS["h200"], hbm_bytes=100 * slot)
-    assert slots_per_chip(model, chip, resident_bytes=30 * slot, slot_positions=1000,
-                          usable_fraction=0.9) == 60
+    slot = 98_304 * 100_000
+    hw = dataclasses.replace(HARDWARE["h200x8"], hbm_bytes=10 * slot)
+    free = 9 * slot - model.weight_bytes / 4
+    assert 8 * slot > free > 7 * slot
+    assert mesh_slots(hw, model, 4, resident="weights", positions=100_000) == 4 * 7
+    assert mesh_kv_tokens(hw, model, 4, resident="weights") == 4 * int(free // 98_304)
 
 
 def test_capped_mean_matches_sampling_and_the_fit_hits_the_target():
@@ -286,6 +291,30 @@ class _Recorder:
 
     def prefill_seconds(self, tokens, context_before=0):
         return 0.0
+
+
+def test_paged_kv_admits_by_context_and_preempts_the_last_admitted():
+    # A pool of 20 positions, 2 rows at most; A and B of 8 tokens on 5-token prompts (own
+    # groups, prefill 0.05 s each); a step takes 1 s with one row, 1.5 s with two.
+    cost = ProfileCost(step_rows=(1, 2), step_seconds=(1.0, 1.5), prefill_per_token_s=0.01,
+                       update_per_token_s=0.0)
+    engine = SimEngine(cost, FixedLengths({0: 8, 1: 8}), num_slots=2, max_length=20,
+                       role_of=lambda ids: "solver", answer_tokens={"solver": 2}, kv_tokens=20)
+    a, b = (engine.submit([7] * 5, max_new_tokens=10, seed=s, stop_ids=(1,))[0] for s in (0, 1))
+    events = [(i, out.finish_reason, len(out.tokens), round(engine.now, 6))
+              for i, out in engine.stream()]
+    # Both admitted (5 + 5 positions); 5 steps of 2 rows fill the pool (20) at 7.6 s; B, admitted
+    # last, is preempted; A's last 3 steps alone end it at 10.6; B comes back with its 10
+    # positions re-prefilled (0.1 s) and ends 3 steps later.
+    assert events == [(a, "stop", 8, 10.6), (b, "stop", 8, 13.7)]
+    assert engine.stats["preemptions"] == 1
+    assert engine.stats["prefill_tokens"] == 5 + 5 + 10
+
+
+def test_paged_kv_needs_room_for_one_request():
+    with pytest.raises(ValueError, match="kv_tokens"):
+        SimEngine(None, FixedLengths({}), num_slots=2, max_length=20, role_of=lambda ids: "s",
+                  answer_tokens={}, kv_tokens=19)
 
 
 def test_sim_engine_charges_the_slot_bucket_and_span_the_engine_decodes():
