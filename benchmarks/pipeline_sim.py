@@ -39,7 +39,9 @@ With `--kv=paged` (a projection: `Engine` reserves slots) the same rows run on a
 the free HBM (0.9 x HBM - resident) of the rollout chips is one pool of KV positions, a request
 holds as many as its context, and `sim.engine.SimEngine` admits first come, first served while
 the pool holds the next request, preempting the request admitted last when it is full (vLLM's
-policy), with at most `--max_rows` rows decoding.
+policy), with at most `--max_rows` rows decoding. `--kv_reserve` f admits a request only while
+the contexts plus f of every admitted request's remaining segment budget fit (SGLang's
+conservative admission; 1 never preempts).
 Accelerator-hours per 1,000 trained samples are measured between the end of update `--warmup`
 and the end of the last update (all chips of the machine, busy or not).
 """
@@ -179,6 +181,7 @@ class Costs:
     copy_seconds: float
     overlap: bool
     kv_tokens: int | None = None   # paged KV: positions the rollout chips' cache holds
+    kv_reserve: float = 0.0        # paged KV: see `SimEngine`
 
 
 def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> Costs:
@@ -201,7 +204,7 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
     copy = make(train_chips).weight_copy_seconds(rollout_chips) if variant.split else 0.0
     train = make(train_chips, float("inf")) if variant.update_free else make(train_chips)
     return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split),
-                 kv_tokens)
+                 kv_tokens, args.kv_reserve)
 
 
 def is_trained(group, drop_zero_variance: bool) -> bool:
@@ -235,7 +238,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     max_length = workload.max_prompt_tokens + workload.max_new_tokens
     engine = SimEngine(costs.decode, lengths, num_slots=costs.slots, max_length=max_length,
                        role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens),
-                       kv_tokens=costs.kv_tokens)
+                       kv_tokens=costs.kv_tokens, kv_reserve=costs.kv_reserve)
     overlap = costs.overlap
     scheduler = StreamingRollouts(
         rollouts, engine, problems(workload.problem_words, seed), mode=mode,
@@ -451,6 +454,10 @@ def main() -> None:
                              "holding its context (vLLM's paged cache; not in Engine)")
     parser.add_argument("--max_rows", type=int, default=1024,
                         help="--kv=paged: the most rows decoded at once on the rollout chips")
+    parser.add_argument("--kv_reserve", type=float, default=0.0,
+                        help="--kv=paged: fraction of each admitted request's remaining segment "
+                             "budget admission keeps free (0: vLLM's greedy admission, 1: never "
+                             "preempts)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="paper", choices=("paper", "cpu"),
                         help="cpu: predict benchmarks/pipeline.py from the --cpu_* costs")

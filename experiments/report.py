@@ -57,7 +57,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from ml_collections import ConfigDict  # noqa: E402
 
-from mars_jax import builders, eval_job  # noqa: E402
+from mars_jax import builders, console, eval_job  # noqa: E402
 from mars_jax.agents import eval_stats  # noqa: E402
 from mars_jax.agents.policy import ROLES  # noqa: E402
 from mars_jax.checkpoint import Checkpointer  # noqa: E402
@@ -185,7 +185,7 @@ def rl_steps(run_dir: Path) -> int | None:
     step_file = run_dir / "final_model" / "step.txt"
     if step_file.exists():
         return int(step_file.read_text())
-    steps = [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")]
+    steps = [m["step"] for m in console.read_metrics(run_dir)]
     return max(steps) if steps else None
 
 
@@ -331,10 +331,6 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, target
     return "\n".join(rows) + "\n"
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def curve(lines: list[dict], key: str, window: int = 5) -> tuple[np.ndarray, np.ndarray]:
     """(steps, moving average over `window` logged values) of `key`, skipping missing values."""
     points = [(m["step"], m[key]) for m in lines
@@ -409,7 +405,7 @@ def plot_avg_at_k(summaries: dict, labels: dict, rows: Sequence, path: Path, tit
 
 def sft_metrics(root: Path) -> list[dict]:
     """The warm start's SFT metrics (`<root>/sft/metrics.jsonl`; none when absent)."""
-    return read_metrics(root / "sft" / "metrics.jsonl")
+    return console.read_metrics(root / "sft")
 
 
 def plot_sft(lines: list[dict], out: Path) -> None:
@@ -496,7 +492,7 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         plot_avg_at_k(summaries, labels, selection_rows, out / "selection.png",
                       "MarsRL by selection policy")
     plot_lengths(summaries, labels, main_rows, out)
-    plot_training({labels[row]: [read_metrics(root / r.name / "metrics.jsonl") for r in row_runs]
+    plot_training({labels[row]: [console.read_metrics(root / r.name) for r in row_runs]
                    for row, row_runs in grouped.items() if row[0] != "base"}, out)
     plot_sft(sft_metrics(root), out)
     key = lambda row: row[0] if row[1] in (None, "default") else f"{row[0]}_{row[1]}"

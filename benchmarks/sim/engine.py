@@ -19,7 +19,11 @@ requests in slots together hold at most `kv_tokens` positions, each as many as i
 requests are admitted first come, first served while their context fits, and when the running
 rows' next tokens would not fit, the running request admitted last is preempted (its KV freed;
 back at the head of the queue, re-prefilled with its generated tokens when admitted again, its
-segment end unchanged). `num_slots` is then the most rows decoded at once.
+segment end unchanged). `num_slots` is then the most rows decoded at once. `kv_reserve` in
+[0, 1] makes admission conservative, as SGLang's new-token ratio: a request is admitted only if
+the running requests' contexts plus `kv_reserve` of every admitted request's remaining budget
+(to its segment end or `max_new`, not its drawn length) fit; 0 is vLLM's greedy admission, 1
+never preempts.
 
 Tokens: an output of length L is `L - A - 2` thought tokens, `</think>`, A answer tokens and the
 first stop id (A = `answer_tokens[role]`, at most half the output); cut at the budget when L
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from benchmarks.sim.lengths import LengthModel
@@ -77,13 +82,15 @@ class SimEngine:
 
     def __init__(self, cost, lengths: LengthModel, *, num_slots: int, max_length: int,
                  role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int],
-                 kv_tokens: int | None = None):
+                 kv_tokens: int | None = None, kv_reserve: float = 0.0):
         if num_slots < 1:
             raise ValueError(f"num_slots: need >= 1, got {num_slots}")
         if kv_tokens is not None and kv_tokens < max_length:
             raise ValueError(f"kv_tokens: need >= max_length ({max_length}) so that one request "
                              f"always fits, got {kv_tokens}")
-        self.kv_tokens = kv_tokens
+        if not 0.0 <= kv_reserve <= 1.0:
+            raise ValueError(f"kv_reserve: need a fraction in [0, 1], got {kv_reserve}")
+        self.kv_tokens, self.kv_reserve = kv_tokens, kv_reserve
         self._admissions = 0
         self.cost, self.lengths, self.num_slots, self.max_length = cost, lengths, num_slots, max_length
         self.role_of, self.answer_tokens = role_of, dict(answer_tokens)
@@ -221,22 +228,28 @@ class SimEngine:
         """Positions the requests in slots hold (their contexts)."""
         return sum(self._requests[i].context for i in self._slots if i is not None)
 
+    def _kv_claim(self, request: _Request, pause_at: int) -> int:
+        """Positions admission counts for a request: its context and `kv_reserve` of what its
+        budget still allows, at least room for its next token."""
+        remaining = min(request.max_new, pause_at) - request.generated
+        return request.context + max(1, math.ceil(self.kv_reserve * remaining))
+
     def _admit(self) -> None:
-        used = self.kv_in_use() if self.kv_tokens is not None else 0
+        claimed = sum(self._kv_claim(self._requests[i], self._requests[i].pause_at)
+                      for i in self._slots if i is not None) if self.kv_tokens is not None else 0
         while self._queue and None in self._slots:
             request = self._queue[0]
+            pause_at = request.pause_at if request.preempted else self._pause_at(request)
             if self.kv_tokens is not None:
-                if used + request.context + 1 > self.kv_tokens:
+                claim = self._kv_claim(request, pause_at)
+                if claimed + claim > self.kv_tokens:
                     return
-                used += request.context
+                claimed += claim
             self._queue.popleft()
             slot = self._slots.index(None)
             self._slots[slot], request.slot = request.id, slot
             self._admissions += 1
-            request.admitted = self._admissions
-            if not request.preempted:
-                request.pause_at = self._pause_at(request)
-            request.preempted = False
+            request.admitted, request.pause_at, request.preempted = self._admissions, pause_at, False
             if request.needs_prefill:
                 self._prefill(request.context)
                 request.needs_prefill = False

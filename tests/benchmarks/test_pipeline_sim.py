@@ -311,10 +311,28 @@ def test_paged_kv_admits_by_context_and_preempts_the_last_admitted():
     assert engine.stats["prefill_tokens"] == 5 + 5 + 10
 
 
+def test_paged_kv_reserving_the_budget_admits_later_and_never_preempts():
+    # The pool and requests above, with kv_reserve=1: A claims 5 + 10 = 15 positions, so B (15
+    # more) waits; A alone ends at 0.05 + 8 x 1 s; B is then prefilled (0.05) and runs 8 steps.
+    cost = ProfileCost(step_rows=(1, 2), step_seconds=(1.0, 1.5), prefill_per_token_s=0.01,
+                       update_per_token_s=0.0)
+    engine = SimEngine(cost, FixedLengths({0: 8, 1: 8}), num_slots=2, max_length=20,
+                       role_of=lambda ids: "solver", answer_tokens={"solver": 2}, kv_tokens=20,
+                       kv_reserve=1.0)
+    a, b = (engine.submit([7] * 5, max_new_tokens=10, seed=s, stop_ids=(1,))[0] for s in (0, 1))
+    events = [(i, out.finish_reason, len(out.tokens), round(engine.now, 6))
+              for i, out in engine.stream()]
+    assert events == [(a, "stop", 8, 8.05), (b, "stop", 8, 16.1)]
+    assert engine.stats["preemptions"] == 0
+
+
 def test_paged_kv_needs_room_for_one_request():
     with pytest.raises(ValueError, match="kv_tokens"):
         SimEngine(None, FixedLengths({}), num_slots=2, max_length=20, role_of=lambda ids: "s",
                   answer_tokens={}, kv_tokens=19)
+    with pytest.raises(ValueError, match="kv_reserve"):
+        SimEngine(None, FixedLengths({}), num_slots=2, max_length=20, role_of=lambda ids: "s",
+                  answer_tokens={}, kv_tokens=20, kv_reserve=1.5)
 
 
 def test_sim_engine_charges_the_slot_bucket_and_span_the_engine_decodes():
