@@ -311,7 +311,15 @@ def run_hardware(name: str, progress: float, args) -> list[dict]:
     workload = Workload()
     results = []
     samples_per_update = 0
-    for variant in variants(hw):
+    chosen = variants(hw)
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        unknown = wanted - {v.label for v in chosen}
+        if unknown:
+            raise ValueError(f"--rows: no row {sorted(unknown)} on {name}; rows: "
+                             f"{[v.label for v in chosen]}")
+        chosen = [v for i, v in enumerate(chosen) if i == 0 or v.label in wanted]
+    for variant in chosen:
         costs = paper_costs(hw, variant, args, workload)
         cap = args.max_inflight_rows or 2 * costs.slots
         began = time.perf_counter()
@@ -458,6 +466,9 @@ def main() -> None:
                         help="--kv=paged: fraction of each admitted request's remaining segment "
                              "budget admission keeps free (0: vLLM's greedy admission, 1: never "
                              "preempts)")
+    parser.add_argument("--rows", default="",
+                        help="comma-separated row labels to run (the sequential row, the base of "
+                             "`vs seq`, always runs); empty: all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="paper", choices=("paper", "cpu"),
                         help="cpu: predict benchmarks/pipeline.py from the --cpu_* costs")
