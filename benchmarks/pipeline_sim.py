@@ -5,6 +5,7 @@ engine whose clock follows a roofline cost model (`benchmarks/sim/`).
   python benchmarks/pipeline_sim.py --hardware=h200x8 --progress=0 --updates=4
   python benchmarks/pipeline_sim.py --profile=cpu         # calibration: this CPU's measured costs
   python benchmarks/pipeline_sim.py --kv=paged            # what a paged KV cache would buy
+  python benchmarks/pipeline_sim.py --hardware=v5p-64 --rows="bound: decode only"   # some rows
 
 Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
 (Solver, V, C, V, C), 64k output budget per role decoded in 16k segments, 32k prompt cap,
