@@ -30,3 +30,19 @@ def hf_dense_dir(tmp_path_factory):
 def hf_moe_dir(tmp_path_factory):
     """A tiny random HF Qwen3-MoE checkpoint (one dense layer via mlp_only_layers)."""
     return hf_fixtures.save_tiny_hf(tmp_path_factory.mktemp("hf_moe"), moe=True)
+
+
+# The longest files (minutes each on 2 cores) go first, so that the two xdist workers of
+# pytest.ini (a file at a time, in this order: `--dist=loadfile --no-loadscope-reorder`) finish
+# together instead of one of them running a long subprocess test alone at the end.
+LONGEST_FIRST = ("tests/test_main_job.py", "tests/rl/test_overlap.py", "tests/rl/test_resume.py",
+                 "tests/sampling/test_engine.py", "tests/rl/test_update.py",
+                 "tests/sft/test_configs.py", "tests/launch/test_aot_compile.py",
+                 "tests/sampling/test_sampler.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: the order within a file and among the rest is kept

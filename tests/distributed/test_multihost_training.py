@@ -1,13 +1,15 @@
 """Two CPU processes run `experiments/run.py` as one job: a global mesh across them, collective
 decoding of both hosts' rollouts, one update on the joined batch, checkpoints from both hosts, and a
-resume that continues from the saved step on each host (one step, then a resume for one more:
-short enough for every CI run)."""
+resume that continues from the saved step on each host (one step, then a resume for one more).
+Runs with the slow tests."""
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +50,7 @@ def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume(tmp_path):
     _run_job(tmp_path, total_steps=1)
     assert _steps(tmp_path / "metrics.jsonl") == [1]

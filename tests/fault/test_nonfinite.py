@@ -35,6 +35,7 @@ def test_a_non_finite_gradient_leaves_params_and_optimizer_untouched(poison):
     jax.tree.map(np.testing.assert_array_equal, before, after)
 
 
+@pytest.mark.slow
 def test_skipped_updates_are_logged_and_a_streak_stops_the_run_at_the_last_good_checkpoint(
         tmp_path):
     # Step 3 is poisoned alone (skipped, training goes on); steps 5 and 6 in a row stop the run.

@@ -43,6 +43,7 @@ def test_five_sigkills_then_resume_equal_the_uninterrupted_run(tmp_path):
     assert harness.metrics(straight) == harness.metrics(killed)
 
 
+@pytest.mark.slow
 def test_sigkill_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_path):
     """Partial rollouts keep the expert ids recorded by their earlier segments across the kill
     (checkpointed as arrays), so the resumed updates replay the same routing. The kill comes after

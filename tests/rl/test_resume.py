@@ -56,7 +56,10 @@ def _metrics(workdir):
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
 
-@pytest.mark.parametrize("extra", [(), STREAM], ids=["step", "stream"])
+# The per-step scheduler's kill runs with the slow tests (its resume path is also the
+# streaming one's: the checkpoint, the data iterator and the PRNG state).
+@pytest.mark.parametrize("extra", [pytest.param((), marks=pytest.mark.slow), STREAM],
+                         ids=["step", "stream"])
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path, extra):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(_command(straight, extra), env=_env(), check=True, capture_output=True,
