@@ -89,14 +89,15 @@ def test_greedy_equals_transformers_generate_on_a_padded_batch(model, hf_moe_dir
 
 
 def test_logprobs_equal_full_forward_log_softmax(model):
-    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True)
+    width = 64  # the engine's max_length: every request fits, so one padded program serves all
+    engine = Engine(model, num_slots=4, max_length=width, chunk_steps=4, record_routing=True)
     outputs = _serve(engine, range(10))
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def full_logits(state, ids, valid, expert_ids):  # one program: every row right-padded to 64
+    def full_logits(state, ids, valid, expert_ids):
         m = nnx.merge(graphdef, state)
-        fwd = m.forward(ids, positions=jnp.arange(64)[None], mask=AttentionMask.causal(valid),
+        fwd = m.forward(ids, positions=jnp.arange(width)[None], mask=AttentionMask.causal(valid),
                         expert_ids=expert_ids)
         return m.logits(fwd.hidden)[0]
 
@@ -104,12 +105,12 @@ def test_logprobs_equal_full_forward_log_softmax(model):
         out = outputs[i]
         tokens = r["prompt"] + out.tokens
         length = len(tokens)
-        ids = np.zeros((1, 64), np.int32)
+        ids = np.zeros((1, width), np.int32)
         ids[0, :length] = tokens
-        expert_ids = np.zeros(out.expert_ids.shape[:1] + (1, 64) + out.expert_ids.shape[2:],
+        expert_ids = np.zeros(out.expert_ids.shape[:1] + (1, width) + out.expert_ids.shape[2:],
                               np.int32)
         expert_ids[:, 0, :length] = out.expert_ids
-        valid = (np.arange(64) < length)[None].astype(np.int32)
+        valid = (np.arange(width) < length)[None].astype(np.int32)
         logits = full_logits(state, ids, valid, expert_ids)
         temperature = r.get("temperature", 1.0)
         scaled = logits / (temperature if temperature > 0 else 1.0)
