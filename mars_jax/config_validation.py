@@ -90,7 +90,8 @@ AT_LEAST: dict[str, float] = {
     "rollout.max_prompt_tokens": 1, "rollout.max_inflight_rows": 0,
     "rollout.samples_per_update": 0,
     "rollout.top_k": 0,
-    "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.logits_chunk": 1,
+    "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.min_micro_batches": 1,
+    "learner.logits_chunk": 1,
     "learner.ppo_epochs": 1, "learner.mini_batches": 1, "learner.length_halvings": 0,
     "loss.max_response_len": 0,
     "loss.behaviour_weight_cap": 0,
@@ -101,7 +102,8 @@ AT_LEAST: dict[str, float] = {
     "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
     "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
     "eval.probe_every": 0, "eval.probe_problems": 1,
-    "sft.probe_every": 0, "sft.probe_slots": 1,
+    "sft.probe_every": 0, "sft.probe_slots": 1, "sft.rows": 1, "sft.row_tokens": 1,
+    "sft.short_rows": 0, "sft.short_row_tokens": 0,
 }
 
 Rule = Callable[[ConfigDict, int], Iterator[Problem]]
@@ -408,3 +410,12 @@ def _warm_start(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     if config.sft.steps < 1:
         yield Problem("sft.steps", f"{config.sft.steps} SFT steps build no warm start",
                       "set it to 1 or more")
+
+
+@_rule("sft.row_tokens", "sft.short_rows", "sft.short_row_tokens")
+def _sft_rows(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    s = config.sft
+    if s.short_rows and not 0 < s.short_row_tokens < s.row_tokens:
+        yield Problem("sft.short_row_tokens", f"{s.short_row_tokens} is not between 0 and "
+                      f"sft.row_tokens ({s.row_tokens}), but sft.short_rows is {s.short_rows}",
+                      "set it below row_tokens, or short_rows to 0 for one row length")

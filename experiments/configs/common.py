@@ -87,7 +87,10 @@ def base_config() -> ConfigDict:
     # A step makes ppo_epochs x mini_batches optimizer updates on its samples (mars_jax.rl.learner).
     # Each micro-batch (rows longest first) runs cut to the shortest of its width / 2**k,
     # k <= length_halvings, that holds it; fine_cuts adds the 3/4 points (rl.update.cut_lengths).
+    # A batch has at least min_length columns and min_micro_batches micro-batches (padding ones
+    # skip their forward and backward), so that fewer shapes compile.
     c.learner = ConfigDict(dict(ppo_epochs=1, mini_batches=1, micro_batch_size=8, min_length=32,
+                                min_micro_batches=1,
                                 logits_chunk=256, routing_replay=False, length_halvings=2,
                                 fine_cuts=False))
 
@@ -120,6 +123,10 @@ def base_config() -> ConfigDict:
     # probability that a problem's example of each role is trained on.
     c.sft = ConfigDict(dict(arch="",   # '' = model.preset; else a mars_jax.sft.job.ARCHS name
                             steps=200, rows=16, row_tokens=512,
+                            # short_rows > 0: each batch also has short_rows rows of
+                            # short_row_tokens, which take the examples that fit (attention
+                            # over short rows costs less); see mars_jax.sft.train.pack.
+                            short_rows=0, short_row_tokens=0,
                             solver_error_rate=0.3, verifier_flawed_rate=0.5,
                             keep=ConfigDict(dict(solver=1.0, verifier=1.0, corrector=1.0)),
                             holdout_problems=64, eval_every=50,

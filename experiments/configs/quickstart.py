@@ -33,7 +33,10 @@ def get_config():
     c.warm_start.sft = True
     c.warm_start.learning_rate, c.warm_start.schedule, c.warm_start.warmup_steps = 1e-2, "cosine", 10
     c.sft.arch, c.sft.steps = "mini", 300
-    c.sft.rows, c.sft.row_tokens = 8, 512
+    # 3584 tokens a step: 3 rows of 512 for the long Verifier and Corrector traces, 8 of 256 for
+    # the short Solver ones (~77 tokens), whose attention then spans 256 positions, not 512.
+    c.sft.rows, c.sft.row_tokens = 3, 512
+    c.sft.short_rows, c.sft.short_row_tokens = 8, 256
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5
     c.sft.keep.verifier, c.sft.keep.corrector = 0.05, 0.05
     c.sft.holdout_problems, c.sft.eval_every = 16, 100
@@ -48,6 +51,8 @@ def get_config():
     c.rollout.temperature = 1.0
     # Update.
     c.optimizer.learning_rate = 5e-4
-    c.learner.micro_batch_size = 72  # a step trains at most 144 samples: 2 micro-batches
+    # A step trains at most 144 samples: always 2 micro-batches of 72 rows of 512 (each cut to the
+    # shortest length holding its rows; an empty one skipped), so the update compiles once.
+    c.learner.micro_batch_size, c.learner.min_micro_batches, c.learner.min_length = 72, 2, 512
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     return c

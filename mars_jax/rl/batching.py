@@ -1,9 +1,9 @@
 """Finished samples -> a padded, micro-batched `TrainBatch` with bucketed shapes.
 
 Lengths round up to powers of two (at least `min_length`) and the number of micro-batches to a
-power of two, so the update program recompiles only when a bucket changes. Padding rows, and
-samples left out of the loss, have an all-zero loss mask: they add nothing to the loss nor to
-its normalisation (`losses.token_weights`).
+power of two (at least `min_micro`), so the update program recompiles only when a bucket
+changes. Padding rows, and samples left out of the loss, have an all-zero loss mask: they add
+nothing to the loss nor to its normalisation (`losses.token_weights`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def pow2_at_least(n: int, minimum: int) -> int:
 
 
 def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_length: int = 32,
-               max_length: int | None = None, by_length: bool = False) -> TrainBatch:
+               min_micro: int = 1, max_length: int | None = None, by_length: bool = False
+               ) -> TrainBatch:
     """Right-padded `[prompt, response]` rows grouped into micro-batches of `micro_batch_size`,
     in the samples' order, or longest first with `by_length` (so that a micro-batch holds
     samples of similar lengths and the update can cut it short: `update.cut_lengths`)."""
@@ -46,7 +47,7 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
     if max_length is not None and longest > max_length:
         raise ValueError(f"make_batch: a sample of {longest} tokens exceeds max_length {max_length}")
     length = pow2_at_least(longest, min_length)
-    num_micro = pow2_at_least(-(-len(samples) // micro_batch_size), 1)
+    num_micro = pow2_at_least(-(-len(samples) // micro_batch_size), min_micro)
     rows = num_micro * micro_batch_size
     tokens = np.zeros((rows, length), np.int32)
     attention = np.zeros((rows, length), np.int32)

@@ -157,7 +157,8 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
     global batch when several processes run (a host without samples contributes padding)."""
     micro, min_length = config.learner.micro_batch_size, config.learner.min_length
     if samples:
-        batch = make_batch(samples, micro_batch_size=micro, min_length=min_length, by_length=True)
+        batch = make_batch(samples, micro_batch_size=micro, min_length=min_length,
+                           min_micro=config.learner.min_micro_batches, by_length=True)
     else:
         experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
                    if config.learner.routing_replay and model_config.num_experts else None)

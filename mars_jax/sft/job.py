@@ -68,10 +68,12 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
     problems = list(builders.load_problems(config.data))
     train_problems, holdout = problems[:-s.holdout_problems], problems[-s.holdout_problems:]
     rates = dict(solver_error_rate=s.solver_error_rate, verifier_flawed_rate=s.verifier_flawed_rate)
+    rows = dict(rows=s.rows, row_tokens=s.row_tokens, short_rows=s.short_rows,
+                short_row_tokens=s.short_row_tokens)
     heldout = list(pack(encoded_examples(holdout, tokenizer, random.Random(-1), **rates),
-                        rows=s.rows, row_tokens=s.row_tokens))
+                        **rows))
     batches = pack(example_stream(train_problems, tokenizer, seed=config.seed, keep=dict(s.keep),
-                                  **rates), rows=s.rows, row_tokens=s.row_tokens)
+                                  **rates), **rows)
     optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": s.steps})
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = optimizer.init(params)

@@ -1,10 +1,12 @@
 """Supervised fine-tuning on generated role traces: the warm start of toy MarsRL.
 
 Examples (`traces.make_examples` over `arith` train problems) are packed whole into fixed
-`[rows, row_tokens]` batches. Each example is a segment that attends only to itself (block-diagonal
-causal visibility; positions restart at 0), so no compute goes to padding and the step compiles
-once. The loss is next-token cross-entropy on the reply tokens (reply + `<|im_end|>`), averaged
-over them; per-role sums are kept so that held-out losses can be reported per role.
+`[rows, row_tokens]` batches, optionally with a second part of shorter rows that takes the short
+examples (attention costs each token as much as its row is long). Each example is a segment that
+attends only to itself (block-diagonal causal visibility; positions restart at 0), so no compute
+goes to padding and the step compiles once. The loss is next-token cross-entropy on the reply
+tokens (reply + `<|im_end|>`), averaged over them; per-role sums are kept so that held-out losses
+can be reported per role.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ class PackedBatch(NamedTuple):
     roles: np.ndarray      # [R, T] int32
 
 
+# A training batch: packed parts of different row lengths, trained on as one batch.
+Batch = tuple[PackedBatch, ...]
+
+
 def encode(tokenizer, example: Example) -> Encoded:
     """The chat prompt (generation prompt, thinking off) and the reply closed by `<|im_end|>`."""
     prompt = encode_chat(tokenizer, example.messages, enable_thinking=False)
@@ -84,36 +90,66 @@ def example_stream(problems: Sequence[dict], tokenizer, *, seed: int, solver_err
                                     verifier_flawed_rate=verifier_flawed_rate, keep=keep)
 
 
-def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int) -> Iterator[PackedBatch]:
-    """Fills rows in order, an example going to the next row when it does not fit; yields a batch
-    every `rows` rows (a last, partly filled batch too). Raises if one example exceeds a row."""
-    batch = _empty(rows, row_tokens)
-    row = used = segment = 0
+def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int, short_rows: int = 0,
+         short_row_tokens: int = 0) -> Iterator[Batch]:
+    """Packs examples in stream order into batches of one `[rows, row_tokens]` part, or with
+    `short_rows` two: `[short_rows, short_row_tokens]` first, then `[rows, row_tokens]`.
+
+    Rows fill one after another, an example going to the next row when it does not fit. With
+    two parts, an example of at most `short_row_tokens` goes to the short part while that has
+    room, else to the long one; a longer example to the long part. A batch is yielded when the
+    next example fits nowhere (a last, partly filled batch too), so every batch holds a run of
+    consecutive examples. Raises if one example exceeds `row_tokens`."""
+    if short_rows and not 0 < short_row_tokens < row_tokens:
+        raise ValueError(f"short_row_tokens={short_row_tokens} must be positive and below "
+                         f"row_tokens={row_tokens}")
+    shapes = ([(short_rows, short_row_tokens)] if short_rows else []) + [(rows, row_tokens)]
+    parts = [_Part(*shape) for shape in shapes]
     for ex in examples:
         if len(ex) > row_tokens:
             raise ValueError(f"a {ex.role} example of {len(ex)} tokens exceeds row_tokens={row_tokens}")
-        if used + len(ex) > row_tokens:
-            row, used, segment = row + 1, 0, 0
-            if row == rows:
-                yield batch
-                batch, row = _empty(rows, row_tokens), 0
-        segment += 1
-        end = used + len(ex)
-        batch.tokens[row, used:end] = ex.prompt + ex.reply
-        batch.segments[row, used:end] = segment
-        batch.positions[row, used:end] = np.arange(len(ex))
-        batch.roles[row, used + len(ex.prompt):end] = ROLES.index(ex.role) + 1
-        used = end
-    if used or row:
-        yield batch
+        eligible = [part for part in parts if len(ex) <= part.row_tokens]
+        if not any(part.add(ex) for part in eligible):
+            yield tuple(part.batch for part in parts)
+            parts = [_Part(*shape) for shape in shapes]
+            next(part for part in parts if len(ex) <= part.row_tokens).add(ex)
+    if any(part.used or part.row for part in parts):
+        yield tuple(part.batch for part in parts)
 
 
-def _empty(rows: int, row_tokens: int) -> PackedBatch:
-    return PackedBatch(*(np.zeros((rows, row_tokens), np.int32) for _ in range(4)))
+class _Part:
+    """One part of a batch, filled row after row (see `pack`)."""
+
+    def __init__(self, rows: int, row_tokens: int):
+        self.rows, self.row_tokens = rows, row_tokens
+        self.batch = PackedBatch(*(np.zeros((rows, row_tokens), np.int32) for _ in range(4)))
+        self.row = self.used = self.segment = 0
+
+    def add(self, ex: Encoded) -> bool:
+        """Places `ex` in the current row, or else the next; False when neither is left."""
+        if self.used + len(ex) > self.row_tokens:
+            if self.row + 1 == self.rows:
+                return False
+            self.row, self.used, self.segment = self.row + 1, 0, 0
+        b, row, start = self.batch, self.row, self.used
+        self.segment += 1
+        end = start + len(ex)
+        b.tokens[row, start:end] = ex.prompt + ex.reply
+        b.segments[row, start:end] = self.segment
+        b.positions[row, start:end] = np.arange(len(ex))
+        b.roles[row, start + len(ex.prompt):end] = ROLES.index(ex.role) + 1
+        self.used = end
+        return True
 
 
-def loss_terms(model: Qwen3, batch: PackedBatch) -> dict[str, jax.Array]:
-    """Summed reply-token negative log-likelihood and token count, overall and per role."""
+def loss_terms(model: Qwen3, batch: Batch) -> dict[str, jax.Array]:
+    """Summed reply-token negative log-likelihood and token count, overall and per role, over
+    the batch's parts."""
+    parts = [_part_terms(model, part) for part in batch]
+    return {key: sum(terms[key] for terms in parts) for key in parts[0]}
+
+
+def _part_terms(model: Qwen3, batch: PackedBatch) -> dict[str, jax.Array]:
     tokens, segments = jnp.asarray(batch.tokens), jnp.asarray(batch.segments)
     hidden = model.forward(tokens, positions=jnp.asarray(batch.positions),
                            mask=AttentionMask.packed(segments)).hidden
@@ -128,14 +164,14 @@ def loss_terms(model: Qwen3, batch: PackedBatch) -> dict[str, jax.Array]:
     return terms
 
 
-def _loss(params, graphdef: nnx.GraphDef, batch: PackedBatch):
+def _loss(params, graphdef: nnx.GraphDef, batch: Batch):
     terms = loss_terms(nnx.merge(graphdef, params), batch)
     return terms["nll"] / jnp.maximum(terms["tokens"], 1.0), terms
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer"),
                    donate_argnames=("params", "opt_state"))
-def sft_step(params, opt_state, batch: PackedBatch, *, graphdef: nnx.GraphDef,
+def sft_step(params, opt_state, batch: Batch, *, graphdef: nnx.GraphDef,
              optimizer: optax.GradientTransformation):
     """One AdamW step on the mean reply-token loss; returns new params, opt state, metrics."""
     (loss, terms), grads = jax.value_and_grad(_loss, has_aux=True)(params, graphdef, batch)
@@ -145,11 +181,11 @@ def sft_step(params, opt_state, batch: PackedBatch, *, graphdef: nnx.GraphDef,
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def eval_terms(params, batch: PackedBatch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
+def eval_terms(params, batch: Batch, *, graphdef: nnx.GraphDef) -> dict[str, jax.Array]:
     return loss_terms(nnx.merge(graphdef, params), batch)
 
 
-def heldout_loss(params, batches: Sequence[PackedBatch], graphdef: nnx.GraphDef) -> dict[str, float]:
+def heldout_loss(params, batches: Sequence[Batch], graphdef: nnx.GraphDef) -> dict[str, float]:
     """Mean reply-token loss over `batches`, overall (`loss`) and per role (`loss/<role>`)."""
     totals: dict[str, float] = {}
     for batch in batches:

@@ -37,6 +37,12 @@ def test_a_warm_start_with_a_checkpoint_or_no_cache_is_named_with_the_fix():
     validate(config, common.base_config(), device_count=1)  # no warm start: the checkpoint is used
 
 
+def test_sft_short_rows_not_below_the_row_length_are_named():
+    config = quickstart.get_config()
+    config.sft.short_row_tokens = config.sft.row_tokens
+    assert "not between 0 and sft.row_tokens" in _problems(config)["sft.short_row_tokens"]
+
+
 def test_unknown_missing_and_mistyped_fields_are_named_with_the_fix():
     config = smoke.get_config()
     config.rollout.groupsize = 4                      # typo in a config file

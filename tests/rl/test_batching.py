@@ -29,6 +29,11 @@ def test_make_batch_layout_by_hand():
         [0, 0, 0, -1.1, -1.2, 0, 0, 0], [0] * 8], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(batch.advantages).ravel(), [1.5, -0.5, 0.25, 0.0])
     assert batch.expert_ids is None and batch.old_logprobs is None
+    # At least 4 micro-batches: two more, all padding.
+    padded = make_batch(samples, micro_batch_size=2, min_length=8, min_micro=4)
+    assert padded.tokens.shape == (4, 2, 8)
+    np.testing.assert_array_equal(np.asarray(padded.tokens)[:2], np.asarray(batch.tokens))
+    assert not np.any(np.asarray(padded.attention_mask)[2:])
 
 
 def test_make_batch_routing_layout_and_a_mix_is_an_error():

@@ -26,7 +26,7 @@ def examples(num_problems: int, seed: int = 0) -> list[train.Encoded]:
 
 def test_pack_keeps_every_example_whole_and_in_order():
     encoded = examples(6)
-    batches = list(train.pack(encoded, rows=2, row_tokens=640))
+    batches = [part for (part,) in train.pack(encoded, rows=2, row_tokens=640)]
     pieces = []
     for batch in batches:
         for row in range(2):
@@ -41,11 +41,43 @@ def test_pack_keeps_every_example_whole_and_in_order():
         next(train.pack(encoded, rows=1, row_tokens=100))
 
 
+def test_two_parts_take_short_examples_in_short_rows_and_keep_batches_consecutive():
+    encoded = examples(12)  # Solver examples fit 128 tokens; Verifier and Corrector ones do not
+    assert any(len(e) <= 128 for e in encoded) and any(len(e) > 128 for e in encoded)
+    batches = list(train.pack(encoded, rows=2, row_tokens=640, short_rows=3, short_row_tokens=128))
+    seen = []
+    for short, long in batches:
+        assert short.tokens.shape == (3, 128) and long.tokens.shape == (2, 640)
+        pieces = []
+        for part in (short, long):
+            for row in range(part.tokens.shape[0]):
+                for segment in range(1, part.segments[row].max() + 1):
+                    where = part.segments[row] == segment
+                    assert np.array_equal(part.positions[row][where], np.arange(where.sum()))
+                    pieces.append(part.tokens[row][where].tolist())
+        # A batch is the next run of examples of the stream, in any order across its parts.
+        run = [e.prompt + e.reply for e in encoded[len(seen):len(seen) + len(pieces)]]
+        assert sorted(pieces) == sorted(run)
+        seen += run
+    assert len(seen) == len(encoded)
+    assert any(short.segments[0].max() > 0 for short, _ in batches)  # short rows are used
+    with pytest.raises(ValueError, match="must be positive and below"):
+        next(train.pack(encoded, rows=2, row_tokens=640, short_rows=1, short_row_tokens=640))
+
+
 def test_packed_loss_equals_the_sum_of_separate_losses():
     model = create_model(get_preset("tiny"), seed=0)
     a, b = examples(1)[:2]
     together = train.loss_terms(model, next(train.pack([a, b], rows=1, row_tokens=1024)))
     alone = [train.loss_terms(model, next(train.pack([e], rows=1, row_tokens=1024))) for e in (a, b)]
+    # In two parts (`a` in a short row, `b` in a long one) the terms add up the same.
+    short = min(a, b, key=len)
+    parts = next(train.pack([a, b], rows=1, row_tokens=1024, short_rows=1,
+                            short_row_tokens=len(short)))
+    assert parts[0].segments.max() == 1 and parts[1].segments.max() == 1
+    for key in ("nll", "tokens"):
+        np.testing.assert_allclose(float(train.loss_terms(model, parts)[key]),
+                                   float(together[key]), rtol=1e-4)
     assert float(together["tokens"]) == len(a.reply) + len(b.reply)
     np.testing.assert_allclose(float(together["nll"]), sum(float(t["nll"]) for t in alone), rtol=1e-4)
     np.testing.assert_allclose(float(together[f"nll/{a.role}"]), float(alone[0]["nll"]), rtol=1e-4)
