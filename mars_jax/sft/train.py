@@ -3,8 +3,8 @@
 Examples (`traces.make_examples` over `arith` train problems) are packed whole into fixed
 `[rows, row_tokens]` batches, optionally with a second part of shorter rows that takes the short
 examples (attention costs each token as much as its row is long). Each example is a segment that
-attends only to itself (block-diagonal causal visibility; positions restart at 0), so no compute
-goes to padding and the step compiles once. The loss is next-token cross-entropy on the reply
+attends only to itself (block-diagonal causal visibility; positions restart at 0), and the
+batch shapes are fixed, so the step compiles once. The loss is next-token cross-entropy on the reply
 tokens (reply + `<|im_end|>`), averaged over them; per-role sums are kept so that held-out losses
 can be reported per role.
 """
@@ -108,13 +108,17 @@ def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int, short_rows:
     for ex in examples:
         if len(ex) > row_tokens:
             raise ValueError(f"a {ex.role} example of {len(ex)} tokens exceeds row_tokens={row_tokens}")
-        eligible = [part for part in parts if len(ex) <= part.row_tokens]
-        if not any(part.add(ex) for part in eligible):
+        if not _place(parts, ex):
             yield tuple(part.batch for part in parts)
             parts = [_Part(*shape) for shape in shapes]
-            next(part for part in parts if len(ex) <= part.row_tokens).add(ex)
+            _place(parts, ex)  # a fresh part of row_tokens always has room
     if any(part.used or part.row for part in parts):
         yield tuple(part.batch for part in parts)
+
+
+def _place(parts: list[_Part], ex: Encoded) -> bool:
+    """Adds `ex` to the first part whose rows are long enough for it and that has room."""
+    return any(part.add(ex) for part in parts if len(ex) <= part.row_tokens)
 
 
 class _Part:
