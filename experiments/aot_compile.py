@@ -440,11 +440,14 @@ class StepPrograms:
             experts = _sharded(mesh, (m, self.num_moe, s.micro_batch, s.train_len,
                                       self.cfg.num_experts_per_tok), jnp.int32,
                                (None, None, "batch", None, None))
+        pack = self.config.learner.pack
         batch = TrainBatch(
             tokens=self._train_rows(m), attention_mask=self._train_rows(m),
             loss_mask=self._train_rows(m, dtype=jnp.float32),
-            advantages=_sharded(mesh, (m, s.micro_batch), jnp.float32, (None, "batch")),
+            advantages=(self._train_rows(m, dtype=jnp.float32) if pack else
+                        _sharded(mesh, (m, s.micro_batch), jnp.float32, (None, "batch"))),
             sampler_logprobs=self._train_rows(m, dtype=jnp.float32), expert_ids=experts,
+            segments=self._train_rows(m) if pack else None,
             old_logprobs=(self._train_rows(m, dtype=jnp.float32)
                           if self.config.loss.pi_old == "recompute" else None))
         ref = self.weights if self.update_config.loss.needs_ref_logprobs else None

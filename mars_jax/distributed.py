@@ -111,10 +111,11 @@ def pad_train_batch(batch: TrainBatch, num_micro: int, length: int) -> TrainBatc
         tokens=_pad(batch.tokens, micro_and_length),
         attention_mask=_pad(batch.attention_mask, micro_and_length),
         loss_mask=_pad(batch.loss_mask, micro_and_length),
-        advantages=_pad(batch.advantages, {0: num_micro}),
+        advantages=_pad(batch.advantages, micro_and_length),
         sampler_logprobs=_pad(batch.sampler_logprobs, micro_and_length),
         expert_ids=None if batch.expert_ids is None else _pad(batch.expert_ids,
-                                                              {0: num_micro, 3: length}))
+                                                              {0: num_micro, 3: length}),
+        segments=None if batch.segments is None else _pad(batch.segments, micro_and_length))
 
 
 def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
@@ -148,7 +149,8 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
                       advantages=to_global(local.advantages, 1),
                       sampler_logprobs=to_global(local.sampler_logprobs, 1),
                       expert_ids=None if local.expert_ids is None
-                      else to_global(local.expert_ids, 2))
+                      else to_global(local.expert_ids, 2),
+                      segments=None if local.segments is None else to_global(local.segments, 1))
 
 
 def allgather_json(value) -> list:

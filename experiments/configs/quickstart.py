@@ -51,8 +51,10 @@ def get_config():
     c.rollout.temperature = 1.0
     # Update.
     c.optimizer.learning_rate = 5e-4
-    # A step trains at most 144 samples: always 2 micro-batches of 72 rows of 512 (each cut to the
-    # shortest length holding its rows; an empty one skipped), so the update compiles once.
-    c.learner.micro_batch_size, c.learner.min_micro_batches, c.learner.min_length = 72, 2, 512
+    # A step trains at most 144 samples, packed into rows of 512 (a Verifier sample, ~480 tokens,
+    # fills one; a Corrector's, ~260, shares with Solver ones, ~77): at most ~100 rows, always 16
+    # micro-batches of 8 rows (empty ones skipped, none cut), so the update compiles once.
+    c.learner.micro_batch_size, c.learner.min_micro_batches, c.learner.min_length = 8, 16, 512
+    c.learner.length_halvings = 0
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     return c

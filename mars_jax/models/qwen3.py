@@ -34,6 +34,15 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def positions_from_segments(segments: jax.Array) -> jax.Array:
+    """Position ids of packed rows `[B, T]` (each example a run of one segment id): they restart
+    at 0 where the segment id changes."""
+    index = jnp.broadcast_to(jnp.arange(segments.shape[-1]), segments.shape)
+    changed = jnp.concatenate([jnp.ones_like(segments[..., :1], bool),
+                               segments[..., 1:] != segments[..., :-1]], axis=-1)
+    return index - jax.lax.cummax(jnp.where(changed, index, 0), axis=segments.ndim - 1)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) with a dense or MoE MLP."""
 

@@ -183,28 +183,41 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
     raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def token_weights(mask: jax.Array, mode: str, max_response_len: int | None = None) -> jax.Array:
+def token_weights(mask: jax.Array, mode: str, max_response_len: int | None = None, *,
+                  segments: jax.Array | None = None) -> jax.Array:
     """Per-token weights (same shape as ``mask``, ``[..., T]``, leading axes = rows) of one
-    aggregation over every row of ``mask``; the loss is ``sum(weights * per_token)``.
+    aggregation over every sequence of ``mask``; the loss is ``sum(weights * per_token)``.
 
-    token-mean: ``1 / (response tokens of all rows)``.
-    seq-mean-token-mean (the paper's Eq. 2): ``1 / (|o_i| * non-empty rows)``: each
+    A sequence is a row, or with ``segments`` (packed rows, same shape, ids >= 1 per row) a
+    run of one segment id within a row.
+
+    token-mean: ``1 / (response tokens of all sequences)``.
+    seq-mean-token-mean (the paper's Eq. 2): ``1 / (|o_i| * non-empty sequences)``: each
         sequence's token mean, averaged over sequences.
-    seq-mean-token-sum-norm (Dr.GRPO): ``1 / (max_response_len * non-empty rows)``.
-    Rows whose mask is all zero (padding, filtered samples) get weight 0 and are not
+    seq-mean-token-sum-norm (Dr.GRPO): ``1 / (max_response_len * non-empty sequences)``.
+    Sequences whose mask is all zero (padding, filtered samples) get weight 0 and are not
     counted in any denominator.
     """
     mask = mask.astype(jnp.promote_types(mask.dtype, jnp.float32))
-    lengths = jnp.sum(mask, axis=-1, keepdims=True)
-    rows = jnp.maximum(jnp.sum(lengths > 0), 1).astype(mask.dtype)
     if mode == "token-mean":
         return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    if segments is None:
+        lengths = jnp.sum(mask, axis=-1, keepdims=True)
+        sequences = jnp.sum(lengths > 0)
+    else:
+        num_rows, width = mask.size // mask.shape[-1], mask.shape[-1] + 1  # segment ids < width
+        rows = jnp.arange(num_rows).reshape(*mask.shape[:-1], 1)
+        keys = (rows * width + segments).reshape(-1)  # one key per (row, segment)
+        per_key = jax.ops.segment_sum(mask.reshape(-1), keys, num_segments=num_rows * width)
+        lengths = per_key[keys].reshape(mask.shape)
+        sequences = jnp.sum(per_key > 0)
+    sequences = jnp.maximum(sequences, 1).astype(mask.dtype)
     if mode == "seq-mean-token-mean":
-        return mask / (jnp.maximum(lengths, 1.0) * rows)
+        return mask / (jnp.maximum(lengths, 1.0) * sequences)
     if mode == "seq-mean-token-sum-norm":
         if max_response_len is None:
             raise ValueError("seq-mean-token-sum-norm needs max_response_len")
-        return mask / (max_response_len * rows)
+        return mask / (max_response_len * sequences)
     raise ValueError(f"mode must be one of {AGGREGATIONS}, got {mode!r}")
 
 

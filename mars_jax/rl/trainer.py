@@ -158,11 +158,13 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
     micro, min_length = config.learner.micro_batch_size, config.learner.min_length
     if samples:
         batch = make_batch(samples, micro_batch_size=micro, min_length=min_length,
-                           min_micro=config.learner.min_micro_batches, by_length=True)
+                           min_micro=config.learner.min_micro_batches, by_length=True,
+                           pack=config.learner.pack)
     else:
         experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
                    if config.learner.routing_replay and model_config.num_experts else None)
-        batch = empty_batch(micro_batch_size=micro, length=min_length, experts=experts)
+        batch = empty_batch(micro_batch_size=micro, length=min_length, experts=experts,
+                            pack=config.learner.pack)
     return batch if jax.process_count() == 1 else distributed.global_train_batch(batch, mesh)
 
 

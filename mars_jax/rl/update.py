@@ -26,7 +26,7 @@ import optax
 from flax import nnx, struct
 
 from mars_jax.layers.attention_mask import AttentionMask
-from mars_jax.models.qwen3 import Qwen3, positions_from_mask
+from mars_jax.models.qwen3 import Qwen3, positions_from_mask, positions_from_segments
 from mars_jax.rl.losses import LossConfig, policy_loss, token_weights
 
 
@@ -38,10 +38,13 @@ class TrainBatch:
     tokens: jax.Array            # [M, b, L] int32, right-padded prompt + response
     attention_mask: jax.Array    # [M, b, L] 1 on real tokens
     loss_mask: jax.Array         # [M, b, L] 1 on response tokens
-    advantages: jax.Array        # [M, b]
+    advantages: jax.Array        # [M, b], or [M, b, L] per token when packed
     sampler_logprobs: jax.Array  # [M, b, L] the behaviour policy (the sampler's)
     old_logprobs: jax.Array | None = None  # [M, b, L] pi_old when not the sampler's
     expert_ids: jax.Array | None = None  # [M, L_moe, b, L, k] routing replay
+    # Packed rows: [M, b, L] int32, the samples of a row numbered from 1 (0 = padding); each
+    # attends only to itself and its positions restart at 0. None: one sample per row.
+    segments: jax.Array | None = None
 
 
 @struct.dataclass
@@ -92,11 +95,16 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: 
 
 
 def token_logprobs(model: Qwen3, tokens: jax.Array, attention_mask: jax.Array, *,
-                   temperature: float, chunk: int, expert_ids: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
-    """log p(tokens[t] | tokens[<t]) / T-scaled, and the token entropy, both `[B, L]` (0 at t=0)."""
-    out = model.forward(tokens, positions=positions_from_mask(attention_mask),
-                        mask=AttentionMask.causal(attention_mask), expert_ids=expert_ids)
+                   temperature: float, chunk: int, expert_ids: jax.Array | None = None,
+                   segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """log p(tokens[t] | tokens[<t]) / T-scaled, and the token entropy, both `[B, L]` (0 at t=0).
+    With `segments` (packed rows) the context is the token's own segment; the value at a
+    segment's first token is then meaningless (mask it out)."""
+    if segments is None:
+        positions, mask = positions_from_mask(attention_mask), AttentionMask.causal(attention_mask)
+    else:
+        positions, mask = positions_from_segments(segments), AttentionMask.packed(segments)
+    out = model.forward(tokens, positions=positions, mask=mask, expert_ids=expert_ids)
     hidden, targets = out.hidden[:, :-1], tokens[:, 1:]
     batch, length = targets.shape
     chunk = min(chunk, length)
@@ -142,13 +150,14 @@ def _micro_loss(params, graphdef, micro: TrainBatch, weights: jax.Array, ref_par
     replay = micro.expert_ids if config.routing_replay else None
     logprobs, entropy = token_logprobs(model, micro.tokens, micro.attention_mask,
                                        temperature=config.temperature, chunk=config.logits_chunk,
-                                       expert_ids=replay)
+                                       expert_ids=replay, segments=micro.segments)
     ref_logprobs = None
     if config.loss.needs_ref_logprobs:
         ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref_params))
         ref_logprobs, _ = token_logprobs(ref_model, micro.tokens, micro.attention_mask,
                                          temperature=config.temperature,
-                                         chunk=config.logits_chunk, expert_ids=replay)
+                                         chunk=config.logits_chunk, expert_ids=replay,
+                                         segments=micro.segments)
     mask = micro.loss_mask.astype(jnp.float32)
     decoupled = micro.old_logprobs is not None
     old = micro.old_logprobs if decoupled else micro.sampler_logprobs
@@ -180,12 +189,16 @@ def _cut(x: jax.Array | None, length: int, axis: int = 1) -> jax.Array | None:
 
 def _cut_micro(micro: TrainBatch, length: int) -> TrainBatch:
     """`micro` without the token columns from `length` on."""
+    per_token_advantages = micro.advantages.ndim == 2
     return micro.replace(tokens=_cut(micro.tokens, length),
                          attention_mask=_cut(micro.attention_mask, length),
                          loss_mask=_cut(micro.loss_mask, length),
+                         advantages=(_cut(micro.advantages, length) if per_token_advantages
+                                     else micro.advantages),
                          sampler_logprobs=_cut(micro.sampler_logprobs, length),
                          old_logprobs=_cut(micro.old_logprobs, length),
-                         expert_ids=_cut(micro.expert_ids, length, axis=2))
+                         expert_ids=_cut(micro.expert_ids, length, axis=2),
+                         segments=_cut(micro.segments, length))
 
 
 def _length_branch(micro: TrainBatch, cuts: Sequence[int]) -> jax.Array:
@@ -200,9 +213,11 @@ def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef
                     config: UpdateConfig) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the whole mini-batch's loss (one aggregation over every row and token of
     `batch`), accumulated micro-batch by micro-batch; metrics are token-weighted means except
-    `loss` (the mini-batch's loss) and `tokens` (its response tokens)."""
+    `loss` (the mini-batch's loss), `tokens` (its response tokens) and `fill` (the fraction of
+    its positions that hold tokens)."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
-    weights = token_weights(batch.loss_mask, config.loss.aggregation, config.loss.max_response_len)
+    weights = token_weights(batch.loss_mask, config.loss.aggregation, config.loss.max_response_len,
+                            segments=batch.segments)
 
     cuts = cut_lengths(batch.tokens.shape[-1], config.length_halvings, config.fine_cuts)
 
@@ -225,7 +240,8 @@ def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef
     tokens = jnp.maximum(jnp.sum(metrics["tokens"]), 1.0)
     summary = {k: jnp.sum(v * metrics["tokens"]) / tokens for k, v in metrics.items()
                if k not in ("tokens", "loss")}
-    summary.update(loss=jnp.sum(metrics["loss"]), tokens=jnp.sum(metrics["tokens"]))
+    summary.update(loss=jnp.sum(metrics["loss"]), tokens=jnp.sum(metrics["tokens"]),
+                   fill=jnp.mean(batch.attention_mask.astype(jnp.float32)))
     return grads, summary
 
 
@@ -267,7 +283,8 @@ def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
                 replay = part.expert_ids if config.routing_replay else None
                 logprobs, _ = token_logprobs(model, part.tokens, part.attention_mask,
                                              temperature=config.temperature,
-                                             chunk=config.logits_chunk, expert_ids=replay)
+                                             chunk=config.logits_chunk, expert_ids=replay,
+                                             segments=part.segments)
                 return jnp.pad(logprobs * part.loss_mask, ((0, 0), (0, length - n)))
             return run
 

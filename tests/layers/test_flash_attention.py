@@ -1,11 +1,11 @@
-"""Blockwise attention against a float64 numpy reference, the dense kernel's gradients, and in
-memory that does not grow with T x S."""
+"""Blockwise attention and the dense kernel by causal blocks against a float64 numpy reference,
+the dense kernel's gradients, and in memory that does not grow with T x S."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mars_jax.layers.attention import dot_product_attention
+from mars_jax.layers.attention import causal_blocks, dot_product_attention, self_attention
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.flash_attention import flash_attention
 
@@ -112,3 +112,19 @@ def test_backward_memory_is_linear_in_length():
                                                              block_k=256), t)
     assert dense >= scores_bytes
     assert flash < scores_bytes / 20
+
+
+@pytest.mark.parametrize("t", [256, 192, 100])
+@pytest.mark.parametrize("make_mask", [lambda t: AttentionMask.causal(_padded(t, 5, 7)),
+                                       lambda t: AttentionMask.packed(_segments(t))],
+                         ids=["padding", "packed"])
+def test_self_attention_by_causal_blocks_matches_float64_reference(t, make_mask):
+    """256 and 192 queries run as 4 and 3 blocks of 64, 100 as one (`causal_blocks`)."""
+    assert causal_blocks(t) == {256: 4, 192: 3, 100: 1}[t]
+    mask = make_mask(t)
+    q, k, v = _inputs(t, t, seed=t)
+    allowed = np.asarray(mask.dense())
+    seen = allowed.any(-1)
+    out = self_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, 0.3)
+    np.testing.assert_allclose(np.asarray(out)[seen], reference(q, k, v, allowed, 0.3)[seen],
+                               atol=2e-6, rtol=0)

@@ -36,6 +36,30 @@ def test_make_batch_layout_by_hand():
     assert not np.any(np.asarray(padded.attention_mask)[2:])
 
 
+def test_packed_layout_by_hand():
+    """Sizes 5, 2, 5, 3 into rows of 8, longest first, first fit: row 0 takes the first 5 and
+    the 3, row 1 the second 5 and the 2."""
+    samples = [TrainSample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], 1.5),
+               TrainSample([6], [7], [-0.7], -0.5, in_loss=False),
+               TrainSample([8, 9, 10], [11, 12], [-1.1, -1.2], 0.25),
+               TrainSample([13, 14], [15], [-1.5], 2.0)]
+    batch = make_batch(samples, micro_batch_size=1, min_length=8, pack=True, min_micro=2)
+    assert batch.tokens.shape == (2, 1, 8) and batch.advantages.shape == (2, 1, 8)
+    rows = lambda x: np.asarray(x).reshape(2, -1)  # noqa: E731
+    np.testing.assert_array_equal(rows(batch.tokens), [[1, 2, 3, 4, 5, 13, 14, 15],
+                                                       [8, 9, 10, 11, 12, 6, 7, 0]])
+    np.testing.assert_array_equal(rows(batch.segments), [[1, 1, 1, 1, 1, 2, 2, 2],
+                                                         [1, 1, 1, 1, 1, 2, 2, 0]])
+    np.testing.assert_array_equal(rows(batch.loss_mask), [[0, 0, 1, 1, 1, 0, 0, 1],
+                                                          [0, 0, 0, 1, 1, 0, 0, 0]])
+    np.testing.assert_allclose(rows(batch.sampler_logprobs), [
+        [0, 0, -0.1, -0.2, -0.3, 0, 0, -1.5], [0, 0, 0, -1.1, -1.2, 0, -0.7, 0]], rtol=1e-6)
+    np.testing.assert_allclose(rows(batch.advantages), [
+        [1.5] * 5 + [2.0] * 3, [0.25] * 5 + [-0.5] * 2 + [0.0]])
+    with pytest.raises(ValueError, match="needs a prompt"):
+        make_batch([TrainSample([], [1], [-1.0], 1.0)], micro_batch_size=1, pack=True)
+
+
 def test_make_batch_routing_layout_and_a_mix_is_an_error():
     experts = lambda n, v: np.full((2, n, 1), v, np.int32)  # noqa: E731  [layers, tokens, k]
     samples = [TrainSample([1], [2, 3], [-1.0, -1.0], 1.0, experts(3, 7)),
@@ -54,6 +78,9 @@ def test_empty_batch_is_all_padding():
     for x in (batch.tokens, batch.attention_mask, batch.loss_mask, batch.advantages,
               batch.sampler_logprobs, batch.expert_ids):
         assert not np.any(x)
+    packed = empty_batch(micro_batch_size=3, length=8, pack=True)  # laid out as packed batches
+    assert packed.advantages.shape == packed.segments.shape == (1, 3, 8)
+    assert not np.any(packed.segments)
 
 
 def _rollout(uid, reward, finish="stop"):
