@@ -85,11 +85,12 @@ def base_config() -> ConfigDict:
                                   max_grad_norm=1.0))
 
     # A step makes ppo_epochs x mini_batches optimizer updates on its samples (mars_jax.rl.learner).
-    # Each micro-batch (rows longest first) runs cut to the shortest of its width / 2**k,
-    # k <= length_halvings, that holds it; fine_cuts adds the 3/4 points (rl.update.cut_lengths).
+    # pack: a row holds several samples (first fit, longest first; each attends only to itself),
+    # so short samples do not each pay a whole row; else one sample a row, longest first. A
+    # micro-batch is micro_batch_size rows, cut to the shortest of its width / 2**k,
+    # k <= length_halvings, that holds them; fine_cuts adds the 3/4 points (rl.update.cut_lengths).
     # A batch has at least min_length columns and min_micro_batches micro-batches (padding ones
-    # skip their forward and backward), so that fewer shapes compile. pack: a row holds several
-    # samples (each attends only to itself), so short samples do not each pay a whole row.
+    # skip their forward and backward), so that fewer shapes compile.
     c.learner = ConfigDict(dict(ppo_epochs=1, mini_batches=1, micro_batch_size=8, min_length=32,
                                 min_micro_batches=1, pack=True,
                                 logits_chunk=256, routing_replay=False, length_halvings=2,
