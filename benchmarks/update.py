@@ -1,21 +1,29 @@
 """The RL update on the quickstart's batch: mars_jax's `train_step` by layout vs a torch GRPO step.
 
-Usage: python benchmarks/update.py [--repeats 5] [--engines rows,packed,packed_full,torch]
+Usage: python benchmarks/update.py [--workload quickstart] [--repeats 5]
+                                   [--engines rows,packed,packed_full,torch]
 
-Workload: one RL step of the README's main job (`experiments/configs/quickstart.py`): 48 Solver
-samples (56 prompt + 21 reply tokens), 48 Verifier samples (306 + 140..193), 36 Corrector samples
-(239 + 21), seeded random tokens, advantages and sampler log-probabilities; the `mini` SFT model
-(0.16M parameters, dense Qwen3), float32. One update = GRPO's clipped loss (seq-mean-token-mean)
-over all 132 samples, backward, AdamW (lr 5e-4, grad-norm clip 1).
-  rows         mars_jax, one sample a row: 2 micro-batches of 72 rows of 512, longest first, each
-               cut to 128 / 256 / 512 (the quickstart before packing).
-  packed       mars_jax, `learner.pack`: samples first-fit into rows of 512, 16 micro-batches of
-               8 rows, empty ones skipped (the quickstart's layout).
+Workloads (seeded random tokens, advantages and sampler log-probabilities; float32):
+  quickstart  one RL step of the README's main job (`experiments/configs/quickstart.py`): 48
+              Solver samples (56 prompt + 21 reply tokens), 48 Verifier (306 + 140..193), 36
+              Corrector (239 + 21); the `mini` SFT model (0.16M parameters, dense Qwen3).
+  study       a step shaped like the toy study's (`experiments/configs/study.py`): 192 Solver
+              samples (60 + 60..139), 192 Verifier (330 + 150..271), 192 Corrector (280 +
+              60..139); the `small` model (0.86M).
+One update = GRPO's clipped loss (seq-mean-token-mean) over all samples, backward, AdamW (lr 5e-4,
+grad-norm clip 1).
+  rows         mars_jax, one sample a row, longest first, each micro-batch cut to the shortest
+               cut that holds it (quickstart: 2 micro-batches of 72 rows of 512, cuts 128 / 256 /
+               512, its layout before packing; study: micro-batches of 16, the 3/4 cuts too,
+               its layout).
+  packed       mars_jax, `learner.pack`: samples first-fit into rows (quickstart: 16
+               micro-batches of 8 rows of 512, none cut, its layout; study: micro-batches of 16
+               rows of 1,024).
   packed_full  as `packed`, but attention over whole rows (no causal query blocks).
-  torch        HF transformers' Qwen3 on the same weights (sdpa attention), micro-batches of 72
-               rows padded to their longest (TRL's GRPO layout), the same loss, AdamW.
+  torch        HF transformers' Qwen3 on the same weights (sdpa attention), micro-batches of the
+               `rows` size padded to their longest (TRL's GRPO layout), the same loss, AdamW.
 The first update's loss is printed for each (the same weights, so the same loss). Engines
-alternate run by run after warm-up (compile) calls; medians. Achieved GFLOP/s = the
+alternate run by run after that first (compiling) call; medians. Achieved GFLOP/s = the
 FLOPs the samples need (causal forward of each sample, x3 for the backward) over the time,
 printed beside the machine's matmul ceiling.
 """
@@ -26,6 +34,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU benchmark: never probe for accelerators
 
 import argparse
+import dataclasses
 import tempfile
 
 import jax
@@ -48,8 +57,30 @@ LEARNING_RATE, CLIP_LOW, CLIP_HIGH = 5e-4, 0.2, 0.28
 ENGINES = ("rows", "packed", "packed_full", "torch")
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    arch: str
+    roles: tuple[tuple[int, int, int, int], ...]  # (samples, prompt tokens, reply from, to)
+    rows: dict    # make_batch arguments of the `rows` layout
+    rows_update: dict  # its UpdateConfig fields
+    packed: dict
+    packed_update: dict
+
+
+WORKLOADS = {
+    "quickstart": Workload("mini", ((48, 56, 21, 22), (48, 306, 140, 194), (36, 239, 21, 22)),
+                           dict(micro_batch_size=72, min_micro=2, by_length=True), {},
+                           dict(micro_batch_size=8, min_micro=16, pack=True),
+                           dict(length_halvings=0)),
+    "study": Workload("small", ((192, 60, 60, 140), (192, 330, 150, 272), (192, 280, 60, 140)),
+                      dict(micro_batch_size=16, by_length=True), dict(fine_cuts=True),
+                      dict(micro_batch_size=16, pack=True), {}),
+}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="quickstart", choices=sorted(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--seed", type=int, default=0)
@@ -58,16 +89,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def quickstart_samples(vocab: int, seed: int) -> list[TrainSample]:
+def workload_samples(workload: Workload, vocab: int, seed: int) -> list[TrainSample]:
     rng = np.random.default_rng(seed)
 
     def sample(prompt: int, reply: int) -> TrainSample:
         return TrainSample(list(rng.integers(1, vocab, prompt)), list(rng.integers(1, vocab, reply)),
                            list(-rng.uniform(0.05, 2.0, reply)), float(rng.choice([-1.0, 1.0])))
 
-    return ([sample(56, 21) for _ in range(48)]
-            + [sample(306, int(n)) for n in rng.integers(140, 194, 48)]
-            + [sample(239, 21) for _ in range(36)])
+    return [sample(prompt, int(n)) for count, prompt, low, high in workload.roles
+            for n in rng.integers(low, high, count)]
 
 
 def sample_flops(config: Qwen3Config, samples: list[TrainSample]) -> float:
@@ -156,37 +186,37 @@ def torch_update(model, samples, micro: int) -> callable:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(os.cpu_count())
-    config = Qwen3Config(**ARCHS["mini"])
-    samples = quickstart_samples(config.vocab_size, args.seed)
+    workload = WORKLOADS[args.workload]
+    config = Qwen3Config(**ARCHS[workload.arch])
+    samples = workload_samples(workload, config.vocab_size, args.seed)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     flops = sample_flops(config, samples)
     print(f"machine: {bench_utils.machine_line()}")
     print(f"versions: {bench_utils.versions_line()}")
     print(f"workload: {len(samples)} samples, {tokens:,} tokens, {flops / 1e9:.1f} GFLOP an update "
-          f"(mini model, {sum(x.size for x in jax.tree.leaves(nnx.state(create_model(config))))} "
+          f"({workload.arch} model, {sum(x.size for x in jax.tree.leaves(nnx.state(create_model(config))))} "
           "parameters)")
     peak = {"XLA": bench_utils.xla_matmul_rate(4096, 512, 8192),
             "torch": bench_utils.torch_matmul_rate(4096, 512, 8192)}
     print("machine matmul ceiling, [4096, 512] @ [512, 8192] float32: " + ", ".join(
         f"{name} {rate / 1e9:.1f} GFLOP/s" for name, rate in peak.items()))
     loss = LossConfig(aggregation="seq-mean-token-mean", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
-    rows = dict(micro_batch_size=72, min_micro=2, by_length=True)
-    packed = dict(micro_batch_size=8, min_micro=16, pack=True)
+    rows, packed = workload.rows, workload.packed
+    rows_update = UpdateConfig(loss=loss, **workload.rows_update)
+    packed_update = UpdateConfig(loss=loss, **workload.packed_update)
     makers = {
-        "rows": lambda: ours(config, samples, rows, UpdateConfig(loss=loss), True),
-        "packed": lambda: ours(config, samples, packed, UpdateConfig(loss=loss, length_halvings=0),
-                               True),
-        "packed_full": lambda: ours(config, samples, packed,
-                                    UpdateConfig(loss=loss, length_halvings=0), False),
+        "rows": lambda: ours(config, samples, rows, rows_update, True),
+        "packed": lambda: ours(config, samples, packed, packed_update, True),
+        "packed_full": lambda: ours(config, samples, packed, packed_update, False),
     }
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(create_model(config, seed=0), tmp)
         makers["torch"] = lambda: torch_update(transformers.AutoModelForCausalLM.from_pretrained(
-            tmp, dtype=torch.float32), samples, micro=72)
+            tmp, dtype=torch.float32), samples, micro=rows["micro_batch_size"])
         fns = {name: makers[name]() for name in args.engines}
         first = {name: fn() for name, fn in fns.items()}  # the same weights: the same loss
         print("first-update loss: " + ", ".join(f"{n} {v:.6f}" for n, v in first.items()))
-        times = bench_utils.time_interleaved(fns, args.repeats, warmup=1)
+        times = bench_utils.time_interleaved(fns, args.repeats, warmup=0)  # first: the warm-up
     base = bench_utils.median(times["torch"]) if "torch" in times else None
     for name, runs in times.items():
         mid = bench_utils.median(runs)
