@@ -104,9 +104,9 @@ def rl_config(c, variant: str):
     # padded to a Verifier row's length.
     c.learner.mini_batches, c.learner.micro_batch_size = 1, 16
     # Verifier rows (~330-token prompts, up to 602 tokens in all) pad to 1,024 columns: the 3/4
-    # cuts run them at 768 instead. One sample a row: packed into rows of 1,024, a step's 576
-    # samples took 121-125 s against 99 s this way (attention over whole rows; a synthetic step of
-    # this shape, benchmarks/RESULTS.md, "RL update on the quickstart's batch").
+    # cuts run them at 768 instead. One sample a row: packed into rows of 1,024, a step of this
+    # shape took 122 s against 107 s this way (attention over whole rows; `python
+    # benchmarks/update.py --workload=study`, benchmarks/RESULTS.md).
     c.learner.fine_cuts, c.learner.pack = True, False
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.
