@@ -52,8 +52,8 @@ def get_config():
     # Update.
     c.optimizer.learning_rate = 5e-4
     # A step trains at most 144 samples, packed into rows of 512 (a Verifier sample, ~480 tokens,
-    # fills one; a Corrector's, ~260, shares with Solver ones, ~77): at most ~100 rows, always 16
-    # micro-batches of 8 rows (empty ones skipped, none cut), so the update compiles once.
+    # fills one; a Corrector's, ~260, shares with Solver ones, ~77): ~80-100 rows, which 16
+    # micro-batches of 8 rows hold (empty ones skipped, none cut), so the update compiles once.
     c.learner.micro_batch_size, c.learner.min_micro_batches, c.learner.min_length = 8, 16, 512
     c.learner.length_halvings = 0
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2

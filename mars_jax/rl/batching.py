@@ -42,7 +42,8 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
     samples of similar lengths and the update can cut it short: `update.cut_lengths`).
 
     With `pack`, rows hold several samples each (first fit, longest first; `segments` numbers
-    them) and advantages are per token: the same loss and gradient from fewer rows."""
+    them) and advantages are per token: the same loss and gradient (up to float rounding) from
+    fewer rows."""
     if not samples:
         raise ValueError("make_batch: no samples")
     if pack and not all(s.prompt_ids for s in samples):
@@ -64,6 +65,7 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
     logprobs = np.zeros((rows, length), np.float32)
     advantages = np.zeros((rows, length) if pack else (rows,), np.float32)
     segments = np.zeros((rows, length), np.int32)
+    samples_in_row = np.zeros(rows, np.int32)
     with_experts = _all_or_none(samples, "expert_ids")
     experts = None
     if with_experts:
@@ -76,7 +78,8 @@ def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_len
         end = start + p + r
         tokens[row, start:end] = list(s.prompt_ids) + list(s.response_ids)
         attention[row, start:end] = 1
-        segments[row, start:end] = 1 + segments[row].max()
+        samples_in_row[row] += 1
+        segments[row, start:end] = samples_in_row[row]
         loss_mask[row, start + p:end] = float(s.in_loss)
         logprobs[row, start + p:end] = s.sampler_logprobs
         if pack:
