@@ -9,7 +9,8 @@ Workloads (seeded random tokens, advantages and sampler log-probabilities; float
               Corrector (239 + 21); the `mini` SFT model (0.16M parameters, dense Qwen3).
   study       a step shaped like the toy study's (`experiments/configs/study.py`): 192 Solver
               samples (60 + 60..139), 192 Verifier (330 + 150..271), 192 Corrector (280 +
-              60..139); the `small` model (0.86M).
+              60..139); the `small` model (0.86M), dense attention (`attention_impl`) as
+              study.py sets it.
 One update = GRPO's clipped loss (seq-mean-token-mean) over all samples, backward, AdamW (lr 5e-4,
 grad-norm clip 1).
   rows         mars_jax, one sample a row, longest first, each micro-batch cut to the shortest
@@ -65,6 +66,7 @@ class Workload:
     rows_update: dict  # its UpdateConfig fields
     packed: dict
     packed_update: dict
+    model: dict = dataclasses.field(default_factory=dict)  # the job's model overrides
 
 
 WORKLOADS = {
@@ -74,7 +76,8 @@ WORKLOADS = {
                            dict(length_halvings=0)),
     "study": Workload("small", ((192, 60, 60, 140), (192, 330, 150, 272), (192, 280, 60, 140)),
                       dict(micro_batch_size=16, by_length=True), dict(fine_cuts=True),
-                      dict(micro_batch_size=16, pack=True), {}),
+                      dict(micro_batch_size=16, pack=True), {},
+                      dict(attention_impl="dense")),
 }
 
 
@@ -187,7 +190,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(os.cpu_count())
     workload = WORKLOADS[args.workload]
-    config = Qwen3Config(**ARCHS[workload.arch])
+    config = Qwen3Config(**{**ARCHS[workload.arch], **workload.model})
     samples = workload_samples(workload, config.vocab_size, args.seed)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     flops = sample_flops(config, samples)

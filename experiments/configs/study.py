@@ -53,6 +53,10 @@ def get_config(arg: str = "marsrl"):
     c.data.name, c.data.split = "arith", "train"
     c.data.arith.update(ARITH)
     c.rollout.max_prompt_tokens = 512
+    # Dense attention for every role's rows (up to 1,024 columns): 'auto' switches to the
+    # blockwise kernel above 512, 2.4x slower an SFT step and 2x slower an RL update here
+    # (`python benchmarks/update.py --workload=study`).
+    c.model.attention_impl = "dense"
     c.rollout.prompt_style = "compact"
     c.eval.max_new_tokens.update(MAX_NEW_TOKENS)
     c.eval.temperature, c.eval.top_p = 0.6, 0.95
@@ -68,10 +72,8 @@ def sft_config(c):
     # no faster per wall-clock minute here).
     c.model.checkpoint = WARM_START
     c.sft.steps = 1000
-    # The longest example (a Wrong Verifier reply) is 602 tokens; dense attention over 608-token
-    # rows ('auto' switches to the blockwise kernel above 512, 2.4x slower a step here).
+    # The longest example (a Wrong Verifier reply) is 602 tokens.
     c.sft.rows, c.sft.row_tokens = 8, 608
-    c.model.attention_impl = "dense"
     # Exact traces: the Solver's errors are its own (slip-injected traces taught near-miss
     # arithmetic that the Verifier then shared); half the Verifier's examples judge a flawed one.
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.0, 0.5
@@ -105,8 +107,8 @@ def rl_config(c, variant: str):
     c.learner.mini_batches, c.learner.micro_batch_size = 1, 16
     # Verifier rows (~330-token prompts, up to 602 tokens in all) pad to 1,024 columns: the 3/4
     # cuts run them at 768 instead. One sample a row: packed into rows of 1,024, a step of this
-    # shape took 122 s against 107 s this way (attention over whole rows; `python
-    # benchmarks/update.py --workload=study`, benchmarks/RESULTS.md).
+    # shape took 59.5 s against 48.1 s this way (`python benchmarks/update.py
+    # --workload=study`, benchmarks/RESULTS.md).
     c.learner.fine_cuts, c.learner.pack = True, False
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     # Held-out evaluation: avg@2 on the 500 test problems at the paper's sampling settings.
