@@ -3,10 +3,10 @@
 Examples (`traces.make_examples` over `arith` train problems) are packed whole into fixed
 `[rows, row_tokens]` batches, optionally with a second part of shorter rows that takes the short
 examples (attention costs each token as much as its row is long). Each example is a segment that
-attends only to itself (block-diagonal causal visibility; positions restart at 0), and the
-batch shapes are fixed, so the step compiles once. The loss is next-token cross-entropy on the reply
-tokens (reply + `<|im_end|>`), averaged over them; per-role sums are kept so that held-out losses
-can be reported per role.
+attends only to itself (block-diagonal causal visibility; positions restart at 0, derived from
+the segment ids as in the RL update), and the batch shapes are fixed, so the step compiles once.
+The loss is next-token cross-entropy on the reply tokens (reply + `<|im_end|>`), averaged over
+them; per-role sums are kept so that held-out losses can be reported per role.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from flax import nnx
 
 from mars_jax.data.tokenizer import IM_END, encode_chat
 from mars_jax.layers.attention_mask import AttentionMask
-from mars_jax.models.qwen3 import Qwen3
+from mars_jax.models.qwen3 import Qwen3, positions_from_segments
 from mars_jax.sft.traces import Example, make_examples
 
 ROLES = ("solver", "verifier", "corrector")
@@ -48,7 +48,6 @@ class PackedBatch(NamedTuple):
 
     tokens: np.ndarray     # [R, T] int32
     segments: np.ndarray   # [R, T] int32
-    positions: np.ndarray  # [R, T] int32
     roles: np.ndarray      # [R, T] int32
 
 
@@ -126,7 +125,7 @@ class _Part:
 
     def __init__(self, rows: int, row_tokens: int):
         self.rows, self.row_tokens = rows, row_tokens
-        self.batch = PackedBatch(*(np.zeros((rows, row_tokens), np.int32) for _ in range(4)))
+        self.batch = PackedBatch(*(np.zeros((rows, row_tokens), np.int32) for _ in range(3)))
         self.row = self.used = self.segment = 0
 
     def add(self, ex: Encoded) -> bool:
@@ -140,7 +139,6 @@ class _Part:
         end = start + len(ex)
         b.tokens[row, start:end] = ex.prompt + ex.reply
         b.segments[row, start:end] = self.segment
-        b.positions[row, start:end] = np.arange(len(ex))
         b.roles[row, start + len(ex.prompt):end] = ROLES.index(ex.role) + 1
         self.used = end
         return True
@@ -155,7 +153,7 @@ def loss_terms(model: Qwen3, batch: Batch) -> dict[str, jax.Array]:
 
 def _part_terms(model: Qwen3, batch: PackedBatch) -> dict[str, jax.Array]:
     tokens, segments = jnp.asarray(batch.tokens), jnp.asarray(batch.segments)
-    hidden = model.forward(tokens, positions=jnp.asarray(batch.positions),
+    hidden = model.forward(tokens, positions=positions_from_segments(segments),
                            mask=AttentionMask.packed(segments)).hidden
     logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
