@@ -53,9 +53,9 @@ def get_config(arg: str = "marsrl"):
     c.data.name, c.data.split = "arith", "train"
     c.data.arith.update(ARITH)
     c.rollout.max_prompt_tokens = 512
-    # Dense attention for every role's rows (up to 1,024 columns): 'auto' switches to the
-    # blockwise kernel above 512, 2.4x slower an SFT step and 2x slower an RL update here
-    # (`python benchmarks/update.py --workload=study`).
+    # Dense attention for every role's rows (up to 1,024 columns; 'auto' now picks it too): the
+    # blockwise kernel was 2.4x slower an SFT step and 2.2x slower an RL update here (`python
+    # benchmarks/update.py --workload=study`).
     c.model.attention_impl = "dense"
     c.rollout.prompt_style = "compact"
     c.eval.max_new_tokens.update(MAX_NEW_TOKENS)

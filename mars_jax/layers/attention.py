@@ -3,7 +3,10 @@
 Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_attention` forms the
 `[B, heads, T, S]` scores at once (fast for short sequences and one-token decode steps);
 `flash_attention` works block by block in memory linear in the length. `impl='auto'` picks flash
-when the queries span more than one block.
+when the queries span more than one block and the dense scores would take more than
+`AUTO_DENSE_MAX_SCORE_BYTES` (512 MiB): where the scores fit, the dense kernel is the faster one
+(on this project's CPU the toy study's RL update, at 768-1,024 columns, took 48 s dense against
+107 s blockwise; benchmarks/RESULTS.md).
 
 Without a cache (a sequence attending to itself, key slot = query slot) the dense kernel splits the
 queries into up to `MAX_CAUSAL_BLOCKS` blocks of at least `MIN_CAUSAL_BLOCK` (`causal_blocks`):
@@ -61,6 +64,8 @@ def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array | 
 
 
 MAX_CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK = 4, 64
+# float32 scores of one call, [B, heads, T, S]; a backward keeps every layer's unless `remat`.
+AUTO_DENSE_MAX_SCORE_BYTES = 1 << 29
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
@@ -140,6 +145,14 @@ class Attention(nnx.Module):
             y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
         return y
 
+    def _use_flash(self, q: jax.Array, keys: int) -> bool:
+        """Whether `impl` runs the blockwise kernel for queries `q` `[B, T, heads, D]` over
+        `keys` keys ('auto': see the module docstring)."""
+        if self.impl != "auto":
+            return self.impl == "flash"
+        batch, length, heads, _ = q.shape
+        return length > self.block and batch * heads * length * keys * 4 > AUTO_DENSE_MAX_SCORE_BYTES
+
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                  cache: KVCache | None = None, cache_index: jax.Array | int = 0,
                  ) -> tuple[jax.Array, KVCache | None]:
@@ -153,7 +166,7 @@ class Attention(nnx.Module):
         scale = self.head_dim ** -0.5
         if cache is not None:
             cache = _write_cache(cache, k, v, cache_index)
-        if self.impl == "flash" or (self.impl == "auto" and q.shape[1] > self.block):
+        if self._use_flash(q, cache.v.shape[2] if cache is not None else k.shape[1]):
             if cache is not None:  # back to [B, S, K, D]
                 k, v = jnp.transpose(cache.k, (0, 3, 1, 2)), jnp.swapaxes(cache.v, 1, 2)
             out = flash_attention(q, k.astype(x.dtype), v.astype(x.dtype), mask, scale,

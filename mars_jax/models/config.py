@@ -46,7 +46,8 @@ class Qwen3Config:
     capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped
     moe_chunk_tokens: int = 0       # dropless dispatch this many tokens at a time (0 = all)
     attention_impl: str = "auto"    # 'dense' [T, S] scores | 'flash' blockwise | 'auto': flash
-    attention_block: int = 512      # when the queries span more than one block of this size
+    attention_block: int = 512      # when the queries span more than one block of this size and
+                                    # the dense scores would exceed 512 MiB (layers/attention.py)
     remat: bool = False             # recompute each layer's activations in the backward pass
     scan_layers: bool = False       # run the layers as one lax.scan (compiles one layer)
 

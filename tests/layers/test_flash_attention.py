@@ -1,12 +1,16 @@
 """Blockwise attention and the dense kernel by causal blocks against a float64 numpy reference,
-the dense kernel's gradients, and in memory that does not grow with T x S."""
+the dense kernel's gradients, and in memory that does not grow with T x S; which kernel 'auto'
+runs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from mars_jax.layers import attention
 from mars_jax.layers.attention import causal_blocks, dot_product_attention, self_attention
 from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.layers.embeddings import rope_cos_sin
 from mars_jax.layers.flash_attention import flash_attention
 
 BATCH, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
@@ -128,3 +132,29 @@ def test_self_attention_by_causal_blocks_matches_float64_reference(t, make_mask)
     out = self_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, 0.3)
     np.testing.assert_allclose(np.asarray(out)[seen], reference(q, k, v, allowed, 0.3)[seen],
                                atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("budget, expect_flash", [(None, False), (0, True)],
+                         ids=["scores_fit", "over_budget"])
+def test_auto_runs_flash_only_when_the_dense_scores_exceed_the_budget(monkeypatch, budget,
+                                                                     expect_flash):
+    """12 queries over blocks of 4: 'auto' keeps the dense kernel while the `[B, heads, 12, 12]`
+    scores fit `AUTO_DENSE_MAX_SCORE_BYTES`, and runs the blockwise one once they do not; both
+    give the same output."""
+    if budget is not None:
+        monkeypatch.setattr(attention, "AUTO_DENSE_MAX_SCORE_BYTES", budget)
+    calls = []
+    monkeypatch.setattr(attention, "flash_attention",
+                        lambda *args, **kw: calls.append(1) or flash_attention(*args, **kw))
+    t, hidden = 12, 16
+    layer = attention.Attention(hidden=hidden, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM,
+                                bias=False, eps=1e-6, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
+                                stddev=0.5, impl="auto", block=4)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, t, hidden)), jnp.float32)
+    mask = AttentionMask.causal(jnp.ones((BATCH, t), jnp.int32))
+    cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(t), (BATCH, t)), DIM, 10000.0)
+    out, _ = layer(x, cos, sin, mask)
+    assert bool(calls) == expect_flash
+    layer.impl = "dense" if expect_flash else "flash"
+    other, _ = layer(x, cos, sin, mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(other), atol=2e-6, rtol=0)
