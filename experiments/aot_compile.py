@@ -211,8 +211,8 @@ def step_shapes(config: ConfigDict) -> Shapes:
     r = config.rollout
     rows = r.prompts_per_step * r.group_size
     decode_batch = min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows
-    prompt_len = _pow2(r.max_prompt_tokens, sampler.MIN_PROMPT_BUCKET)
-    new_tokens = _pow2(max(r.max_new_tokens.values()), sampler.MIN_NEW_BUCKET)
+    prompt_len = sampler.prompt_bucket(r.max_prompt_tokens)
+    new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
     micro = config.learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
                   segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,

@@ -11,7 +11,10 @@ when the queries span more than one block and the dense scores would take more t
 Without a cache (a sequence attending to itself, key slot = query slot) the dense kernel splits the
 queries into up to `MAX_CAUSAL_BLOCKS` blocks of at least `MIN_CAUSAL_BLOCK` (`causal_blocks`):
 block i reads only the keys up to its own end, so the scores above the causal diagonal's blocks
-are never formed (3/8 of them at 4 blocks).
+are never formed (3/8 of them at 4 blocks). A prefill that writes a cache at the static index 0
+(`cache_index=0`, a Python int) attends the same way, over its own keys only: the cache slots
+after them are causally invisible, so reading them (a `generate` cache holds the prompt and
+every new token's slot) would only cost time.
 """
 from __future__ import annotations
 
@@ -48,6 +51,12 @@ def cache_layout(batch: int, length: int, kv_heads: int, head_dim: int) -> KVCac
 def _to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys and values `[B, S, K, D]` in the cache's layouts `[B, K, D, S]` and `[B, K, S, D]`."""
     return jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
+
+
+def _is_fresh_prefill(cache_index) -> bool:
+    """Whether keys are written at a static position 0: the queries are the sequence's first
+    tokens, so every cache slot after theirs is causally invisible to them."""
+    return isinstance(cache_index, int) and cache_index == 0
 
 
 def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, index: jax.Array | int) -> KVCache:
@@ -164,14 +173,17 @@ class Attention(nnx.Module):
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = self.head_dim ** -0.5
+        from_cache = cache is not None and not _is_fresh_prefill(cache_index)
         if cache is not None:
             cache = _write_cache(cache, k, v, cache_index)
-        if self._use_flash(q, cache.v.shape[2] if cache is not None else k.shape[1]):
-            if cache is not None:  # back to [B, S, K, D]
+        if not from_cache:  # the queries see only their own keys (module docstring)
+            mask = mask.first_keys(k.shape[1])
+        if self._use_flash(q, cache.v.shape[2] if from_cache else k.shape[1]):
+            if from_cache:  # back to [B, S, K, D]
                 k, v = jnp.transpose(cache.k, (0, 3, 1, 2)), jnp.swapaxes(cache.v, 1, 2)
             out = flash_attention(q, k.astype(x.dtype), v.astype(x.dtype), mask, scale,
                                   block_q=self.block, block_k=self.block)
-        elif cache is not None:
+        elif from_cache:
             out = _cached_attention(q, cache.k.astype(x.dtype), cache.v.astype(x.dtype), mask,
                                     scale)
         else:

@@ -59,6 +59,12 @@ class AttentionMask:
         segments = segments.astype(jnp.int32)
         return cls(q_segments=segments, kv_segments=segments, offset=jnp.zeros((), jnp.int32))
 
+    def first_keys(self, count: int) -> "AttentionMask":
+        """The same visibility over key slots `0..count` only."""
+        if self.kv_segments.shape[1] == count:
+            return self
+        return self.replace(kv_segments=self.kv_segments[:, :count])
+
     def dense(self) -> jax.Array:
         """The `[B, T, S]` boolean array these vectors describe (for the reference kernel)."""
         t, s = self.q_segments.shape[1], self.kv_segments.shape[1]

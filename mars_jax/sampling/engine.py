@@ -332,7 +332,8 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
                          kv_segments=jnp.ones((rows, bucket), jnp.int32),
                          offset=jnp.asarray(start, jnp.int32))
     positions = jnp.broadcast_to(start + jnp.arange(width), (rows, width))
-    out = model.forward(tokens, positions=positions, mask=mask, cache=cache, cache_index=start)
+    out = model.forward(tokens, positions=positions, mask=mask, cache=cache,
+                        cache_index=0 if fresh else start)
     at = jnp.clip(last - start, 0, width - 1)
     hidden = jnp.take_along_axis(out.hidden, at[:, None, None], axis=1)[:, 0]
     here = (last >= start) & (last < start + width)

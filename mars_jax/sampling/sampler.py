@@ -95,9 +95,23 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1)).bit_length())
 
 
+def length_bucket(n: int, minimum: int) -> int:
+    """`n` rounded up to the next 2^k or 3 * 2^(k-1), at least `minimum`: at most a third of a
+    bucket is padding (a power of two alone pads a 330-token prompt to 512), for two programs
+    per doubling of the length."""
+    power = _bucket(n, minimum)
+    three_quarters = 3 * power // 4
+    return three_quarters if n <= three_quarters and three_quarters >= minimum else power
+
+
 def prompt_bucket(prompt_len: int) -> int:
     """The padded prompt length `generate` uses for a batch whose longest prompt has this length."""
-    return _bucket(prompt_len, MIN_PROMPT_BUCKET)
+    return length_bucket(prompt_len, MIN_PROMPT_BUCKET)
+
+
+def new_tokens_bucket(max_new_tokens: int) -> int:
+    """The cache slots `generate` reserves for a batch whose largest budget is this."""
+    return length_bucket(max_new_tokens, MIN_NEW_BUCKET)
 
 
 def _decode_loop(model: Qwen3, state: DecodeState, end_step: jax.Array, temperature: jax.Array,
@@ -226,7 +240,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     multiple = _batch_multiple(mesh)
     batch = _batch_bucket(n, multiple)
     prompt_len = prompt_bucket(max(len(p) for p in prompts))
-    num_new = _bucket(max(max_new), MIN_NEW_BUCKET)
+    num_new = new_tokens_bucket(max(max_new))
     tokens = np.zeros((batch, prompt_len), np.int32)
     mask = np.zeros((batch, prompt_len), np.int32)
     for i, p in enumerate(prompts):

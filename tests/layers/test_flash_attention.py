@@ -158,3 +158,31 @@ def test_auto_runs_flash_only_when_the_dense_scores_exceed_the_budget(monkeypatc
     layer.impl = "dense" if expect_flash else "flash"
     other, _ = layer(x, cos, sin, mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(other), atol=2e-6, rtol=0)
+
+
+def test_fresh_prefill_attends_over_its_own_keys_by_causal_blocks(monkeypatch):
+    """A prompt of 128 left-padded queries written at the static index 0 of a cache with 64
+    more slots: the output and cache equal those of the same call at a traced index 0 (which
+    reads every cache slot), and the queries run as two causal blocks over their own 128 keys."""
+    t, extra, hidden = 128, 64, 16
+    layer = attention.Attention(hidden=hidden, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM,
+                                bias=False, eps=1e-6, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
+                                stddev=0.5, impl="dense")
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(BATCH, t, hidden)), jnp.float32)
+    prompt = _padded(t, 5, 0)
+    mask = AttentionMask.causal(prompt, num_extra_keys=extra)
+    cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(t), (BATCH, t)), DIM, 10000.0)
+    empty = attention.KVCache(*(jnp.zeros(shape) for shape, _ in attention.cache_layout(
+        BATCH, t + extra, KV_HEADS, DIM)))
+    keys_seen = []
+    monkeypatch.setattr(attention, "dot_product_attention",
+                        lambda q, k, *a: keys_seen.append(k.shape[1])
+                        or dot_product_attention(q, k, *a))
+    out, cache = layer(x, cos, sin, mask, cache=empty, cache_index=0)
+    assert keys_seen == [64, 128]
+    full, full_cache = jax.jit(lambda i: layer(x, cos, sin, mask, cache=empty, cache_index=i))(
+        jnp.int32(0))
+    seen = np.asarray(prompt, bool)
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(full)[seen], atol=2e-6, rtol=0)
+    for got, want in zip(cache, full_cache):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
