@@ -1,10 +1,11 @@
 """Greedy decode throughput: mars_jax `generate` vs HF transformers (torch) `generate` vs tunix.
 
 Usage: python benchmarks/decode.py [--repeats 3] [--batch 16] [--prompt-len 64] [--new-tokens 128]
-                                   [--engines mars_jax,mars_jax_bf16,torch,tunix]
+                                   [--engines mars_jax,mars_jax_bf16,torch,tunix] [--checkpoint DIR]
 
 `bench` preset, one set of weights: an HF model made with a fixed seed is saved to a temporary
-directory and every engine loads it (mars_jax `from_pretrained`; transformers; tunix's Qwen3 via
+directory (or `--checkpoint`, an HF checkpoint directory such as the toy study's SFT model,
+`experiments/results/study/sft/model`) and every engine loads it (mars_jax `from_pretrained`; transformers; tunix's Qwen3 via
 `tunix.models.qwen3.params.create_model_from_safe_tensors`). Each engine decodes `batch` random
 prompts of `prompt-len` tokens for exactly `new-tokens` greedy tokens (no stop token):
   mars_jax       `mars_jax.sampling.generate(temperature=0)`, float32 weights and compute
@@ -39,6 +40,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU benchmark: never probe fo
 import argparse
 import concurrent.futures
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -64,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--moe-impl", default="auto", choices=("auto", "dense", "sorted", "ragged"),
                         help="mars_jax MoE dispatch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", type=Path,
+                        help="an HF checkpoint directory to load instead of the bench preset")
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)   # child process
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)       # child process
     args = parser.parse_args()
@@ -257,7 +261,11 @@ def prepare(work: Path, args, config) -> None:
     import torch
     import transformers
 
-    path = bench_utils.make_hf_checkpoint(config, work / "checkpoint", seed=args.seed)
+    path = work / "checkpoint"
+    if args.checkpoint:
+        shutil.copytree(args.checkpoint, path)
+    else:
+        bench_utils.make_hf_checkpoint(config, path, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     # Ids from 1 up: tunix treats id 0 as padding.
     np.save(work / "prompts.npy", rng.integers(1, config.vocab_size, (args.batch, args.prompt_len)))
@@ -280,12 +288,12 @@ def main() -> None:
     if args.engine:
         run_engine(args)
         return
-    from mars_jax.models import get_preset
+    from mars_jax.models import from_pretrained, get_preset
 
-    config = get_preset("bench")
+    config = from_pretrained(args.checkpoint).config if args.checkpoint else get_preset("bench")
     print(f"machine: {bench_utils.machine_line()}")
     print(f"versions: {bench_utils.versions_line()}")
-    print(f"bench preset: batch {args.batch}, prompt {args.prompt_len} random tokens, "
+    print(f"{args.checkpoint or 'bench preset'}: batch {args.batch}, prompt {args.prompt_len} random tokens, "
           f"{args.new_tokens} new tokens, greedy, no stop token; mars_jax moe_impl={args.moe_impl}")
     bandwidth = {n: memory_bandwidth(n) for n in sorted({1, os.cpu_count()})}
     for n, bw in bandwidth.items():
