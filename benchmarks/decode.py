@@ -5,7 +5,8 @@ Usage: python benchmarks/decode.py [--repeats 3] [--batch 16] [--prompt-len 64] 
 
 `bench` preset, one set of weights: an HF model made with a fixed seed is saved to a temporary
 directory (or `--checkpoint`, an HF checkpoint directory such as the toy study's SFT model,
-`experiments/results/study/sft/model`) and every engine loads it (mars_jax `from_pretrained`; transformers; tunix's Qwen3 via
+`experiments/results/study/sft/model`, is copied there) and every engine loads it (mars_jax
+`from_pretrained`; transformers; tunix's Qwen3 via
 `tunix.models.qwen3.params.create_model_from_safe_tensors`). Each engine decodes `batch` random
 prompts of `prompt-len` tokens for exactly `new-tokens` greedy tokens (no stop token):
   mars_jax       `mars_jax.sampling.generate(temperature=0)`, float32 weights and compute
@@ -288,12 +289,14 @@ def main() -> None:
     if args.engine:
         run_engine(args)
         return
-    from mars_jax.models import from_pretrained, get_preset
+    from mars_jax.models import Qwen3Config, get_preset
 
-    config = from_pretrained(args.checkpoint).config if args.checkpoint else get_preset("bench")
+    config = (Qwen3Config.from_json_file(args.checkpoint / "config.json") if args.checkpoint
+              else get_preset("bench"))
     print(f"machine: {bench_utils.machine_line()}")
     print(f"versions: {bench_utils.versions_line()}")
-    print(f"{args.checkpoint or 'bench preset'}: batch {args.batch}, prompt {args.prompt_len} random tokens, "
+    print(f"{args.checkpoint or 'bench preset'}: batch {args.batch}, prompt {args.prompt_len} "
+          f"random tokens, "
           f"{args.new_tokens} new tokens, greedy, no stop token; mars_jax moe_impl={args.moe_impl}")
     bandwidth = {n: memory_bandwidth(n) for n in sorted({1, os.cpu_count()})}
     for n, bw in bandwidth.items():

@@ -54,8 +54,8 @@ def _to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _is_fresh_prefill(cache_index) -> bool:
-    """Whether keys are written at a static position 0: the queries are the sequence's first
-    tokens, so every cache slot after theirs is causally invisible to them."""
+    """Whether keys are written at a static position 0. Its callers' masks then have offset 0
+    (query t at key slot t), so every cache slot after the queries' own is invisible to them."""
     return isinstance(cache_index, int) and cache_index == 0
 
 
