@@ -287,13 +287,14 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, target
     rows = [header, "", "95% intervals: percentile bootstrap over problems (and over seeds where "
             "a row has several runs); differences paired over problems.", "",
             "| Model | runs | RL steps | Solver avg@k | System avg@k | System − Solver | "
-            "System vs base |", "|---|---|---|---|---|---|---|"]
+            "Solver vs base | System vs base |", "|---|---|---|---|---|---|---|---|"]
     for row in main_rows:
         s = summaries[row]
-        vs_base = _fmt(differences[row], signed=True) if row in differences else "—"
+        vs_base = {part: _fmt(differences[row][part], signed=True) if row in differences else "—"
+                   for part in ("solver", "system")}
         rows.append(f"| {labels[row]} | {s['runs']} | {steps[row]} | {_fmt(s['solver_avg_at_k'])} "
                     f"| {_fmt(s['system_avg_at_k'])} | {_fmt(s['system_minus_solver'], True)} | "
-                    f"{vs_base} |")
+                    f"{vs_base['solver']} | {vs_base['system']} |")
     rows += ["", "Verifier: positive = an actually wrong solution (a Wrong verdict on it is a true "
              "positive); 1st = the first verification of each run (the Solver's candidate), all = "
              "every verification. Corrector: share of the wrong candidates it revised into right "
@@ -473,9 +474,9 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         run_steps = [0 if r.variant == "base" else rl_steps(root / r.name) for r in row_runs]
         steps[row] = ", ".join(sorted({str(s) if s is not None else "?" for s in run_steps}))
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
-    differences = {row: eval_stats.bootstrap_difference(
-        scores[row]["system"], scores[("base", None)]["system"], **draws).to_json()
-        for row in grouped if row != ("base", None)}
+    differences = {row: {part: eval_stats.bootstrap_difference(
+        scores[row][part], scores[("base", None)][part], **draws).to_json()
+        for part in ("solver", "system")} for row in grouped if row != ("base", None)}
     targets = check_targets(summaries, scores, settings)
     config = settings.eval_config("base", Path(""))
     e = config.eval
@@ -500,7 +501,8 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
     (out / "summary.json").write_text(json.dumps({
         "rows": {key(row): {**s, "label": labels[row], "rl_steps": steps[row]}
                  for row, s in summaries.items()},
-        "system_vs_base": {key(row): d for row, d in differences.items()},
+        "solver_vs_base": {key(row): d["solver"] for row, d in differences.items()},
+        "system_vs_base": {key(row): d["system"] for row, d in differences.items()},
         "targets": targets,
         "bootstrap": {"resamples": settings.resamples, "seed": settings.bootstrap_seed,
                       "level": eval_stats.LEVEL, "scheme": "percentile; seeds x problems "

@@ -32,6 +32,10 @@ if [[ ! -f $ROOT/sft/model/config.json ]]; then  # the sft job does not resume: 
   fi
 fi
 
+# Evaluations committed under experiments/results/study/eval (the base; runs committed under
+# experiments/results/study/runs, of their committed checkpoint) are reused, not redone.
+mkdir -p "$ROOT/eval" && cp -rn experiments/results/study/eval/. "$ROOT/eval/"
+
 # The warm start's row first (issue 17: report it before any RL): the report evaluates only the
 # base while no RL run has started.
 if [[ ! -f $ROOT/eval/base/eval/summary.json ]] && ! compgen -G "$ROOT/marsrl*" > /dev/null; then

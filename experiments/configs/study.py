@@ -15,11 +15,12 @@ continues a committed dense 0.86M Qwen3 on exact traces of all three roles
 a flawed solution. `sft.probe_every` samples each role's decisions on held-out problems while it
 trains and saves the model at each probe.
 
-RL: pipeline mode, 32 new problems a step, groups of 8, one parent per later stage; `balanced`
+RL: pipeline mode, 32 new problems a step, groups of 8, one parent per later stage, sampled at
+the evaluation's temperature (0.6); `balanced`
 selection, so the Verifier judges right and wrong solutions equally often whenever a group holds
 both (`adaptive` would give it a wrong one whenever one exists).
 
-Every RL run probes each role's decisions on 256 held-out problems before step 1 and every 20
+Every RL run probes each role's decisions on 256 held-out problems before step 1 and every 50
 steps (`eval.probe_every`, `probe/*` in metrics.jsonl), so learning shows apart from the mix of
 the training problems.
 
@@ -87,7 +88,9 @@ def sft_config(c):
 
 
 def rl_config(c, variant: str):
-    c.total_steps = 200
+    # 600 steps: MarsRL-S's held-out Solver rose ~1 point a 100 steps from step 200 (probe 65.6
+    # -> 70.7 at step 600; experiments/RESULTS.md, "MarsRL-S at T=0.6 to 600+ steps").
+    c.total_steps = 600
     c.model.checkpoint = f"{ROOT}/sft/model"
     c.rollout.roles_trained = VARIANTS[variant]
     c.rollout.mode = "pipeline"
@@ -99,7 +102,9 @@ def rl_config(c, variant: str):
     c.rollout.max_stages = 3
     c.rollout.selection = "balanced"
     c.rollout.max_new_tokens.update(MAX_NEW_TOKENS)
-    c.rollout.temperature = 1.0
+    # Rollouts at the evaluation's temperature (RL sharpens the policy that is evaluated); top_p
+    # 1.0 so that the PPO ratio is of the distribution sampled.
+    c.rollout.temperature, c.rollout.top_p = 0.6, 1.0
     c.optimizer.learning_rate = 3e-5
     # Micro-batches of 16 rows, longest first, are each cut to their own length
     # (Solver rows ~160 tokens, Verifier rows ~500 in the SFT traces), so Solver rows are not
@@ -119,6 +124,6 @@ def rl_config(c, variant: str):
     # Verifier round's temporaries: 28.6 GB for `medium`, out of memory here).
     c.eval.engine_slots = 64
     # Each role's decisions on the first 256 held-out problems (mars_jax.sft.probe) before step 1
-    # and every 20 steps: learning told apart from the training problems' mix.
-    c.eval.probe_every, c.eval.probe_problems = 20, 256
+    # and every 50 steps: learning told apart from the training problems' mix.
+    c.eval.probe_every, c.eval.probe_problems = 50, 256
     return c

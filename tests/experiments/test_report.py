@@ -85,6 +85,9 @@ def test_report_tables_and_targets_from_records(study):
     assert rows["marsrl"]["system_avg_at_k"]["estimate"] == pytest.approx(0.65)
     assert rows["marsrl"]["system_minus_solver"]["estimate"] == pytest.approx(0.15)
     assert summary["system_vs_base"]["marsrl"]["estimate"] == pytest.approx(0.35)
+    # Paired: the Solver gains problems 24-29 (+10 points) in every MarsRL run.
+    assert summary["solver_vs_base"]["marsrl"]["estimate"] == pytest.approx(0.1)
+    assert "| +10.0 [" in text
     assert rows["marsrl_random"]["system_avg_at_k"]["estimate"] == pytest.approx(0.2)
     # The seed-0 / seed-1 spread (70% vs 60%) is inside MarsRL's interval.
     interval = rows["marsrl"]["system_avg_at_k"]
