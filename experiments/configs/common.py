@@ -47,6 +47,7 @@ def base_config() -> ConfigDict:
         decode_engine="generate",   # 'generate' (static batches) | 'engine' (continuous batching)
         engine_slots=0,             # engine slots; 0 = max_decode_rows, else 16
         engine_chunk_steps=16,      # engine decode steps between admissions
+        engine_admit_batch=1,       # free slots before queued requests are admitted (one prefill)
         engine_prefill_ahead=0,     # prompts per admission prefill call (queued ones prefilled early)
         # 'step': one decode per training step (segments, `decode_engine`); 'stream': one engine
         # runs across updates, each output graded as it finishes, the next stage submitted at

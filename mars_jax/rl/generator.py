@@ -105,6 +105,7 @@ def stream_engine(config: ConfigDict, model, eos: Sequence[int], *, mesh=None) -
     slots, length = engine_shape(config, mesh)
     return Engine(model, num_slots=slots, max_length=length,
                   chunk_steps=config.rollout.engine_chunk_steps,
+                  admit_batch=config.rollout.engine_admit_batch,
                   prefill_ahead=config.rollout.engine_prefill_ahead,
                   max_stop_ids=max(8, len(tuple(eos))), seed=(config.seed * 1_000_003) % (1 << 32),
                   record_routing=config.learner.routing_replay, mesh=mesh)
@@ -117,11 +118,13 @@ class EngineGenerator:
 
     def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
                  top_k: int, seed: int, record_routing: bool, num_slots: int, max_length: int,
-                 chunk_steps: int = 16, prefill_ahead: int = 0, mesh=None):
+                 chunk_steps: int = 16, admit_batch: int = 1, prefill_ahead: int = 0,
+                 mesh=None):
         self.eos = tuple(int(e) for e in eos)
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.engine = Engine(model, num_slots=num_slots, max_length=max_length,
-                             chunk_steps=chunk_steps, prefill_ahead=prefill_ahead,
+                             chunk_steps=chunk_steps, admit_batch=admit_batch,
+                             prefill_ahead=prefill_ahead,
                              max_stop_ids=max(8, len(self.eos)),
                              seed=seed, record_routing=record_routing, mesh=mesh)
         self.submitted = 0
@@ -135,7 +138,8 @@ class EngineGenerator:
         return cls(model, eos, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                    seed=seed, record_routing=config.learner.routing_replay, num_slots=slots,
                    max_length=length, chunk_steps=r.engine_chunk_steps,
-                   prefill_ahead=r.engine_prefill_ahead, mesh=mesh)
+                   admit_batch=r.engine_admit_batch, prefill_ahead=r.engine_prefill_ahead,
+                   mesh=mesh)
 
     def set_model(self, model, *, seed: int) -> None:
         """Decodes with `model`'s current arrays from now on; `seed` starts a new seed series."""

@@ -14,9 +14,9 @@ batch bucket); one slot insert per (prompt bucket, batch bucket). Requests comin
 only array values. When nothing waits, the running requests' rows are gathered into a smaller slot
 bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk,
-rounded up to a power of two (at least `min_span`, at most `max_length`): it copies those
-positions out of the slot cache once, decodes over them, and writes back the rows that decoded.
-At most floor(log2(max_length / min_span)) + 2 spans.
+rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least `min_span`, at most
+`max_length`): it copies those positions out of the slot cache once, decodes over them, and
+writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span)) + 2 spans.
 
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
 request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
@@ -71,7 +71,7 @@ from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sampling.processors import choose_tokens_per_row
-from mars_jax.sampling.sampler import _batch_multiple, prompt_bucket
+from mars_jax.sampling.sampler import _batch_multiple, length_bucket, prompt_bucket
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
@@ -248,9 +248,9 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
 
 
 def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
-    """The KV span a decode chunk attends over: `needed` positions rounded up to a power of two
-    (at least `min_span`), at most `max_length`."""
-    return min(max_length, max(min_span, 1 << max(0, needed - 1).bit_length()))
+    """The KV span a decode chunk attends over: `needed` positions rounded up to the next 2^k or
+    3 * 2^(k-1) (`length_bucket`; at least `min_span`), at most `max_length`."""
+    return min(max_length, length_bucket(needed, min_span))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span"),

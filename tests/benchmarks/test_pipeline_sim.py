@@ -336,13 +336,13 @@ def test_paged_kv_needs_room_for_one_request():
 
 
 def test_sim_engine_charges_the_slot_bucket_and_span_the_engine_decodes():
-    # 4 slots, 5 requests of 2, 4, 6, 8, 3 tokens with 300-token prompts (span 512). Request 4
-    # waits until request 0 ends; then 4, 3, 2, 1 rows run in buckets 4, 4, 2, 1.
+    # 4 slots, 5 requests of 2, 4, 6, 8, 3 tokens with 300-token prompts (span 384 = 3 * 2^7).
+    # Request 4 waits until request 0 ends; then 4, 3, 2, 1 rows run in buckets 4, 4, 2, 1.
     cost = _Recorder()
     engine = SimEngine(cost, FixedLengths({0: 2, 1: 4, 2: 6, 3: 8, 4: 3}), num_slots=4,
                        max_length=1024, role_of=lambda ids: "solver", answer_tokens={})
     for s in range(5):
         engine.submit([7] * 300, max_new_tokens=10, seed=s, stop_ids=(1,))
     list(engine.stream())
-    assert cost.calls == [(4, 4, 512, 2), (4, 4, 512, 2), (3, 4, 512, 1), (2, 2, 512, 1),
-                          (1, 1, 512, 2)]
+    assert cost.calls == [(4, 4, 384, 2), (4, 4, 384, 2), (3, 4, 384, 1), (2, 2, 384, 1),
+                          (1, 1, 384, 2)]

@@ -26,3 +26,27 @@ def test_requests_equal_their_own_decode_and_a_group_is_prefilled_once():
         assert output.finish_reason == "length"
     generator.set_model(model, seed=0)
     assert generator(requests) == outputs  # same weights and seed: same outputs
+
+
+def test_batched_admission_from_the_config_decodes_the_same_tokens():
+    """`rollout.engine_admit_batch` / `engine_prefill_ahead` change when requests enter the
+    engine, not what they decode (greedy)."""
+    from ml_collections import ConfigDict
+
+    model = create_model(get_preset("tiny"), seed=0)
+    rng = np.random.default_rng(1)
+    requests = [GenerationRequest(tuple(int(t) for t in rng.integers(1, 500, size=n)), m, "solver")
+                for n, m in zip((5, 30, 9, 17, 3, 11), (3, 9, 14, 5, 8, 12))]
+    rollout = ConfigDict(dict(engine_slots=2, max_decode_rows=0, max_prompt_tokens=32,
+                              max_new_tokens={"solver": 16}, engine_chunk_steps=4,
+                              engine_admit_batch=2, engine_prefill_ahead=3, temperature=0.0,
+                              top_p=1.0, top_k=0))
+    config = ConfigDict(dict(rollout=rollout, learner=dict(routing_replay=False)))
+    generator = EngineGenerator.from_config(config, model, (), seed=0)
+    assert (generator.engine.admit_batch, generator.engine.prefill_ahead) == (2, 3)
+    outputs = generator(requests)
+    assert generator.engine.stats["prefill_calls"] < len(requests)
+    for request, output in zip(requests, outputs):
+        alone = generate(model, [list(request.prompt_ids)], max_new_tokens=request.max_new_tokens,
+                         temperature=0.0)
+        assert list(output.token_ids) == alone.tokens[0]

@@ -60,7 +60,7 @@ def _serve(engine, order):
                                    [3, 8, 0, 5, 9, 1, 6, 2, 7, 4]])
 def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order):
     engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True,
-                    min_span=16)  # decode chunks over KV spans of 16, 32 and 64 positions
+                    min_span=16)  # decode chunks over KV spans of 16, 24, 32, 48 and 64 positions
     outputs = _serve(engine, order)
     assert engine.stats["prefills"] == 10
     for i, ref in enumerate(reference):
@@ -214,7 +214,7 @@ def test_recompute_resume_equals_a_fresh_prefill_under_new_weights(model, tmp_pa
 def test_slots_are_reused_without_recompiling(model, monkeypatch):
     """After one warm-up pass, further requests compile no prefill or insert; decode chunks
     exist once per (slot bucket, KV span) pair run (4 slots, and 2 and 1 once the tail is
-    compacted; spans 16, 32, 48) and shrinking once per slot bucket."""
+    compacted; spans 16, 24, 32, 48) and shrinking once per slot bucket."""
     fixed = (engine_module._prefill, engine_module._insert)
     decode, take = engine_module._decode_chunk, engine_module._take_slots
     before = decode._cache_size(), take._cache_size()
@@ -238,7 +238,7 @@ def test_slots_are_reused_without_recompiling(model, monkeypatch):
     serve(engine)
     serve(Engine(model, num_slots=4, max_length=48, chunk_steps=4, min_span=16))
     assert [p._cache_size() for p in fixed] == compiled
-    assert {span for _, span in chunks} == {16, 32, 48} and {rows for rows, _ in chunks} > {4}
+    assert {span for _, span in chunks} == {16, 24, 32, 48} and {rows for rows, _ in chunks} > {4}
     assert decode._cache_size() - before[0] <= len(chunks)  # (earlier tests compiled some)
     assert take._cache_size() - before[1] <= 2  # slot buckets 2 and 1
     assert engine.stats["shrinks"] > 0
