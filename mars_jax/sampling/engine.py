@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -179,9 +180,13 @@ def _pinned(state: SlotState) -> SlotState:
 
 
 def _slots_sharded(num_slots: int) -> bool:
-    """Whether the current mesh (if any) splits a slot axis of `num_slots` rows."""
+    """Whether the current mesh (if any) splits a slot axis of `num_slots` rows into more than
+    one shard (mesh axes of size 1 split nothing)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and sharding.fitted_spec(("batch",), (num_slots,), mesh)[0] is not None
+    if mesh.empty:
+        return False
+    axes = sharding.spec_axes(sharding.fitted_spec(("batch",), (num_slots,), mesh)[0])
+    return math.prod(mesh.shape[axis] for axis in axes) > 1
 
 
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:

@@ -129,6 +129,20 @@ def test_8_device_mesh_gives_the_same_tokens(hf_moe_dir, reference):
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
 
 
+def test_one_row_reads_are_slices_unless_the_mesh_splits_the_slots():
+    """A mesh whose batch axes have size 1 splits nothing: one slot's read is then a dynamic
+    slice, not a masked sum over every slot (which made each decode chunk on the trainer's
+    one-device mesh ~20x slower)."""
+    one = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1},
+                             devices=jax.devices()[:1])
+    split = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
+    with sharding.use_mesh(one):
+        assert not engine_module._slots_sharded(256)
+    with sharding.use_mesh(split):
+        assert engine_module._slots_sharded(256) and not engine_module._slots_sharded(3)
+    assert not engine_module._slots_sharded(256)  # no mesh
+
+
 def test_prefill_ahead_prefills_queued_prompts_in_few_calls_with_the_same_tokens(model,
                                                                              reference):
     """4 slots, 10 requests: each admission's prefill call also takes the next queued prompts
