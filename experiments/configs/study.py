@@ -102,6 +102,11 @@ def rl_config(c, variant: str):
     c.rollout.max_stages = 3
     c.rollout.selection = "balanced"
     c.rollout.max_new_tokens.update(MAX_NEW_TOKENS)
+    # A step's ~700 requests on one continuous-batching engine of 256 slots, 32 admitted at a time
+    # (one prefill call, which also prefills the next 64 queued prompts): rollout 27-39 s a step
+    # against `generate`'s 35-57 s (steps 2-4 of a MarsRL run, benchmarks/RESULTS.md).
+    c.rollout.decode_engine, c.rollout.engine_slots = "engine", 256
+    c.rollout.engine_admit_batch, c.rollout.engine_prefill_ahead = 32, 64
     # Rollouts at the evaluation's temperature (RL sharpens the policy that is evaluated); top_p
     # 1.0 so that the PPO ratio is of the distribution sampled.
     c.rollout.temperature, c.rollout.top_p = 0.6, 1.0
