@@ -10,7 +10,11 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
            token counts, where reading the weights dominates, and for tiny experts.
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
            per block, scanned block by block; CPU path for large token counts.
-  ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls (TPU/GPU).
+  ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. `auto`
+           picks it on TPU only, where XLA lowers it to a grouped-matmul kernel; XLA:GPU (jax
+           0.10) rewrites it to one dense dot over a one-hot `[tokens*k, E*H]` operand, E times
+           the grouped FLOPs (benchmarks/RESULTS.md, "One H200"), so on GPU `auto` follows the
+           CPU rule (`dense` for few tokens or tiny experts, else `sorted`).
   capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
            dropped. Chosen whenever `capacity_factor` is set.
 
@@ -70,7 +74,7 @@ class MoE(nnx.Module):
             return "capacity"
         if self.impl != "auto":
             return self.impl
-        if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm"):
+        if jax.default_backend() == "tpu":
             return "ragged"
         small_experts = self.wo.get_value().size * 3 <= SMALL_EXPERT_PARAMS
         return "dense" if num_tokens <= self.dense_max_tokens or small_experts else "sorted"

@@ -91,3 +91,15 @@ def test_routing_replay_reproduces_and_overrides():
     other = (ids + 1) % 6
     changed, _, _ = moe(x, other)
     assert np.abs(np.asarray(changed - out)).max() > 1e-3
+
+
+@pytest.mark.parametrize("platform,few,many", [("tpu", "ragged", "ragged"),
+                                               ("gpu", "dense", "sorted"),
+                                               ("cpu", "dense", "sorted")])
+def test_auto_uses_ragged_dot_only_on_tpu(monkeypatch, platform, few, many):
+    """XLA:GPU rewrites `ragged_dot` into a dense dot E times larger (benchmarks/RESULTS.md)."""
+    moe = MoE(2048, 768, 128, 8, norm_topk_prob=True, impl="auto", block_size=128,
+              dense_max_tokens=64, capacity_factor=None, rngs=nnx.Rngs(0),
+              param_dtype=jnp.bfloat16, stddev=0.02)
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    assert (moe.backend(64), moe.backend(65)) == (few, many)
