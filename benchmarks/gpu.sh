@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU (an H200 with jax for CUDA installed), one shot of at most ~9.5 minutes, from the
+# One GPU (an H200 with jax for CUDA installed), one shot of at most ~10 minutes, from the
 # repository root:
 #   bash benchmarks/gpu.sh     (env: PRESET, NUM_LAYERS, SLOTS, REQUESTS, WHEELS, OUT)
 # 0. the machine; packages it lacks installed from local wheels in $WHEELS (default .whl; no
@@ -8,12 +8,15 @@
 #        manylinux_2_28_x86_64 ... -d .whl grain array_record tensorflow-datasets ...
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
-# 2. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset);
+# 2. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset;
+#    on the first H200 its XLA compilation alone took over 2 minutes, hence the longest limit);
 # 3. benchmarks/gpu.py engine vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16,
 #    $SLOTS slots, $REQUESTS long-tailed requests;
 # 4. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU);
 # 5. benchmarks/gpu.py forward + train step (MFU against the bf16 peak).
-# Every step has its own time limit; the output is also written to $OUT/gpu.log.
+# Every step has its own time limit; the output is also written to $OUT/gpu.log. Through the
+# device tool the working tree travels (64 MiB at most): move experiments/results/study/runs and
+# .../eval (committed checkpoints, ~45 MB) out of the tree for the call, and carry .whl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -34,7 +37,7 @@ install() {  # wheels into /tmp/site (first on the path), no dependencies resolv
     --target /tmp/site "$@" && export PYTHONPATH=/tmp/site:$PYTHONPATH
 }
 smoke() {
-  timeout 90 python - <<'PY'
+  timeout 60 python - <<'PY'
 import jax, flax, optax
 print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
       jax.devices())
@@ -59,18 +62,18 @@ step "smoke"
 smoke || { echo "SMOKE FAILED"; exit 1; }
 
 step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults)"
-timeout 210 python -m benchmarks.pipeline || echo "pipeline: failed or timed out (rc $?)"
+timeout 300 python -m benchmarks.pipeline || echo "pipeline: failed or timed out (rc $?)"
 
 step "engine vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots)"
-timeout 100 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+timeout 90 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
   --parts engine --slots "$SLOTS" --requests "$REQUESTS" || echo "engine: failed or timed out (rc $?)"
 
 step "tests (engine exactness, HF parity)"
-timeout 80 python -m pytest -q -p no:cacheprovider tests/sampling/test_engine.py \
+timeout 70 python -m pytest -q -p no:cacheprovider tests/sampling/test_engine.py \
   tests/models/test_qwen3_parity.py -k "not mesh and not slow" \
   || echo "TESTS FAILED OR TIMED OUT (rc $?)"
 
 step "forward + train step ($PRESET shapes, $NUM_LAYERS layers, bf16)"
-timeout 70 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+timeout 60 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
   --parts forward,train || echo "forward/train: failed or timed out (rc $?)"
 step "done"
