@@ -10,6 +10,8 @@ Random weights (`create_model`, bf16 weights and compute) of `preset` with `num-
   decode    `generate`, greedy, 64 prompts x 256 tokens, exactly 256 new tokens
   engine    the long-tailed workload of `engine.py` (log-normal lengths, median 48, cap 512)
             on `Engine(num_slots=256)` vs `generate` in static batches of 256
+  moe       one MoE block of `preset`, forward, per dispatch backend (dense, sorted, ragged) at
+            256 and 16,384 tokens (a decode step's and a prefill's), to pick the GPU's default
 Tokens/s over the median of 3 timed calls after one warm-up (compile) call. MFU = matmul FLOPs
 the step must do (`bench_utils.forward_flops`; x3 for a train step) / time / the chip's bf16
 peak; achieved HBM bandwidth = bytes a decode step must read (every weight but the embedding,
@@ -30,7 +32,8 @@ from flax import nnx
 import bench_utils
 import engine as engine_bench
 
-PARTS = ("forward", "train", "decode", "engine")
+PARTS = ("forward", "train", "decode", "engine", "moe")
+MOE_TOKENS = (256, 16384)
 
 
 def parse_args() -> argparse.Namespace:
@@ -170,13 +173,35 @@ def bench_engine(args) -> None:
           flush=True)
 
 
+def bench_moe(args) -> None:
+    from mars_jax.layers.moe import MoE
+    from mars_jax.models import get_preset
+
+    cfg = get_preset(args.preset)
+    active = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    for impl in ("dense", "sorted", "ragged"):
+        layer = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                    cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, impl=impl,
+                    block_size=cfg.moe_block_size, dense_max_tokens=cfg.moe_dense_max_tokens,
+                    capacity_factor=None, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
+                    stddev=0.02)
+        graphdef, state = nnx.split(layer)
+        forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0])
+        for tokens in MOE_TOKENS:
+            x = jax.random.normal(jax.random.key(0), (tokens, cfg.hidden_size), jnp.bfloat16)
+            seconds = timed(lambda: forward(state, x).block_until_ready(), args.repeats)
+            print(f"  moe {impl:6s} {tokens:6d} tokens {seconds * 1e3:8.2f} ms  "
+                  f"{active * tokens / seconds / 1e12:6.1f} TFLOP/s of the top-k experts' matmuls",
+                  flush=True)
+
+
 def main() -> None:
     args = parse_args()
     print(f"devices: {jax.devices()}; jax {jax.__version__}")
     print(f"{args.preset} shapes, {args.num_layers} layers, bfloat16 weights and compute")
     for part in args.parts:
         {"forward": bench_forward, "train": bench_train, "decode": bench_decode,
-         "engine": bench_engine}[part](args)
+         "engine": bench_engine, "moe": bench_moe}[part](args)
 
 
 if __name__ == "__main__":

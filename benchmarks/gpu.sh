@@ -8,12 +8,13 @@
 #        manylinux_2_28_x86_64 ... -d .whl grain array_record tensorflow-datasets ...
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
-# 2. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset;
+# 2. benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend (the GPU's default);
+# 3. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset;
 #    on the first H200 its XLA compilation alone took over 2 minutes, hence the longest limit);
-# 3. benchmarks/gpu.py engine vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16,
+# 4. benchmarks/gpu.py engine vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16,
 #    $SLOTS slots, $REQUESTS long-tailed requests;
-# 4. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU);
-# 5. benchmarks/gpu.py forward + train step (MFU against the bf16 peak).
+# 5. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU);
+# 6. benchmarks/gpu.py forward + train step (MFU against the bf16 peak), in what time is left.
 # Every step has its own time limit; the output is also written to $OUT/gpu.log. Through the
 # device tool the working tree travels (64 MiB at most): move experiments/results/study/runs and
 # .../eval (committed checkpoints, ~45 MB) out of the tree for the call, and carry .whl.
@@ -61,11 +62,14 @@ fi
 step "smoke"
 smoke || { echo "SMOKE FAILED"; exit 1; }
 
+step "one MoE block per dispatch backend ($PRESET shapes, bf16)"
+timeout 45 python benchmarks/gpu.py --preset "$PRESET" --parts moe || echo "moe: failed or timed out (rc $?)"
+
 step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults)"
 timeout 300 python -m benchmarks.pipeline || echo "pipeline: failed or timed out (rc $?)"
 
 step "engine vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots)"
-timeout 90 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+timeout 80 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
   --parts engine --slots "$SLOTS" --requests "$REQUESTS" || echo "engine: failed or timed out (rc $?)"
 
 step "tests (engine exactness, HF parity)"
@@ -74,6 +78,6 @@ timeout 70 python -m pytest -q -p no:cacheprovider tests/sampling/test_engine.py
   || echo "TESTS FAILED OR TIMED OUT (rc $?)"
 
 step "forward + train step ($PRESET shapes, $NUM_LAYERS layers, bf16)"
-timeout 60 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+timeout 30 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
   --parts forward,train || echo "forward/train: failed or timed out (rc $?)"
 step "done"
