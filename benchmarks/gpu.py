@@ -10,7 +10,8 @@ Random weights (`create_model`, bf16 weights and compute) of `preset` with `num-
   decode    `generate`, greedy, 64 prompts x 256 tokens, exactly 256 new tokens
   engine    the long-tailed workload of `engine.py` (log-normal lengths, median 48, cap 512)
             on `Engine(num_slots=256)` vs `generate` in static batches of 256
-  moe       one MoE block of `preset`, forward, per dispatch backend (dense, sorted, ragged) at
+  moe       one MoE block of `preset`, forward, per dispatch backend (dense, sorted with blocks
+            of 128 and of 512 rows: fewer scan iterations, more padding, ragged) at
             256 and 16,384 tokens (a decode step's and a prefill's), to pick the GPU's default
 Tokens/s over the median of 3 timed calls after one warm-up (compile) call. MFU = matmul FLOPs
 the step must do (`bench_utils.forward_flops`; x3 for a train step) / time / the chip's bf16
@@ -179,10 +180,11 @@ def bench_moe(args) -> None:
 
     cfg = get_preset(args.preset)
     active = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
-    for impl in ("dense", "sorted", "ragged"):
+    for impl, block_size in (("dense", 0), ("sorted", 128), ("sorted", 512), ("ragged", 0)):
         layer = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                     cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, impl=impl,
-                    block_size=cfg.moe_block_size, dense_max_tokens=cfg.moe_dense_max_tokens,
+                    block_size=block_size or cfg.moe_block_size,
+                    dense_max_tokens=cfg.moe_dense_max_tokens,
                     capacity_factor=None, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                     stddev=0.02)
         graphdef, state = nnx.split(layer)
@@ -190,7 +192,8 @@ def bench_moe(args) -> None:
         for tokens in MOE_TOKENS:
             x = jax.random.normal(jax.random.key(0), (tokens, cfg.hidden_size), jnp.bfloat16)
             seconds = timed(lambda: forward(state, x).block_until_ready(), args.repeats)
-            print(f"  moe {impl:6s} {tokens:6d} tokens {seconds * 1e3:8.2f} ms  "
+            name = f"{impl} {block_size}" if block_size else impl
+            print(f"  moe {name:10s} {tokens:6d} tokens {seconds * 1e3:8.2f} ms  "
                   f"{active * tokens / seconds / 1e12:6.1f} TFLOP/s of the top-k experts' matmuls",
                   flush=True)
 

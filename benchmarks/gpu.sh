@@ -63,10 +63,10 @@ step "smoke"
 smoke || { echo "SMOKE FAILED"; exit 1; }
 
 step "one MoE block per dispatch backend ($PRESET shapes, bf16)"
-timeout 45 python benchmarks/gpu.py --preset "$PRESET" --parts moe || echo "moe: failed or timed out (rc $?)"
+timeout 60 python benchmarks/gpu.py --preset "$PRESET" --parts moe || echo "moe: failed or timed out (rc $?)"
 
 step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults)"
-timeout 300 python -m benchmarks.pipeline || echo "pipeline: failed or timed out (rc $?)"
+timeout 285 python -m benchmarks.pipeline || echo "pipeline: failed or timed out (rc $?)"
 
 step "engine vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots)"
 timeout 80 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
