@@ -10,7 +10,8 @@
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
 # 2. benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend (the GPU's default);
 # 3. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset;
-#    on the first H200 its XLA compilation alone took over 2 minutes, hence the longest limit);
+#    on the first H200 its XLA compilation took over 2 minutes even at a smaller setting,
+#    hence the longest limit);
 # 4. benchmarks/gpu.py engine vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16,
 #    $SLOTS slots, $REQUESTS long-tailed requests;
 # 5. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU);

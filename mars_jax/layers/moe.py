@@ -9,7 +9,7 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
            (zero for unselected experts). The reference, and the fastest CPU path for decode-sized
            token counts, where reading the weights dominates, and for tiny experts.
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
-           per block, scanned block by block; CPU path for large token counts.
+           per block, scanned block by block; `auto`'s path off TPU for large token counts.
   ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. `auto`
            picks it on TPU only, where XLA lowers it to a grouped-matmul kernel; XLA:GPU (jax
            0.10) rewrites it to one dense dot over a one-hot `[tokens*k, E*H]` operand, E times

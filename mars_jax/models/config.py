@@ -41,7 +41,7 @@ class Qwen3Config:
     dtype: str = "float32"          # compute dtype of activations
     param_dtype: str = "float32"    # storage dtype of parameters
     moe_impl: str = "auto"          # 'auto' | 'dense' | 'sorted' | 'ragged'
-    moe_block_size: int = 128       # rows per expert block in the 'sorted' CPU dispatch
+    moe_block_size: int = 128       # rows per expert block in the 'sorted' dispatch
     moe_dense_max_tokens: int = 64  # 'auto' off TPU: all-experts fused matmuls up to this many tokens
     capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped
     moe_chunk_tokens: int = 0       # dropless dispatch this many tokens at a time (0 = all)
