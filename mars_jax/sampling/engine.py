@@ -13,8 +13,8 @@ Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt b
 batch bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change
 only array values. When nothing waits, the running requests' rows are gathered into a smaller slot
 bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
-`span` cache positions only, `span` = the longest a running request can grow to in the chunk,
-rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least `min_span`, at most
+`span` cache positions only, `span` = the longest a running request can grow to in the chunk
+plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least `min_span`, at most
 `max_length`): it copies those positions out of the slot cache once, decodes over them, and
 writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span)) + 3 spans
 (for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
@@ -785,10 +785,13 @@ class Engine:
 
     def _span(self) -> int:
         """The KV span of the next decode chunk: the longest a running request can grow to in
-        it (prompt + tokens + at most `chunk_steps`, up to its pause or budget), bucketed."""
+        it (prompt + tokens + at most `chunk_steps`, up to its pause or budget), plus one,
+        bucketed. The one: a row that stops mid-chunk goes on writing (discarded) keys at its
+        length until the chunk ends, and a paused row's length must lie inside the span, or
+        the write would land on its last token's keys (clamped to `span - 1`)."""
         needed = max(len(r.group.prompt) + min(len(r.tokens) + self.chunk_steps, r.pause_at)
                      for r in (self._requests[self._slots[s]] for s in self._running))
-        return span_bucket(needed, self.max_length, self.min_span)
+        return span_bucket(needed + 1, self.max_length, self.min_span)
 
     def _decode(self) -> None:
         start_time = time.perf_counter()

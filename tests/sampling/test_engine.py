@@ -202,6 +202,26 @@ def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model):
     assert neighbour not in engine._requests
 
 
+def test_a_request_paused_mid_chunk_at_the_span_keeps_its_last_keys(model):
+    """A pauses after 8 tokens at length 16 = the chunk's span while B decodes on in the same
+    chunk (3 steps a chunk): the steps after A's pause must not write over A's keys."""
+    rng = np.random.default_rng(0)
+    prompt_a, prompt_b = rng.integers(4, 96, 8).tolist(), rng.integers(4, 96, 4).tolist()
+    settings = dict(max_new_tokens=20, temperature=0.0, seed=7)
+    whole = Engine(model, num_slots=2, max_length=64, chunk_steps=3, min_span=16)
+    rid = whole.submit(prompt_a, **settings)[0]
+    expected = whole.run()[rid]
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=3, min_span=16)
+    a = engine.submit(prompt_a, segment_tokens=8, **settings)[0]
+    b = engine.submit(prompt_b, max_new_tokens=20, segment_tokens=12, temperature=0.0)[0]
+    paused = dict(engine.stream())
+    assert [len(paused[a].tokens), len(paused[b].tokens)] == [8, 12]
+    engine.resume(a, mode="keep")
+    out = engine.run()[a]
+    assert out.tokens == expected.tokens
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-6)
+
+
 def test_recompute_resume_equals_a_fresh_prefill_under_new_weights(model, tmp_path):
     new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
     prompt = REQUESTS[2]["prompt"]
