@@ -1,13 +1,17 @@
 """Long-tailed decode throughput: mars_jax `Engine` vs `generate`, tunix, HF continuous batching.
 
 Usage: python benchmarks/engine.py [--requests 64] [--slots 16] [--prompt-len 64]
-           [--engines engine,generate,tunix,hf] [--hf-requests 16] [--dtype float32]
+           [--engines engine,paged,generate,tunix,hf] [--hf-requests 16] [--dtype float32]
+           [--paged-slots 64] [--page-size 64]
 
 `bench` preset, one set of weights (an HF checkpoint made with a fixed seed, loaded by every
 engine). Workload: `requests` prompts of `prompt-len` random tokens; output lengths drawn from a
 log-normal (median 48, sigma 1, seeded), clipped to [1, 512]. Every engine decodes greedily and
 produces exactly those lengths (no stop token):
   engine    `mars_jax.sampling.Engine(num_slots=slots)`, each request's budget = its length
+  paged     the same `Engine` with a paged KV cache of the same memory (`kv_pages` = slots x
+            the pages a reserved slot of prompt-len + 512 positions takes) over `paged-slots`
+            slots: as many rows decode as the pool holds (preempting the newest when it is full)
   generate  `mars_jax.sampling.generate` on static batches of `slots` requests in submission
             order, per-row budgets (finished rows dropped by its compaction)
   tunix     `tunix.generate.sampler.Sampler` on static batches of `slots`, each decoded to the
@@ -50,7 +54,7 @@ import numpy as np
 import bench_utils
 import decode
 
-ENGINES = ("engine", "generate", "tunix", "hf")
+ENGINES = ("engine", "paged", "generate", "tunix", "hf")
 MAX_NEW = 512
 
 
@@ -62,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-steps", type=int, default=8)
     parser.add_argument("--admit-batch", type=int, default=4)
     parser.add_argument("--prefill-ahead", type=int, default=16)
+    parser.add_argument("--paged-slots", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--hf-requests", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--preset", default="bench")
@@ -85,12 +91,18 @@ def output_lengths(n: int, seed: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- engines (children)
 
-def engine_run(model, args):
+def kv_pages(args) -> int:
+    """Pages holding as many positions as `slots` reserved slots of prompt-len + 512."""
+    return args.slots * -(-(args.prompt_len + MAX_NEW) // args.page_size)
+
+
+def engine_run(model, args, paged: bool = False):
     from mars_jax.sampling import Engine
 
-    engine = Engine(model, num_slots=args.slots, max_length=args.prompt_len + MAX_NEW,
-                    chunk_steps=args.chunk_steps, admit_batch=args.admit_batch,
-                    prefill_ahead=args.prefill_ahead)
+    paging = dict(kv_pages=kv_pages(args), page_size=args.page_size) if paged else {}
+    engine = Engine(model, num_slots=args.paged_slots if paged else args.slots,
+                    max_length=args.prompt_len + MAX_NEW, chunk_steps=args.chunk_steps,
+                    admit_batch=args.admit_batch, prefill_ahead=args.prefill_ahead, **paging)
 
     def run(prompts, lengths):
         engine.stats.clear()
@@ -104,7 +116,8 @@ def engine_run(model, args):
                 "row_occupancy": s["tokens"] / s["row_steps"],
                 "prefill_share": s["prefill_seconds"] / wall,
                 "decode_steps": s["decode_steps"], "prefills": s["prefills"],
-                "prefill_calls": s["prefill_calls"],
+                "prefill_calls": s["prefill_calls"], "preemptions": s["preemptions"],
+                "mean_rows": s["tokens"] / max(1, s["decode_steps"]),
                 "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "kv_bytes_per_slot": engine.kv_bytes_per_slot}
         return [outputs[i].tokens for i in ids], info
@@ -184,7 +197,10 @@ def run_engine(args) -> None:
     path = work / "checkpoint"
     if args.engine == "mars_jax":
         model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
-        runs = {"engine": engine_run(model, args), "generate": generate_run(model, args)}
+        builders = {"engine": lambda: engine_run(model, args),
+                    "paged": lambda: engine_run(model, args, paged=True),
+                    "generate": lambda: generate_run(model, args)}
+        runs = {name: build() for name, build in builders.items() if name in args.engines}
         if args.with_tunix:
             runs["tunix"] = tunix_run(path, args)
     else:
@@ -214,7 +230,8 @@ def spawn(engine: str, work: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--engine", engine, "--workdir", str(work),
            "--slots", str(args.slots), "--prompt-len", str(args.prompt_len),
            "--chunk-steps", str(args.chunk_steps), "--admit-batch", str(args.admit_batch),
-           "--prefill-ahead", str(args.prefill_ahead),
+           "--prefill-ahead", str(args.prefill_ahead), "--paged-slots", str(args.paged_slots),
+           "--page-size", str(args.page_size), "--engines", ",".join(args.engines),
            "--hf-requests", str(args.hf_requests), "--repeats", str(args.repeats),
            "--dtype", args.dtype, "--preset", args.preset] + ["--with-tunix"] * args.with_tunix
     try:
@@ -255,7 +272,7 @@ def main() -> None:
         np.save(work / "prompts.npy",
                 rng.integers(1, config.vocab_size, (args.requests, args.prompt_len)))
         np.save(work / "lengths.npy", lengths)
-        ours = bool({"engine", "generate"} & set(args.engines))
+        ours = bool({"engine", "paged", "generate"} & set(args.engines))
         args.with_tunix = ours and "tunix" in args.engines  # alternates with ours, same process
         children = ["mars_jax"] * ours
         children += [e for e in args.engines if e == "hf" or (e == "tunix" and not ours)]
@@ -264,8 +281,10 @@ def main() -> None:
                 wall = bench_utils.median(r["walls"])
                 rates[engine] = r["tokens"] / wall
                 extra = ""
-                if engine == "engine":
-                    extra = (f"\n            slot occupancy {r['occupancy']:.0%} (of computed "
+                if engine in ("engine", "paged"):
+                    extra = (f"\n            mean rows decoding {r['mean_rows']:.1f}, "
+                             f"{r['preemptions']} preemptions, "
+                             f"slot occupancy {r['occupancy']:.0%} (of computed "
                              f"rows {r['row_occupancy']:.0%}), prefill share "
                              f"{r['prefill_share']:.1%}, {r['decode_steps']} decode steps, "
                              f"{r['prefills']} prefills in {r['prefill_calls']} calls, KV "
@@ -276,9 +295,17 @@ def main() -> None:
                       f"{', '.join(f'{w:.1f}' for w in r['walls'])} s; warm-up "
                       f"{r['warmup']:.1f} s; lengths {'exact' if r['lengths_ok'] else 'WRONG'})"
                       f"{extra}", flush=True)
-        if "engine" in rates and "generate" in rates:
-            a, b = np.load(work / "tokens_engine.npy"), np.load(work / "tokens_generate.npy")
-            print(f"  engine tokens equal to generate's: {np.mean(a == b):.1%}")
+        for name in ("engine", "paged"):
+            if name in rates and "generate" in rates:
+                a, b = np.load(work / f"tokens_{name}.npy"), np.load(work / "tokens_generate.npy")
+                print(f"  {name} tokens equal to generate's: {np.mean(a == b):.1%}")
+    if "paged" in rates:
+        kv = kv_pages(args) * args.page_size
+        print(f"  paged: {args.paged_slots} slots over {kv_pages(args)} pages of {args.page_size} "
+              f"= {kv} positions, the KV memory of {args.slots} reserved slots of "
+              f"{args.prompt_len + MAX_NEW}")
+        if "engine" in rates:
+            print(f"  ratio paged/engine (same KV memory) = {rates['paged'] / rates['engine']:.2f}x")
     for base in ("generate", "tunix", "hf"):
         if "engine" in rates and base in rates:
             print(f"  ratio engine/{base} = {rates['engine'] / rates[base]:.2f}x")

@@ -36,11 +36,13 @@ slot of 32k + 64k positions, reserved in full as `Engine` does):
                         weight copy at the link rate.
   bound: decode only    every chip decoding at the rollout submesh's slot density, updates free:
                         no schedule on this machine does better under the cost model.
-With `--kv=paged` (a projection: `Engine` reserves slots) the same rows run on a paged cache:
-the free HBM (0.9 x HBM - resident) of the rollout chips is one pool of KV positions, a request
-holds as many as its context, and `sim.engine.SimEngine` admits first come, first served while
-the pool holds the next request, preempting the request admitted last when it is full (vLLM's
-policy), with at most `--max_rows` rows decoding. `--kv_reserve` f admits a request only while
+With `--kv=paged` the same rows run on a paged cache: the free HBM (0.9 x HBM - resident) of
+the rollout chips is one pool of KV positions, a request holds as many as its context, and
+`sim.engine.SimEngine` admits first come, first served while the pool holds the next request,
+preempting the request admitted last when it is full (vLLM's policy, and `Engine(kv_pages=...)`'s
+at `--kv_reserve=0`, which takes pages a chunk ahead), with at most `--max_rows` rows decoding.
+The cost model charges a paged step's KV reads as a reserved slot's (a kernel reading pages in
+place; `Engine`'s gather per layer copies them once more). `--kv_reserve` f admits a request only while
 the contexts plus f of every admitted request's remaining segment budget fit (SGLang's
 conservative admission; 1 never preempts).
 Accelerator-hours per 1,000 trained samples are measured between the end of update `--warmup`
@@ -460,7 +462,7 @@ def main() -> None:
     parser.add_argument("--kv", default="reserved", choices=("reserved", "paged"),
                         help="reserved: a slot holds --slot_positions of KV (as Engine); paged: "
                              "the rollout chips' free HBM is one pool of positions, each request "
-                             "holding its context (vLLM's paged cache; not in Engine)")
+                             "holding its context (vLLM's paged cache; Engine(kv_pages=...))")
     parser.add_argument("--max_rows", type=int, default=1024,
                         help="--kv=paged: the most rows decoded at once on the rollout chips")
     parser.add_argument("--kv_reserve", type=float, default=0.0,

@@ -64,6 +64,7 @@ from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding, weight_sync  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
+from mars_jax.layers.paged_kv import POOL_AXES  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, make_optimizer,  # noqa: E402
@@ -311,7 +312,8 @@ class StepPrograms:
         slots = slots or all_slots
         state = jax.eval_shape(functools.partial(
             engine._init_state, self.graphdef, num_slots=slots, max_length=length,
-            max_stops=STOP_IDS, record=self.sampling.record_routing), self.weights)
+            max_stops=STOP_IDS, record=self.sampling.record_routing,
+            paged=bool(self.pages)), self.weights)
         layout = cache_layout(slots, length, cfg.num_key_value_heads, cfg.head_dim)
         cache = tuple(KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
                                 for shape, names in layout)) for _ in state.cache)
@@ -324,6 +326,28 @@ class StepPrograms:
             stop_ids=like(state.stop_ids, "batch", None),
             experts=None if state.experts is None else like(state.experts, None, "batch", None,
                                                             None), **per_slot)
+
+    @property
+    def pages(self) -> int:
+        """The engine's KV pages (`rollout.engine_kv_pages`; 0: reserved slots)."""
+        return self.config.rollout.get("engine_kv_pages", 0)
+
+    def engine_pool(self) -> tuple[KVCache, ...] | None:
+        """The abstract page pool of a paged engine (None with reserved slots)."""
+        if not self.pages:
+            return None
+        cfg, page = self.cfg, self.config.rollout.engine_page_size
+        shapes = ((self.pages + 1, cfg.num_key_value_heads, cfg.head_dim, page),
+                  (self.pages + 1, cfg.num_key_value_heads, page, cfg.head_dim))
+        return tuple(KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
+                               for shape in shapes)) for _ in range(cfg.num_hidden_layers))
+
+    def _page_ids(self, *lead: int, positions: int):
+        """Abstract page ids covering `positions` positions (None with reserved slots)."""
+        if not self.pages:
+            return None
+        pages = -(-positions // self.config.rollout.engine_page_size)
+        return _sharded(self.mesh, (*lead, pages), jnp.int32, (None,) * (len(lead) + 1))
 
     def _engine_prompt(self):
         """Abstract prompt cache, logits and routing of one prefill of every slot's prompt."""
@@ -355,15 +379,22 @@ class StepPrograms:
         i32, f32 = (_scalar(self.mesh, jnp.int32), _scalar(self.mesh, jnp.float32))
         u32 = _scalar(self.mesh, jnp.uint32)
         stops = _sharded(self.mesh, (STOP_IDS,), jnp.int32, (None,))
-        return engine._insert.lower(self.engine_state(), i32, cache, logits, experts, i32, i32,
-                                    i32, i32, i32, u32, u32, f32, i32, f32, stops)
+        _, length = engine_shape(self.config, self.mesh)
+        page_ids = self._page_ids(positions=min(self.shapes.prompt_len, length))
+        return engine._insert.lower(self.engine_state(), self.engine_pool(), page_ids, i32,
+                                    cache, logits, experts, i32, i32, i32, i32, i32, u32, u32,
+                                    f32, i32, f32, stops)
 
     def _engine_decode(self) -> jax.stages.Lowered:
-        """The decode chunk at its largest KV span (all `max_length` positions)."""
-        _, length = engine_shape(self.config, self.mesh)
+        """The decode chunk at its largest KV span (all `max_length` positions; paged: in
+        whole pages)."""
+        slots, length = engine_shape(self.config, self.mesh)
+        table = self._page_ids(slots, positions=length)
+        span = length if table is None else table.shape[1] * self.config.rollout.engine_page_size
         return engine._decode_chunk.lower(
-            self.graphdef, self.weights, self.engine_state(), _scalar(self.mesh, jnp.int32),
-            steps=self.config.rollout.engine_chunk_steps, span=length)
+            self.graphdef, self.weights, self.engine_state(), self.engine_pool(), table,
+            _scalar(self.mesh, jnp.int32), steps=self.config.rollout.engine_chunk_steps,
+            span=span)
 
     def _shrink_index(self):
         slots, _ = engine_shape(self.config, self.mesh)
@@ -399,6 +430,10 @@ class StepPrograms:
         per_token = engine.kv_bytes_per_token(cfg)
         kv_shards = min(cfg.num_key_value_heads, int(np.prod([self.mesh.shape[a] for a in
                         sharding.spec_axes(sharding.logical_to_spec(("act_kv_heads",))[0])])))
+        if self.pages:  # one pool, split over KV heads only
+            total = per_token * (self.pages + 1) * self.config.rollout.engine_page_size
+            return dict(slots=slots, positions=length, per_token=per_token, total=total,
+                        per_device=total // kv_shards)
         return dict(slots=slots, positions=length, per_token=per_token,
                     per_slot=per_token * length, total=per_token * length * slots,
                     per_device=per_token * length * slots // sharding_multiple(self.mesh)
@@ -406,6 +441,11 @@ class StepPrograms:
 
     def kv_line(self) -> str:
         kv = self.kv_bytes()
+        if self.pages:
+            return (f"engine  {kv['slots']} slots of up to {kv['positions']} positions over "
+                    f"{self.pages} pages; KV cache {kv['per_token']:,} bytes per token, "
+                    f"{kv['total'] / GiB:,.2f} GiB in all, {kv['per_device'] / 2**20:,.1f} MiB "
+                    "per device")
         return (f"engine  {kv['slots']} slots x {kv['positions']} positions; KV cache "
                 f"{kv['per_token']:,} bytes per token, {kv['per_slot'] / 2**20:,.1f} MiB per "
                 f"slot, {kv['total'] / GiB:,.2f} GiB in all, {kv['per_device'] / 2**20:,.1f} "

@@ -87,6 +87,7 @@ AT_LEAST: dict[str, float] = {
     "rollout.segment_tokens": 0, "rollout.max_decode_rows": 0, "rollout.staleness_bound": 0,
     "rollout.engine_slots": 0, "rollout.engine_chunk_steps": 1,
     "rollout.engine_admit_batch": 1, "rollout.engine_prefill_ahead": 0,
+    "rollout.engine_kv_pages": 0, "rollout.engine_page_size": 1,
     "rollout.max_prompt_tokens": 1, "rollout.max_inflight_rows": 0,
     "rollout.samples_per_update": 0,
     "rollout.top_k": 0,

@@ -29,6 +29,7 @@ from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.embeddings import apply_rope
 from mars_jax.layers.flash_attention import MASK_VALUE, flash_attention
 from mars_jax.layers.normalization import RMSNorm
+from mars_jax.layers.paged_kv import PagedKVCache
 from mars_jax.layers.params import constant_param, normal_param
 
 class KVCache(NamedTuple):
@@ -163,16 +164,22 @@ class Attention(nnx.Module):
         return length > self.block and batch * heads * length * keys * 4 > AUTO_DENSE_MAX_SCORE_BYTES
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
-                 cache: KVCache | None = None, cache_index: jax.Array | int = 0,
-                 ) -> tuple[jax.Array, KVCache | None]:
+                 cache: KVCache | PagedKVCache | None = None, cache_index: jax.Array | int = 0,
+                 ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
         `cache` is given, in which case the new keys are written at `cache_index`: one position,
-        or one per row)."""
+        or one per row). A `PagedKVCache` takes one decode step (T = 1, one position per row)
+        and S = its table's `n * page` positions."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = self.head_dim ** -0.5
+        if isinstance(cache, PagedKVCache):
+            cache = cache.write(k, v, cache_index)
+            keys, values = cache.view()
+            out = _cached_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale)
+            return self._output(out, x.dtype), cache
         from_cache = cache is not None and not _is_fresh_prefill(cache_index)
         if cache is not None:
             cache = _write_cache(cache, k, v, cache_index)
@@ -188,10 +195,14 @@ class Attention(nnx.Module):
                                     scale)
         else:
             out = self_attention(q, k, v, mask, scale)
+        return self._output(out, x.dtype), cache
+
+    def _output(self, out: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """The output projection of attention outputs `[B, T, N, D]`."""
         # One [B*T, N*D] x [N*D, H] matmul: an einsum over (n, d) contracts them in (d, n) order,
         # which made XLA:CPU transpose the whole weight at every decode step.
-        o_proj = self.o_proj[...].astype(x.dtype)
+        o_proj = self.o_proj[...].astype(dtype)
         out = out.reshape(*out.shape[:2], -1) @ o_proj.reshape(-1, o_proj.shape[-1])
         if self.bias:
-            out = out + self.o_bias[...].astype(x.dtype)
-        return out, cache
+            out = out + self.o_bias[...].astype(dtype)
+        return out

@@ -99,34 +99,39 @@ def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:
             r.max_prompt_tokens + max(dict(r.max_new_tokens).values()))
 
 
+def engine_options(config: ConfigDict) -> dict:
+    """The `Engine` settings a config's `rollout.engine_*` fields give (`engine_kv_pages` 0:
+    every slot reserves its positions; else a pool of that many pages)."""
+    r = config.rollout
+    return dict(chunk_steps=r.engine_chunk_steps, admit_batch=r.engine_admit_batch,
+                prefill_ahead=r.engine_prefill_ahead, kv_pages=r.engine_kv_pages or None,
+                page_size=r.engine_page_size)
+
+
 def stream_engine(config: ConfigDict, model, eos: Sequence[int], *, mesh=None) -> Engine:
     """The streaming scheduler's engine: `engine_shape(config, mesh)`, one base seed for the
     whole run (a request's key depends only on it and the rollout's sequence seed)."""
     slots, length = engine_shape(config, mesh)
-    return Engine(model, num_slots=slots, max_length=length,
-                  chunk_steps=config.rollout.engine_chunk_steps,
-                  admit_batch=config.rollout.engine_admit_batch,
-                  prefill_ahead=config.rollout.engine_prefill_ahead,
-                  max_stop_ids=max(8, len(tuple(eos))), seed=(config.seed * 1_000_003) % (1 << 32),
-                  record_routing=config.learner.routing_replay, mesh=mesh)
+    return Engine(model, num_slots=slots, max_length=length, max_stop_ids=max(8, len(tuple(eos))),
+                  seed=(config.seed * 1_000_003) % (1 << 32),
+                  record_routing=config.learner.routing_replay, mesh=mesh,
+                  **engine_options(config))
 
 
 class EngineGenerator:
-    """A `rollout.Generator` on an `Engine` of `num_slots` slots of `max_length` positions.
-    Sequence seeds count the requests submitted since the last `set_model` (whose `seed` is
-    the engine's base seed), so a step's draws are reproducible from its seed."""
+    """A `rollout.Generator` on an `Engine` of `num_slots` slots of `max_length` positions
+    (`engine_options`: the engine's other settings). Sequence seeds count the requests
+    submitted since the last `set_model` (whose `seed` is the engine's base seed), so a step's
+    draws are reproducible from its seed."""
 
     def __init__(self, model, eos: Sequence[int], *, temperature: float, top_p: float,
                  top_k: int, seed: int, record_routing: bool, num_slots: int, max_length: int,
-                 chunk_steps: int = 16, admit_batch: int = 1, prefill_ahead: int = 0,
-                 mesh=None):
+                 mesh=None, **engine_options):
         self.eos = tuple(int(e) for e in eos)
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.engine = Engine(model, num_slots=num_slots, max_length=max_length,
-                             chunk_steps=chunk_steps, admit_batch=admit_batch,
-                             prefill_ahead=prefill_ahead,
-                             max_stop_ids=max(8, len(self.eos)),
-                             seed=seed, record_routing=record_routing, mesh=mesh)
+                             max_stop_ids=max(8, len(self.eos)), seed=seed,
+                             record_routing=record_routing, mesh=mesh, **engine_options)
         self.submitted = 0
 
     @classmethod
@@ -137,9 +142,7 @@ class EngineGenerator:
         slots, length = engine_shape(config, mesh)
         return cls(model, eos, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                    seed=seed, record_routing=config.learner.routing_replay, num_slots=slots,
-                   max_length=length, chunk_steps=r.engine_chunk_steps,
-                   admit_batch=r.engine_admit_batch, prefill_ahead=r.engine_prefill_ahead,
-                   mesh=mesh)
+                   max_length=length, mesh=mesh, **engine_options(config))
 
     def set_model(self, model, *, seed: int) -> None:
         """Decodes with `model`'s current arrays from now on; `seed` starts a new seed series."""

@@ -49,8 +49,24 @@ tokens so far under the engine's current weights (`update_weights`): exactly on-
 the cost of a prefill of that many tokens.
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
-(`kv_bytes_per_token`), times `max_length` per slot (`kv_bytes_per_slot`), logged at start.
-Every slot reserves `max_length` positions whatever its request's length (no paging).
+(`kv_bytes_per_token`), logged at start. By default every slot reserves `max_length` positions
+whatever its request's length (`kv_bytes_per_slot`).
+
+Paged KV (`kv_pages` = P): the cache is one pool of P pages of `page_size` positions
+(`layers.paged_kv`, plus a trash page that writes through unowned table entries land in); a slot
+owns the pages its request has filled or fills in the next chunk, so `num_slots` can exceed
+what reserved slots of `max_length` would fit in the same memory. Pages are taken when a request
+is admitted (its prompt and first chunk) and before each chunk (what the chunk can write), and
+freed when it finishes or is released; a paused request keeps its pages. A queued request is
+admitted while a slot is free and its first chunk's pages are; when the running requests' next
+chunk does not fit, the request admitted last is preempted: its pages and slot are freed and it
+waits at the front of the queue, to be re-prefilled from prompt + tokens so far when readmitted
+(as `submit(generated=...)`: same PRNG steps, KV recomputed under the current weights, which
+changes a token only at a near-tie). Each decode step gathers every row's pages of the chunk's
+span into one layer's contiguous cache at a time (a copy per layer: more memory traffic than a
+reserved slot's in-place read, a kernel reading pages in place being the faster alternative on
+accelerators). Paging needs the slots on one shard (a mesh may split the KV heads); a request
+must fit the pool alone.
 """
 from __future__ import annotations
 
@@ -71,6 +87,7 @@ from flax import nnx, struct
 from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.layers.paged_kv import POOL_AXES, PagedKVCache
 from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sampling.processors import choose_tokens_per_row
 from mars_jax.sampling.sampler import _batch_multiple, length_bucket, prompt_bucket
@@ -90,7 +107,7 @@ def kv_bytes_per_token(config) -> int:
 class SlotState:
     """Everything the decode chunk reads and writes, one row per slot."""
 
-    cache: tuple[KVCache, ...]  # per layer, [slots, ...] over max_length positions
+    cache: tuple[KVCache, ...]  # per layer, [slots, ...] over max_length positions; () paged
     next_logits: jax.Array      # [slots, V] logits of the next token
     length: jax.Array           # [slots] filled cache positions = position of the next token
     step: jax.Array             # [slots] tokens generated so far (the PRNG fold index)
@@ -141,6 +158,7 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
     pause_at: int = 0
+    order: int = 0  # admission count when it last took a slot (paged: preempted newest first)
 
 
 # --- device programs -------------------------------------------------------------------------
@@ -178,6 +196,14 @@ def _pinned(state: SlotState) -> SlotState:
     experts = None if state.experts is None else sharding.constrain(state.experts,
                                                                     names["experts"])
     return state.replace(cache=cache, experts=experts, **fields)
+
+
+def _pinned_pool(pool: tuple[KVCache, ...] | None) -> tuple[KVCache, ...] | None:
+    """A page pool constrained to its logical shardings (KV heads split; pages never)."""
+    if pool is None:
+        return None
+    return tuple(KVCache(sharding.constrain(p.k, POOL_AXES), sharding.constrain(p.v, POOL_AXES))
+                 for p in pool)
 
 
 def _slots_sharded(num_slots: int) -> bool:
@@ -233,10 +259,21 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
     return state.replace(**fields)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "pages", "page_size"))
+def _init_pool(graphdef, weights, *, pages: int, page_size: int) -> tuple[KVCache, ...]:
+    """Zeroed page pools, one per layer (`paged_kv`'s layouts)."""
+    cfg = nnx.merge(graphdef, weights).config
+    shape = (pages, cfg.num_key_value_heads)
+    return _pinned_pool(tuple(
+        KVCache(jnp.zeros(shape + (cfg.head_dim, page_size), cfg.compute_dtype),
+                jnp.zeros(shape + (page_size, cfg.head_dim), cfg.compute_dtype))
+        for _ in range(cfg.num_hidden_layers)))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "max_length", "max_stops",
-                                             "record"))
+                                             "record", "paged"))
 def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops: int,
-                record: bool) -> SlotState:
+                record: bool, paged: bool) -> SlotState:
     model = nnx.merge(graphdef, weights)
     cfg = model.config
     zeros = lambda dtype=jnp.int32: jnp.zeros((num_slots,), dtype)
@@ -245,7 +282,7 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
         experts = jnp.zeros((len(model.moe_layers), num_slots, max_length,
                              cfg.num_experts_per_tok), jnp.int32)
     return _pinned(SlotState(
-        cache=model.init_cache(num_slots, max_length),
+        cache=() if paged else model.init_cache(num_slots, max_length),
         next_logits=jnp.zeros((num_slots, cfg.vocab_size), jnp.float32),
         length=zeros(), step=zeros(), budget=zeros(), pause_at=zeros(), active=zeros(bool),
         keys=jax.vmap(jax.random.key)(zeros(jnp.uint32)), temperature=zeros(jnp.float32),
@@ -260,17 +297,21 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span"),
-                   donate_argnames=("state",))
-def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *, steps: int,
-                  span: int):
+                   donate_argnames=("state", "pool"))
+def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
+                  steps: int, span: int):
     """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
     only (the caller guarantees that every active slot's `length + steps <= span`); returns
-    the state, the chunk's tokens and log-probabilities `[slots, steps]` (a slot's first `step`
-    increase entries are its own) and the steps run. Stops early when every slot is idle, or
-    once `stop_after` (> 0) requests have ended. Slots idle at the start keep their cache."""
+    the state, the page pool, the chunk's tokens and log-probabilities `[slots, steps]` (a
+    slot's first `step` increase entries are its own) and the steps run. Stops early when every
+    slot is idle, or once `stop_after` (> 0) requests have ended. Slots idle at the start keep
+    their cache. Paged (`pool` given, else None): row b's positions are in pages `table[b]`
+    (`span / page` of them, 0 where it owns none)."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
-    max_length = state.cache[0].v.shape[2]
+    if pool is not None:
+        state = state.replace(cache=tuple(PagedKVCache(p.k, p.v, table) for p in pool))
+    max_length = span if pool is not None else state.cache[0].v.shape[2]
     full_cache, was_active = state.cache, state.active
     if span < max_length:
         state = state.replace(cache=tuple(KVCache(c.k[..., :span], c.v[:, :, :span])
@@ -318,7 +359,10 @@ def _decode_chunk(graphdef, weights, state: SlotState, stop_after: jax.Array, *,
                     jax.lax.dynamic_update_slice(
                         full.v, keep(c.v, full.v[:, :, :span]), (0, 0, 0, 0)))
             for c, full in zip(state.cache, full_cache)))
-    return _pinned(state), tokens, logprobs, i
+    if pool is not None:
+        pool = tuple(KVCache(c.k, c.v) for c in state.cache)
+        state = state.replace(cache=())
+    return _pinned(state), _pinned_pool(pool), tokens, logprobs, i
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "fresh"),
@@ -352,26 +396,50 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
     return out.cache, logits, experts
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: SlotState, slot, cache, logits, experts, row, length, step, budget, pause_at,
-            seed, sequence_seed, temperature, top_k, top_p, stop_ids) -> SlotState:
+def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
+    """`pool` with row `row` of a prompt cache written to pages `page_ids [n]` (its positions
+    0 .. n * page, zero-padded or cut)."""
+    pages, page = page_ids.shape[0], pool.k.shape[-1]
+    width = pages * page
+    fit = lambda x, axis: (x[(slice(None),) * axis + (slice(0, width),)] if x.shape[axis] >= width
+                           else jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0)
+                                            for a in range(x.ndim)]))
+    k = fit(_row(prompt.k, row)[0], 2)  # [K, D, width]
+    v = fit(_row(prompt.v, row)[0], 1)  # [K, width, D]
+    k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (2, 0, 1, 3))
+    v = jnp.transpose(v.reshape(v.shape[0], pages, page, v.shape[-1]), (1, 0, 2, 3))
+    return KVCache(pool.k.at[page_ids].set(k.astype(pool.k.dtype)),
+                   pool.v.at[page_ids].set(v.astype(pool.v.dtype)))
+
+
+@functools.partial(jax.jit, donate_argnames=("state", "pool"))
+def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
+            budget, pause_at, seed, sequence_seed, temperature, top_k, top_p, stop_ids
+            ) -> tuple[SlotState, tuple[KVCache, ...] | None]:
     """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
-    `max_length` positions) and the request's settings, active; written in place."""
-    max_length = state.cache[0].v.shape[2]
-    span = min(cache[0].v.shape[2], max_length)
-    new_cache = tuple(KVCache(
-        jax.lax.dynamic_update_slice(c.k, _row(p.k, row)[..., :span].astype(c.k.dtype),
-                                     (slot, 0, 0, 0)),
-        jax.lax.dynamic_update_slice(c.v, _row(p.v, row)[:, :, :span].astype(c.v.dtype),
-                                     (slot, 0, 0, 0)))
-        for c, p in zip(state.cache, cache))
+    `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
+    those pages) and the request's settings, active; written in place."""
+    bucket = cache[0].v.shape[2]
+    slot_length = (state.cache[0].v.shape[2] if state.cache
+                   else bucket if state.experts is None else state.experts.shape[2])
+    span = min(bucket, slot_length)  # the positions a slot's cache (or routing) holds
+    if pool is None:
+        new_cache = tuple(KVCache(
+            jax.lax.dynamic_update_slice(c.k, _row(p.k, row)[..., :span].astype(c.k.dtype),
+                                         (slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(c.v, _row(p.v, row)[:, :, :span].astype(c.v.dtype),
+                                         (slot, 0, 0, 0)))
+            for c, p in zip(state.cache, cache))
+    else:
+        new_cache = ()
+        pool = _pinned_pool(tuple(_write_pages(p, c, row, page_ids) for p, c in zip(pool, cache)))
     new_experts = state.experts
     if new_experts is not None:
         new_experts = jax.lax.dynamic_update_slice(new_experts, _row(experts, row, 1)[:, :, :span],
                                                    (0, slot, 0, 0))
     key = jax.random.fold_in(jax.random.key(seed), sequence_seed)
     put = lambda x, value: _set_row(x, slot, value)
-    return _pinned(state.replace(
+    state = _pinned(state.replace(
         cache=new_cache, next_logits=put(state.next_logits, _row(logits, row)),
         length=put(state.length, length), step=put(state.step, step),
         budget=put(state.budget, budget), pause_at=put(state.pause_at, pause_at),
@@ -379,6 +447,7 @@ def _insert(state: SlotState, slot, cache, logits, experts, row, length, step, b
         temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
         top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids),
         experts=new_experts))
+    return state, pool
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -430,12 +499,15 @@ class Engine:
     With `prefill_ahead` = P > 0, an admission's prefill call also prefills the prompts of the
     next queued requests, up to P prompts in the call; those keep their prompt KV until they get
     a slot, which they then take one at a time without a prefill (as a group's members do).
-    `min_span` is the shortest KV span a decode chunk attends over (module docstring)."""
+    `min_span` is the shortest KV span a decode chunk attends over (module docstring). With
+    `kv_pages` = P the KV cache is a pool of P pages of `page_size` positions (module docstring,
+    "Paged KV")."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
                  record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
-                 admit_batch: int = 1, prefill_ahead: int = 0, min_span: int = MIN_SPAN):
+                 admit_batch: int = 1, prefill_ahead: int = 0, min_span: int = MIN_SPAN,
+                 kv_pages: int | None = None, page_size: int = 64):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
@@ -449,6 +521,13 @@ class Engine:
         if num_slots % multiple:
             raise ValueError(f"num_slots: {num_slots} is not a multiple of the mesh's batch "
                              f"shards ({multiple})")
+        if kv_pages is not None and (kv_pages < 1 or page_size < 1):
+            raise ValueError(f"kv_pages, page_size: need >= 1 each, got {kv_pages}, {page_size}")
+        if kv_pages is not None and mesh is not None:
+            with sharding.use_mesh(mesh):
+                if _slots_sharded(num_slots):
+                    raise ValueError("kv_pages: a paged cache keeps every slot's pages in one "
+                                     "pool; use a mesh that splits the KV heads, not the slots")
         if model.config.capacity_factor is not None:
             raise ValueError("Engine: capacity-based MoE drops tokens depending on the batch; "
                              "set capacity_factor=None (dropless) for exact per-request outputs")
@@ -459,16 +538,30 @@ class Engine:
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
         self.vocab_size = model.config.vocab_size
         self._queue: collections.deque[_Request] = collections.deque()
+        self.kv_pages, self.page_size = kv_pages, page_size
         self.update_weights(model)
         with self._mesh():
             self._state = _init_state(self._graphdef, self._weights, num_slots=num_slots,
                                       max_length=max_length, max_stops=max_stop_ids,
-                                      record=self.record_routing)
+                                      record=self.record_routing, paged=kv_pages is not None)
+            self._pool = None if kv_pages is None else _init_pool(
+                self._graphdef, self._weights, pages=kv_pages + 1, page_size=page_size)
+        self._pages_per_slot = -(-max_length // page_size)
+        self._table = np.zeros((num_slots, self._pages_per_slot), np.int32)  # 0: trash page
+        self._owned: list[list[int]] = [[] for _ in range(num_slots)]
+        self._free_pages = list(range(kv_pages or 0, 0, -1))
+        self._admissions = 0
         self.kv_bytes_per_token = kv_bytes_per_token(model.config)
         self.kv_bytes_per_slot = self.kv_bytes_per_token * max_length
-        log.info("Engine: %d slots x %d positions; KV cache %d bytes per token, %d per slot, "
-                 "%d in all", num_slots, max_length, self.kv_bytes_per_token,
-                 self.kv_bytes_per_slot, self.kv_bytes_per_slot * num_slots)
+        if kv_pages is None:
+            log.info("Engine: %d slots x %d positions; KV cache %d bytes per token, %d per slot, "
+                     "%d in all", num_slots, max_length, self.kv_bytes_per_token,
+                     self.kv_bytes_per_slot, self.kv_bytes_per_slot * num_slots)
+        else:
+            log.info("Engine: %d slots of up to %d positions over %d pages x %d positions; KV "
+                     "cache %d bytes per token, %d in all", num_slots, max_length, kv_pages,
+                     page_size, self.kv_bytes_per_token,
+                     self.kv_bytes_per_token * page_size * (kv_pages + 1))
         self._requests: dict[int, _Request] = {}
         self._slots: list[int | None] = [None] * num_slots   # request id per slot
         self._running: set[int] = set()                      # slots decoding
@@ -512,6 +605,11 @@ class Engine:
         if max_new_tokens < 0 or len(prompt) + max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) must fit max_length ({self.max_length})")
+        if self.kv_pages is not None and -(-(len(prompt) + max_new_tokens)
+                                           // self.page_size) > self.kv_pages:
+            raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
+                             f"({max_new_tokens}) must fit kv_pages ({self.kv_pages}) x page_size "
+                             f"({self.page_size})")
         if temperature < 0 or not 0 < top_p <= 1 or not 0 <= top_k <= self.vocab_size:
             raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, "
                              f"0 <= top_k <= vocab; got {temperature}, {top_p}, {top_k}")
@@ -601,13 +699,20 @@ class Engine:
         request = self._requests.pop(request_id)
         if request.slot is None or request.slot in self._running:
             raise ValueError(f"release: request {request_id} is not paused in a slot")
-        self._slots[request.slot] = None
+        self._free_slot(request.slot)
 
     def kv_cache(self, request_id: int) -> tuple[KVCache, ...]:
         """The filled part of a request's slot cache (host arrays, per layer `[K, D, L]` keys
         and `[K, L, D]` values for its L = prompt + new tokens positions)."""
         request = self._requests[request_id]
         length = len(request.group.prompt) + len(request.tokens)
+        if self._pool is not None:
+            pages = self._owned[request.slot]
+            pool = sharding.fetch(self._pool)
+            join_k = lambda k: np.concatenate(list(k), axis=-1)  # [n, K, D, page] -> [K, D, n*page]
+            join_v = lambda v: np.concatenate(list(v), axis=1)   # [n, K, page, D] -> [K, n*page, D]
+            return tuple(KVCache(join_k(np.asarray(p.k)[pages])[..., :length],
+                                 join_v(np.asarray(p.v)[pages])[:, :length]) for p in pool)
         cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
         return tuple(KVCache(np.asarray(c.k[row, :, :, :length]),
                              np.asarray(c.v[row, :, :length])) for c in cache)
@@ -625,6 +730,8 @@ class Engine:
             if stop is not None and stop():
                 return
             self._admit()
+            if self._pool is not None:
+                self._ensure_pages()
             if not self._running:
                 self._expand()
                 return
@@ -695,13 +802,23 @@ class Engine:
         if not self._queue or (self._running
                                and self._slots.count(None) < self._admission_size()):
             return
+        if self._pool is not None and not self._fits(self._queue[0]):
+            return
         self._expand()
         admitted = []
         while self._queue and None in self._slots:
-            request = self._queue.popleft()
+            request = self._queue[0]
+            if request.pause_at <= len(request.tokens):  # not a preempted one's segment end
+                request.pause_at = self._pause_at(request, len(request.tokens))
+            if self._pool is not None and not self._fits(request):
+                break
+            self._queue.popleft()
             slot = self._slots.index(None)
             self._slots[slot], request.slot = request.id, slot
-            request.pause_at = self._pause_at(request, len(request.tokens))
+            self._admissions += 1
+            request.order = self._admissions
+            if self._pool is not None:
+                self._grow(slot, self._chunk_positions(request))
             admitted.append(request)
         fresh = [r for r in admitted if not r.tokens]
         continued = [r for r in admitted if r.tokens]
@@ -774,9 +891,16 @@ class Engine:
         step = len(request.tokens)
         stops = np.full((self.max_stop_ids,), -1, np.int32)
         stops[:len(request.stop_ids)] = request.stop_ids
+        page_ids = None
+        if self._pool is not None:
+            if not self._grow(slot, len(request.group.prompt) + step):
+                raise RuntimeError("kv_pages: no free page for a request's prefill")
+            pages = min(-(-cache[0].v.shape[2] // self.page_size), self._pages_per_slot)
+            page_ids = jnp.asarray(self._table[slot, :pages])
         with self._mesh():
-            self._state = _insert(
-                self._state, jnp.int32(slot), cache, logits, experts, jnp.int32(row),
+            self._state, self._pool = _insert(
+                self._state, self._pool, page_ids, jnp.int32(slot), cache, logits, experts,
+                jnp.int32(row),
                 jnp.int32(len(request.group.prompt) + step), jnp.int32(step),
                 jnp.int32(request.max_new), jnp.int32(request.pause_at),
                 jnp.uint32(self.seed), jnp.uint32(request.sequence_seed),
@@ -789,17 +913,29 @@ class Engine:
         bucketed. The one: a row that stops mid-chunk goes on writing (discarded) keys at its
         length until the chunk ends, and a paused row's length must lie inside the span, or
         the write would land on its last token's keys (clamped to `span - 1`)."""
-        needed = max(len(r.group.prompt) + min(len(r.tokens) + self.chunk_steps, r.pause_at)
-                     for r in (self._requests[self._slots[s]] for s in self._running))
+        needed = max(self._chunk_positions(self._requests[self._slots[s]])
+                     for s in self._running)
         return span_bucket(needed + 1, self.max_length, self.min_span)
+
+    def _chunk_positions(self, request: _Request) -> int:
+        """Cache positions `request` fills by the end of the next decode chunk."""
+        return len(request.group.prompt) + min(len(request.tokens) + self.chunk_steps,
+                                               request.pause_at)
 
     def _decode(self) -> None:
         start_time = time.perf_counter()
-        span = self._span()
+        span, table = self._span(), None
+        if self._pool is not None:  # the span in whole pages; the running rows' first pages
+            pages = -(-span // self.page_size)  # (an idle row's writes go to the trash page: a
+            span = pages * self.page_size      # paused one may be longer than the span)
+            rows = np.zeros((self._state.length.shape[0], pages), np.int32)
+            for slot in self._running:
+                rows[self._row(slot)] = self._table[slot, :pages]
+            table = jnp.asarray(rows)
         with self._mesh():
-            self._state, tokens, logprobs, steps = _decode_chunk(
-                self._graphdef, self._weights, self._state, jnp.int32(self._stop_after()),
-                steps=self.chunk_steps, span=span)
+            self._state, self._pool, tokens, logprobs, steps = _decode_chunk(
+                self._graphdef, self._weights, self._state, self._pool, table,
+                jnp.int32(self._stop_after()), steps=self.chunk_steps, span=span)
         tokens, logprobs, step, active, steps = sharding.fetch(
             (tokens, logprobs, self._state.step, self._state.active, steps))
         self.stats["decode_seconds"] += time.perf_counter() - start_time
@@ -833,5 +969,55 @@ class Engine:
                                                     reason, experts)))
         if reason != "segment":
             if request.slot is not None:
-                self._slots[request.slot] = None
+                self._free_slot(request.slot)
             del self._requests[request.id]
+
+    # --- pages (paged KV only) ---
+
+    def _free_slot(self, slot: int) -> None:
+        """Frees `slot` and the pages it owns (its table row back to the trash page)."""
+        self._slots[slot] = None
+        self._free_pages += self._owned[slot][::-1]
+        self._owned[slot] = []
+        self._table[slot] = 0
+
+    def _grow(self, slot: int, positions: int) -> bool:
+        """Extends `slot`'s pages to hold `positions` cache positions; False, taking none,
+        when too few pages are free."""
+        owned = self._owned[slot]
+        need = min(-(-positions // self.page_size), self._pages_per_slot) - len(owned)
+        if need > len(self._free_pages):
+            return False
+        for _ in range(need):
+            self._table[slot, len(owned)] = self._free_pages[-1]
+            owned.append(self._free_pages.pop())
+        return True
+
+    def _fits(self, request: _Request) -> bool:
+        """Whether free pages hold what a queued `request` fills by the end of its first chunk."""
+        return -(-self._chunk_positions(request) // self.page_size) <= len(self._free_pages)
+
+    def _ensure_pages(self) -> None:
+        """Gives every running request the pages its next chunk writes, oldest admission first;
+        when the pool runs out, preempts the running request admitted last (`_preempt`)."""
+        order = lambda slot: self._requests[self._slots[slot]].order
+        for slot in sorted(self._running, key=order):
+            if slot not in self._running:  # preempted for an older one
+                continue
+            while not self._grow(slot, self._chunk_positions(self._requests[self._slots[slot]])):
+                victim = max(self._running, key=order)
+                self._preempt(victim)
+                if victim == slot:
+                    break
+
+    def _preempt(self, slot: int) -> None:
+        """Stops `slot`'s request and frees its slot and pages; it goes back to the front of the
+        queue with its tokens, to be re-prefilled (prompt + tokens) when readmitted."""
+        request = self._requests[self._slots[slot]]
+        self._state = _pause(self._state, jnp.int32(self._row(slot)))
+        self._running.discard(slot)
+        self._free_slot(slot)
+        request.slot = None
+        request.group = _Group(request.group.prompt, waiting=1)
+        self._queue.appendleft(request)
+        self.stats["preemptions"] += 1

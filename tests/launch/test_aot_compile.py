@@ -112,6 +112,23 @@ def test_tiny_engine_programs_write_the_sharded_slot_state_in_place(tmp_path):
     assert r["engine_shrink"]["output_bytes"] <= 0.55 * expand["output_bytes"]
 
 
+def test_tiny_paged_engine_programs_keep_one_pool_split_over_kv_heads(tmp_path):
+    """8 slots over a pool of 20 pages of 16 positions on tensor=4 (the tiny model's 2 KV
+    heads split in 2): the report's KV bytes are the pool's, (20 + 1 trash) pages x 16
+    positions, half of it per chip; the insert and the decode chunk take the pool donated."""
+    result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY,
+                          "--config.rollout.decode_engine=engine",
+                          "--config.rollout.engine_slots=8", "--config.rollout.engine_kv_pages=20",
+                          "--config.rollout.engine_page_size=16", "--config.mesh.data=1",
+                          "--config.mesh.tensor=-1", "--programs=engine_insert,engine_decode")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    kv = report["kv_bytes"]
+    assert kv["total"] == kv["per_token"] * 21 * 16 and kv["per_device"] == kv["total"] // 2
+    assert "over 20 pages" in result.stdout
+    for r in report["results"]:
+        assert r["alias_bytes"] >= kv["per_device"], r["program"]
+
+
 @pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])

@@ -1,5 +1,6 @@
 """`EngineGenerator`: rollout requests on the engine equal their own `generate` decodes."""
 import numpy as np
+import pytest
 
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.generator import EngineGenerator
@@ -28,9 +29,11 @@ def test_requests_equal_their_own_decode_and_a_group_is_prefilled_once():
     assert generator(requests) == outputs  # same weights and seed: same outputs
 
 
-def test_batched_admission_from_the_config_decodes_the_same_tokens():
+@pytest.mark.parametrize("kv_pages", [0, 6])
+def test_batched_admission_from_the_config_decodes_the_same_tokens(kv_pages):
     """`rollout.engine_admit_batch` / `engine_prefill_ahead` change when requests enter the
-    engine, not what they decode (greedy)."""
+    engine, not what they decode (greedy); so does a pool of 6 pages of 8 positions
+    (`engine_kv_pages`), fewer than the two longest requests need together."""
     from ml_collections import ConfigDict
 
     model = create_model(get_preset("tiny"), seed=0)
@@ -40,10 +43,12 @@ def test_batched_admission_from_the_config_decodes_the_same_tokens():
     rollout = ConfigDict(dict(engine_slots=2, max_decode_rows=0, max_prompt_tokens=32,
                               max_new_tokens={"solver": 16}, engine_chunk_steps=4,
                               engine_admit_batch=2, engine_prefill_ahead=3, temperature=0.0,
-                              top_p=1.0, top_k=0))
+                              top_p=1.0, top_k=0, engine_kv_pages=kv_pages,
+                              engine_page_size=8))
     config = ConfigDict(dict(rollout=rollout, learner=dict(routing_replay=False)))
     generator = EngineGenerator.from_config(config, model, (), seed=0)
     assert (generator.engine.admit_batch, generator.engine.prefill_ahead) == (2, 3)
+    assert generator.engine.kv_pages == (kv_pages or None)
     outputs = generator(requests)
     assert generator.engine.stats["prefill_calls"] < len(requests)
     for request, output in zip(requests, outputs):

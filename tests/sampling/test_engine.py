@@ -27,6 +27,7 @@ def _requests():
 
 
 REQUESTS = _requests()
+PAGING = [{}, dict(kv_pages=16, page_size=8)]  # reserved slots; a paged pool
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +180,24 @@ def test_group_prompt_is_prefilled_once(model, monkeypatch):
     assert len({tuple(t) for t in tokens}) > 1  # different sequence seeds, different samples
 
 
-def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model):
+def _alone(model, prompt, *, chunk_steps: int, **settings):
+    """`prompt`'s output decoded alone, in one go."""
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=chunk_steps, min_span=16)
+    rid = engine.submit(prompt, **settings)[0]
+    return engine.run()[rid]
+
+
+def _assert_same_output(out, expected):
+    assert out.tokens == expected.tokens and out.finish_reason == expected.finish_reason
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-6)
+
+
+@pytest.mark.parametrize("paging", PAGING)
+def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model, paging):
     prompt, other = REQUESTS[0]["prompt"], REQUESTS[1]["prompt"]
     settings = dict(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=7)
-    whole = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
-    rid = whole.submit(prompt, **settings)[0]
-    expected = whole.run()[rid]
-    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, min_span=16)
+    expected = _alone(model, prompt, chunk_steps=4, **settings)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, min_span=16, **paging)
     rid = engine.submit(prompt, segment_tokens=8, **settings)[0]
     neighbour = engine.submit(other, max_new_tokens=40, temperature=1.0)[0]
     lengths = []
@@ -197,29 +209,25 @@ def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model):
     out = engine.run()[rid]
     assert lengths == [8, 16, 24]
     assert engine.stats["prefills"] == 2  # the request's and its neighbour's: no re-prefill
-    assert out.tokens == expected.tokens and out.finish_reason == expected.finish_reason
-    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-6)
+    _assert_same_output(out, expected)
     assert neighbour not in engine._requests
 
 
-def test_a_request_paused_mid_chunk_at_the_span_keeps_its_last_keys(model):
+@pytest.mark.parametrize("paging", PAGING)
+def test_a_request_paused_mid_chunk_at_the_span_keeps_its_last_keys(model, paging):
     """A pauses after 8 tokens at length 16 = the chunk's span while B decodes on in the same
     chunk (3 steps a chunk): the steps after A's pause must not write over A's keys."""
     rng = np.random.default_rng(0)
     prompt_a, prompt_b = rng.integers(4, 96, 8).tolist(), rng.integers(4, 96, 4).tolist()
     settings = dict(max_new_tokens=20, temperature=0.0, seed=7)
-    whole = Engine(model, num_slots=2, max_length=64, chunk_steps=3, min_span=16)
-    rid = whole.submit(prompt_a, **settings)[0]
-    expected = whole.run()[rid]
-    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=3, min_span=16)
+    expected = _alone(model, prompt_a, chunk_steps=3, **settings)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=3, min_span=16, **paging)
     a = engine.submit(prompt_a, segment_tokens=8, **settings)[0]
     b = engine.submit(prompt_b, max_new_tokens=20, segment_tokens=12, temperature=0.0)[0]
     paused = dict(engine.stream())
     assert [len(paused[a].tokens), len(paused[b].tokens)] == [8, 12]
     engine.resume(a, mode="keep")
-    out = engine.run()[a]
-    assert out.tokens == expected.tokens
-    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-6)
+    _assert_same_output(engine.run()[a], expected)
 
 
 def test_recompute_resume_equals_a_fresh_prefill_under_new_weights(model, tmp_path):
@@ -306,11 +314,12 @@ def test_a_continuation_from_generated_tokens_equals_the_uninterrupted_decode(mo
     np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-5)
 
 
-def test_recompute_of_a_decoding_request_equals_a_fresh_prefill_under_new_weights(model,
-                                                                                    tmp_path):
+@pytest.mark.parametrize("paging", PAGING)
+def test_recompute_of_a_decoding_request_equals_a_fresh_prefill_under_new_weights(
+        model, tmp_path, paging):
     new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
     prompt = REQUESTS[2]["prompt"]
-    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, **paging)
     rid = engine.submit(prompt, max_new_tokens=30, temperature=0.0)[0]
     short = engine.submit(REQUESTS[4]["prompt"], max_new_tokens=3, temperature=0.0)[0]
     assert next(engine.stream())[0] == short  # `rid` is mid-decode in its slot
@@ -341,3 +350,56 @@ def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, 
     out = engine.run()[second]
     assert out.tokens == generate(new_model, [prompt], max_new_tokens=5,
                                   temperature=0).tokens[0]
+
+
+@pytest.mark.parametrize("pages, order", [(64, range(10)), (8, [3, 8, 0, 5, 9, 1, 6, 2, 7, 4])])
+def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order):
+    """64 pages of 8 hold every request at once; 8 pages (64 positions) hold about one, so
+    requests are preempted and re-prefilled from their tokens: the outputs stay `generate`'s."""
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
+                    kv_pages=pages, page_size=8)
+    outputs = _serve(engine, order)
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+        np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+    assert (engine.stats["preemptions"] > 0) == (pages == 8)
+    assert sorted(engine._free_pages) == list(range(1, pages + 1)) and engine._state.cache == ()
+
+
+def test_a_paused_request_longer_than_the_running_span_keeps_its_pages(model):
+    """A pauses at length 40 with its pages; B then decodes alone over a 16-position span: A's
+    row writes nothing into its own pages meanwhile (its resumed tokens are the whole run's)."""
+    rng = np.random.default_rng(0)
+    prompt_a, prompt_b = rng.integers(4, 96, 30).tolist(), rng.integers(4, 96, 3).tolist()
+    settings = dict(max_new_tokens=20, temperature=0.0, seed=7)
+    expected = _alone(model, prompt_a, chunk_steps=4, **settings)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, min_span=16, kv_pages=12,
+                    page_size=8)
+    a = engine.submit(prompt_a, segment_tokens=10, **settings)[0]
+    assert len(dict(engine.stream())[a].tokens) == 10
+    b = engine.submit(prompt_b, max_new_tokens=10, temperature=0.0)[0]
+    assert len(engine.run()[b].tokens) == 10
+    engine.resume(a, mode="keep")
+    _assert_same_output(engine.run()[a], expected)
+
+
+def test_a_paged_cache_on_a_mesh_that_splits_the_kv_heads(hf_moe_dir, reference):
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 2, "expert": 1},
+                              devices=jax.devices()[:2])
+    sharded = from_pretrained(hf_moe_dir, mesh=mesh)
+    engine = Engine(sharded, num_slots=4, max_length=64, chunk_steps=4, mesh=mesh, min_span=16,
+                    kv_pages=12, page_size=8)
+    assert engine._pool[0].k.sharding.spec[1] == "tensor"
+    outputs = _serve(engine, range(10))
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+    with pytest.raises(ValueError, match="kv_pages: a paged cache"):
+        split = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
+        Engine(from_pretrained(hf_moe_dir, mesh=split), num_slots=8, max_length=64, mesh=split,
+               kv_pages=12)
+
+
+def test_a_request_larger_than_the_page_pool_is_refused(model):
+    engine = Engine(model, num_slots=2, max_length=64, kv_pages=4, page_size=8)
+    with pytest.raises(ValueError, match="must fit kv_pages"):
+        engine.submit([1, 2, 3], max_new_tokens=30)
