@@ -207,8 +207,8 @@ def _perturbed(model, version):
     return nnx.merge(graphdef, jax.tree.map(lambda p, n: p + n, params, noise))
 
 
-def _real_stream(model, problems):
-    engine = Engine(model, num_slots=4, max_length=512, chunk_steps=4, seed=7)
+def _real_stream(model, problems, **paging):
+    engine = Engine(model, num_slots=4, max_length=512, chunk_steps=4, seed=7, **paging)
     rollouts = _rollouts(group_size=2, max_stages=3, cls=_SeededGrades)
     config = dataclasses.replace(rollouts.config,
                                  max_new_tokens={"solver": 22, "verifier": 30, "corrector": 26},
@@ -223,7 +223,11 @@ def _trained(batch):
             for r in g]
 
 
-def test_a_restored_stream_with_requests_in_flight_trains_what_the_uninterrupted_one_trains():
+@pytest.mark.parametrize("paging", [{}, dict(kv_pages=40, page_size=16)])
+def test_a_restored_stream_with_requests_in_flight_trains_what_the_uninterrupted_one_trains(
+        paging):
+    """Also on a pool of 40 pages of 16 positions, which holds fewer rows than the 4 slots:
+    requests wait for pages or are preempted and re-prefilled."""
     model = create_model(get_preset("tiny"), seed=0)
     problem_list = [{"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}
                     for i in range(64)]
@@ -236,18 +240,21 @@ def test_a_restored_stream_with_requests_in_flight_trains_what_the_uninterrupted
         return model
 
     whole = []
-    run(model, _real_stream(model, iter(problem_list)), range(7), whole)
+    uninterrupted = _real_stream(model, iter(problem_list), **paging)
+    run(model, uninterrupted, range(7), whole)
 
     first = []
-    stream = _real_stream(model, iter(problem_list))
+    stream = _real_stream(model, iter(problem_list), **paging)
     moved = run(model, stream, range(5), first)
     assert stream._inflight and any(stream.engine.partial(i)[0] for i in stream._inflight)
     state = stream.state_dict()
-    restored = _real_stream(moved, iter(problem_list[stream.problems_admitted:]))
+    restored = _real_stream(moved, iter(problem_list[stream.problems_admitted:]), **paging)
     restored.load_state_dict(state)
     run(moved, restored, range(5, 7), first)
 
     assert [(u, t) for u, t, _ in first] == [(u, t) for u, t, _ in whole]
+    if paging:
+        assert uninterrupted.engine.stats["preemptions"] > 0
     for (_, _, a), (_, _, b) in zip(first, whole):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
