@@ -9,7 +9,9 @@ Random weights (`create_model`, bf16 weights and compute) of `preset` with `num-
   train     loss + grads + AdamW (optax) on 4 x 1024 tokens, layers rematerialised
   decode    `generate`, greedy, 64 prompts x 256 tokens, exactly 256 new tokens
   engine    the long-tailed workload of `engine.py` (log-normal lengths, median 48, cap 512)
-            on `Engine(num_slots=256)` vs `generate` in static batches of 256
+            on `Engine(num_slots=slots)` vs `generate` in static batches of `slots`; with
+            `--paged-slots` N, also a paged `Engine` of N slots over the KV memory of the
+            reserved `slots` (`--engines` picks among engine, paged, generate)
   moe       one MoE block of `preset`, forward, per dispatch backend (dense, sorted with blocks
             of 128 and of 512 rows: fewer scan iterations, more padding, ragged) at
             256 and 16,384 tokens (a decode step's and a prefill's), to pick the GPU's default
@@ -45,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--slots", type=int, default=256)
     parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--paged-slots", type=int, default=1024)
+    parser.add_argument("--engines", default="engine,generate")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense (H200)")
     parser.add_argument("--peak-hbm-tbs", type=float, default=4.8, help="HBM TB/s (H200)")
     args = parser.parse_args()
@@ -144,10 +148,12 @@ def bench_engine(args) -> None:
     lengths = engine_bench.output_lengths(args.requests, 0)
     prompts = np.random.default_rng(0).integers(1, model.config.vocab_size,
                                                 (args.requests, prompt_len)).tolist()
-    engine = Engine(model, num_slots=args.slots, max_length=prompt_len + max_new,
-                    chunk_steps=16)
+    pages = args.slots * -(-(prompt_len + max_new) // 64)  # as the reserved slots' positions
+    engines = {}
 
-    def run_engine():
+    def run_engine(name: str, **options):
+        engine = engines.get(name) or engines.setdefault(name, Engine(
+            model, max_length=prompt_len + max_new, chunk_steps=16, **options))
         for p, n in zip(prompts, lengths):
             engine.submit(p, max_new_tokens=int(n), temperature=0.0)
         engine.stats.clear()
@@ -160,17 +166,25 @@ def bench_engine(args) -> None:
                      temperature=0.0)
 
     tokens = int(lengths.sum())
+    runs = {"engine": lambda: run_engine("engine", num_slots=args.slots),
+            "paged": lambda: run_engine("paged", num_slots=args.paged_slots, kv_pages=pages,
+                                        page_size=64),
+            "generate": run_generate}
     rates = {}
-    for name, fn in (("engine", run_engine), ("generate", run_generate)):
-        fn()
+    for name in args.engines.split(","):
+        runs[name]()
         start = time.perf_counter()
-        fn()
+        runs[name]()
         rates[name] = tokens / (time.perf_counter() - start)
-    s = engine.stats
-    print(f"  engine   {rates['engine']:10.0f} tokens/s vs generate {rates['generate']:.0f} "
-          f"({rates['engine'] / rates['generate']:.2f}x); {args.requests} requests, "
-          f"{args.slots} slots, occupancy {s['tokens'] / s['slot_steps']:.0%}, KV "
-          f"{engine.kv_bytes_per_token} B/token, {engine.kv_bytes_per_slot / 2**20:.0f} MiB/slot",
+        line = f"  {name:8s} {rates[name]:10.0f} tokens/s; {args.requests} requests"
+        if name in engines:
+            s = engines[name].stats
+            line += (f", {engines[name].num_slots} slots, {s['tokens'] / s['decode_steps']:.0f} "
+                     f"rows decoding on average, {s['preemptions']} preemptions")
+        print(line, flush=True)
+    print(f"  KV memory of {args.slots} reserved slots = {pages} pages of 64; "
+          + ", ".join(f"{a}/{b} {rates[a] / rates[b]:.2f}x" for a, b in
+                      (("engine", "generate"), ("paged", "engine")) if a in rates and b in rates),
           flush=True)
 
 

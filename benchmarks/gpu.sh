@@ -9,13 +9,15 @@
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
 # 2. benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend (the GPU's default);
-# 3. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset;
-#    on the first H200 its XLA compilation took over 2 minutes even at a smaller setting,
-#    hence the longest limit);
-# 4. benchmarks/gpu.py engine vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16,
-#    $SLOTS slots, $REQUESTS long-tailed requests;
-# 5. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU);
-# 6. benchmarks/gpu.py forward + train step (MFU against the bf16 peak), in what time is left.
+# 3. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset)
+#    with decode spans from 512 (on the first H200 its XLA compilation, 82 programs at a
+#    smaller setting, took over 2 minutes; fewer spans compile fewer decode programs), the
+#    longest limit;
+# 4. benchmarks/gpu.py engine: reserved slots vs a paged cache of the same KV memory over 4x
+#    the slots vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots,
+#    $REQUESTS long-tailed requests;
+# 5. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU).
+# (benchmarks/gpu.py forward + train, measured on the first H200: `--parts forward,train`.)
 # Every step has its own time limit; the output is also written to $OUT/gpu.log. Through the
 # device tool the working tree travels (64 MiB at most): move experiments/results/study/runs and
 # .../eval (committed checkpoints, ~45 MB) out of the tree for the call, and carry .whl.
@@ -66,19 +68,18 @@ smoke || { echo "SMOKE FAILED"; exit 1; }
 step "one MoE block per dispatch backend ($PRESET shapes, bf16)"
 timeout 60 python benchmarks/gpu.py --preset "$PRESET" --parts moe || echo "moe: failed or timed out (rc $?)"
 
-step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults)"
-timeout 285 python -m benchmarks.pipeline || echo "pipeline: failed or timed out (rc $?)"
+step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults, spans from 512)"
+timeout 285 python -m benchmarks.pipeline --min_span=512 \
+  || echo "pipeline: failed or timed out (rc $?)"
 
-step "engine vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots)"
-timeout 80 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
-  --parts engine --slots "$SLOTS" --requests "$REQUESTS" || echo "engine: failed or timed out (rc $?)"
+step "engine: reserved vs paged vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16)"
+timeout 110 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+  --parts engine --slots "$SLOTS" --paged-slots $((4 * SLOTS)) --requests "$REQUESTS" \
+  --engines engine,paged,generate || echo "engine: failed or timed out (rc $?)"
 
 step "tests (engine exactness, HF parity)"
 timeout 70 python -m pytest -q -p no:cacheprovider tests/sampling/test_engine.py \
   tests/models/test_qwen3_parity.py -k "not mesh and not slow" \
   || echo "TESTS FAILED OR TIMED OUT (rc $?)"
 
-step "forward + train step ($PRESET shapes, $NUM_LAYERS layers, bf16)"
-timeout 30 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
-  --parts forward,train || echo "forward/train: failed or timed out (rc $?)"
 step "done"

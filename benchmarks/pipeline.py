@@ -3,7 +3,7 @@ second at a generation-dominated, long-tailed setting.
 
   python -m benchmarks.pipeline [--updates=3] [--warmup=1] [--slots=16] [--median=256]
                                 [--sigma=1.0] [--cap=2048] [--group=4] [--problems=1]
-                                [--visible=32]
+                                [--visible=32] [--min_span=128]
 
 Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float32, random
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
@@ -17,7 +17,8 @@ sequential mode decodes `--problems` problems stage by stage with barriers and t
 every trajectory is done; the pipeline streams and updates on as many samples as a sequential
 batch had on average. Prints per mode the time split into rollout and
 update, slot occupancy and staleness, and the ratio; the first `--warmup` updates of each mode
-(compilation) are not counted. The bound printed beside it: sequential time per sample over the
+(compilation) are not counted. `--min_span` is the engine's shortest decode span (a larger one
+compiles fewer decode programs: on a GPU, XLA compilation dominates a short run). The bound printed beside it: sequential time per sample over the
 pipeline's update time per sample (one mesh: the update cannot overlap decoding).
 """
 from __future__ import annotations
@@ -63,7 +64,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         max_new_tokens=budgets, max_prompt_tokens=MAX_PROMPT), seed=0, encode=encode_chat)
     rollouts.visible = args.visible
     engine = Engine(model, num_slots=args.slots, max_length=MAX_PROMPT + args.cap,
-                    chunk_steps=16, seed=0)
+                    chunk_steps=16, seed=0, min_span=args.min_span)
     stream = StreamingRollouts(
         rollouts, ForcedLengths(engine, LengthModel(args.median, args.sigma, args.cap)),
         ProblemIterator(datasets.load("arith", "train"), seed=0), mode=mode,
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--median", type=float, default=256)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--cap", type=int, default=2048)
+    parser.add_argument("--min_span", type=int, default=128)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--problems", type=int, default=1)
     parser.add_argument("--fan_out", type=int, default=2)
