@@ -333,12 +333,15 @@ class StepPrograms:
         return self.config.rollout.get("engine_kv_pages", 0)
 
     def engine_pool(self) -> tuple[KVCache, ...] | None:
-        """The abstract page pool of a paged engine (None with reserved slots)."""
+        """The abstract page pools of a paged engine, one per batch shard (None with reserved
+        slots)."""
         if not self.pages:
             return None
         cfg, page = self.cfg, self.config.rollout.engine_page_size
-        shapes = ((self.pages + 1, cfg.num_key_value_heads, cfg.head_dim, page),
-                  (self.pages + 1, cfg.num_key_value_heads, page, cfg.head_dim))
+        shards = sharding_multiple(self.mesh)
+        lead = (shards, self.pages // shards + 1)
+        shapes = ((*lead, cfg.num_key_value_heads, cfg.head_dim, page),
+                  (*lead, cfg.num_key_value_heads, page, cfg.head_dim))
         return tuple(KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
                                for shape in shapes)) for _ in range(cfg.num_hidden_layers))
 
@@ -380,7 +383,8 @@ class StepPrograms:
         u32 = _scalar(self.mesh, jnp.uint32)
         stops = _sharded(self.mesh, (STOP_IDS,), jnp.int32, (None,))
         _, length = engine_shape(self.config, self.mesh)
-        page_ids = self._page_ids(positions=min(self.shapes.prompt_len, length))
+        page_ids = self._page_ids(sharding_multiple(self.mesh),
+                                  positions=min(self.shapes.prompt_len, length))
         return engine._insert.lower(self.engine_state(), self.engine_pool(), page_ids, i32,
                                     cache, logits, experts, i32, i32, i32, i32, i32, u32, u32,
                                     f32, i32, f32, stops)
@@ -430,10 +434,11 @@ class StepPrograms:
         per_token = engine.kv_bytes_per_token(cfg)
         kv_shards = min(cfg.num_key_value_heads, int(np.prod([self.mesh.shape[a] for a in
                         sharding.spec_axes(sharding.logical_to_spec(("act_kv_heads",))[0])])))
-        if self.pages:  # one pool, split over KV heads only
-            total = per_token * (self.pages + 1) * self.config.rollout.engine_page_size
+        if self.pages:  # a pool per batch shard (each with its trash page), split over KV heads
+            shards = sharding_multiple(self.mesh)
+            total = per_token * (self.pages + shards) * self.config.rollout.engine_page_size
             return dict(slots=slots, positions=length, per_token=per_token, total=total,
-                        per_device=total // kv_shards)
+                        per_device=total // shards // kv_shards)
         return dict(slots=slots, positions=length, per_token=per_token,
                     per_slot=per_token * length, total=per_token * length * slots,
                     per_device=per_token * length * slots // sharding_multiple(self.mesh)

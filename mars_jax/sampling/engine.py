@@ -52,21 +52,22 @@ KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
 (`kv_bytes_per_token`), logged at start. By default every slot reserves `max_length` positions
 whatever its request's length (`kv_bytes_per_slot`).
 
-Paged KV (`kv_pages` = P): the cache is one pool of P pages of `page_size` positions
-(`layers.paged_kv`, plus a trash page that writes through unowned table entries land in); a slot
-owns the pages its request has filled or fills in the next chunk, so `num_slots` can exceed
-what reserved slots of `max_length` would fit in the same memory. Pages are taken when a request
-is admitted (its prompt and first chunk) and before each chunk (what the chunk can write), and
-freed when it finishes or is released; a paused request keeps its pages. A queued request is
-admitted while a slot is free and its first chunk's pages are; when the running requests' next
-chunk does not fit, the request admitted last is preempted: its pages and slot are freed and it
-waits at the front of the queue, to be re-prefilled from prompt + tokens so far when readmitted
+Paged KV (`kv_pages` = P): the cache is P pages of `page_size` positions, one pool of P / S
+pages per batch shard of the slots (S = 1 without a mesh that splits them; `layers.paged_kv`,
+each pool with a trash page that writes through unowned table entries land in); a slot owns
+pages of its shard's pool, those its request has filled or fills in the next chunk, so
+`num_slots` can exceed what reserved slots of `max_length` would fit in the same memory. Pages
+are taken when a request is admitted (its prompt and first chunk) and before each chunk (what
+the chunk can write), and freed when it finishes or is released; a paused request keeps its
+pages. A queued request is admitted while a slot is free whose pool holds its first chunk's
+pages; when the running requests' next chunk does not fit a pool, that pool's request admitted
+last is preempted: its pages and slot are freed and it waits at the front of the queue, to be re-prefilled from prompt + tokens so far when readmitted
 (as `submit(generated=...)`: same PRNG steps, KV recomputed under the current weights, which
 changes a token only at a near-tie). Each decode step gathers every row's pages of the chunk's
 span into one layer's contiguous cache at a time (a copy per layer: more memory traffic than a
 reserved slot's in-place read, a kernel reading pages in place being the faster alternative on
-accelerators). Paging needs the slots on one shard (a mesh may split the KV heads); a request
-must fit the pool alone.
+accelerators). A request must fit one pool alone. With S > 1 the running rows are not gathered
+into smaller slot buckets (a row would change pools).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ from flax import nnx, struct
 from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
-from mars_jax.layers.paged_kv import POOL_AXES, PagedKVCache
+from mars_jax.layers.paged_kv import POOL_AXES, PagedKVCache, write_pages
 from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sampling.processors import choose_tokens_per_row
 from mars_jax.sampling.sampler import _batch_multiple, length_bucket, prompt_bucket
@@ -259,11 +260,12 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
     return state.replace(**fields)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "pages", "page_size"))
-def _init_pool(graphdef, weights, *, pages: int, page_size: int) -> tuple[KVCache, ...]:
-    """Zeroed page pools, one per layer (`paged_kv`'s layouts)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "shards", "pages", "page_size"))
+def _init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int
+               ) -> tuple[KVCache, ...]:
+    """Zeroed page pools per layer, `shards` of `pages` pages each (`paged_kv`'s layouts)."""
     cfg = nnx.merge(graphdef, weights).config
-    shape = (pages, cfg.num_key_value_heads)
+    shape = (shards, pages, cfg.num_key_value_heads)
     return _pinned_pool(tuple(
         KVCache(jnp.zeros(shape + (cfg.head_dim, page_size), cfg.compute_dtype),
                 jnp.zeros(shape + (page_size, cfg.head_dim), cfg.compute_dtype))
@@ -306,7 +308,8 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
     slot's first `step` increase entries are its own) and the steps run. Stops early when every
     slot is idle, or once `stop_after` (> 0) requests have ended. Slots idle at the start keep
     their cache. Paged (`pool` given, else None): row b's positions are in pages `table[b]`
-    (`span / page` of them, 0 where it owns none)."""
+    (`span / page` of them; the caller gives 0, the trash page, where a row owns none and for
+    every row idle at the start)."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
@@ -397,9 +400,9 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
 
 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
-    """`pool` with row `row` of a prompt cache written to pages `page_ids [n]` (its positions
-    0 .. n * page, zero-padded or cut)."""
-    pages, page = page_ids.shape[0], pool.k.shape[-1]
+    """`pool` with row `row` of a prompt cache written to pages `page_ids [shards, n]` (its
+    positions 0 .. n * page, zero-padded or cut; `paged_kv.write_pages`)."""
+    pages, page = page_ids.shape[1], pool.k.shape[-1]
     width = pages * page
     fit = lambda x, axis: (x[(slice(None),) * axis + (slice(0, width),)] if x.shape[axis] >= width
                            else jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0)
@@ -408,8 +411,7 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
     v = fit(_row(prompt.v, row)[0], 1)  # [K, width, D]
     k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (2, 0, 1, 3))
     v = jnp.transpose(v.reshape(v.shape[0], pages, page, v.shape[-1]), (1, 0, 2, 3))
-    return KVCache(pool.k.at[page_ids].set(k.astype(pool.k.dtype)),
-                   pool.v.at[page_ids].set(v.astype(pool.v.dtype)))
+    return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids))
 
 
 @functools.partial(jax.jit, donate_argnames=("state", "pool"))
@@ -500,8 +502,8 @@ class Engine:
     next queued requests, up to P prompts in the call; those keep their prompt KV until they get
     a slot, which they then take one at a time without a prefill (as a group's members do).
     `min_span` is the shortest KV span a decode chunk attends over (module docstring). With
-    `kv_pages` = P the KV cache is a pool of P pages of `page_size` positions (module docstring,
-    "Paged KV")."""
+    `kv_pages` = P the KV cache is P pages of `page_size` positions, pooled per batch shard
+    (module docstring, "Paged KV")."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
@@ -523,11 +525,9 @@ class Engine:
                              f"shards ({multiple})")
         if kv_pages is not None and (kv_pages < 1 or page_size < 1):
             raise ValueError(f"kv_pages, page_size: need >= 1 each, got {kv_pages}, {page_size}")
-        if kv_pages is not None and mesh is not None:
-            with sharding.use_mesh(mesh):
-                if _slots_sharded(num_slots):
-                    raise ValueError("kv_pages: a paged cache keeps every slot's pages in one "
-                                     "pool; use a mesh that splits the KV heads, not the slots")
+        if kv_pages is not None and kv_pages % multiple:
+            raise ValueError(f"kv_pages: {kv_pages} is not a multiple of the mesh's batch shards "
+                             f"({multiple}: one pool each)")
         if model.config.capacity_factor is not None:
             raise ValueError("Engine: capacity-based MoE drops tokens depending on the batch; "
                              "set capacity_factor=None (dropless) for exact per-request outputs")
@@ -545,11 +545,13 @@ class Engine:
                                       max_length=max_length, max_stops=max_stop_ids,
                                       record=self.record_routing, paged=kv_pages is not None)
             self._pool = None if kv_pages is None else _init_pool(
-                self._graphdef, self._weights, pages=kv_pages + 1, page_size=page_size)
+                self._graphdef, self._weights, shards=multiple,
+                pages=kv_pages // multiple + 1, page_size=page_size)
         self._pages_per_slot = -(-max_length // page_size)
         self._table = np.zeros((num_slots, self._pages_per_slot), np.int32)  # 0: trash page
         self._owned: list[list[int]] = [[] for _ in range(num_slots)]
-        self._free_pages = list(range(kv_pages or 0, 0, -1))
+        self._pool_pages = (kv_pages or 0) // multiple  # per shard's pool
+        self._free_pages = [list(range(self._pool_pages, 0, -1)) for _ in range(multiple)]
         self._admissions = 0
         self.kv_bytes_per_token = kv_bytes_per_token(model.config)
         self.kv_bytes_per_slot = self.kv_bytes_per_token * max_length
@@ -558,10 +560,10 @@ class Engine:
                      "%d in all", num_slots, max_length, self.kv_bytes_per_token,
                      self.kv_bytes_per_slot, self.kv_bytes_per_slot * num_slots)
         else:
-            log.info("Engine: %d slots of up to %d positions over %d pages x %d positions; KV "
-                     "cache %d bytes per token, %d in all", num_slots, max_length, kv_pages,
-                     page_size, self.kv_bytes_per_token,
-                     self.kv_bytes_per_token * page_size * (kv_pages + 1))
+            log.info("Engine: %d slots of up to %d positions over %d pools of %d pages x %d "
+                     "positions; KV cache %d bytes per token, %d in all", num_slots, max_length,
+                     multiple, self._pool_pages, page_size, self.kv_bytes_per_token,
+                     self.kv_bytes_per_token * page_size * (kv_pages + multiple))
         self._requests: dict[int, _Request] = {}
         self._slots: list[int | None] = [None] * num_slots   # request id per slot
         self._running: set[int] = set()                      # slots decoding
@@ -606,10 +608,10 @@ class Engine:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) must fit max_length ({self.max_length})")
         if self.kv_pages is not None and -(-(len(prompt) + max_new_tokens)
-                                           // self.page_size) > self.kv_pages:
+                                           // self.page_size) > self._pool_pages:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
-                             f"({max_new_tokens}) must fit kv_pages ({self.kv_pages}) x page_size "
-                             f"({self.page_size})")
+                             f"({max_new_tokens}) must fit kv_pages ({self.kv_pages}) / batch "
+                             f"shards ({self._multiple}) x page_size ({self.page_size})")
         if temperature < 0 or not 0 < top_p <= 1 or not 0 <= top_k <= self.vocab_size:
             raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, "
                              f"0 <= top_k <= vocab; got {temperature}, {top_p}, {top_k}")
@@ -707,12 +709,12 @@ class Engine:
         request = self._requests[request_id]
         length = len(request.group.prompt) + len(request.tokens)
         if self._pool is not None:
-            pages = self._owned[request.slot]
+            pages, shard = self._owned[request.slot], self._shard(request.slot)
             pool = sharding.fetch(self._pool)
             join_k = lambda k: np.concatenate(list(k), axis=-1)  # [n, K, D, page] -> [K, D, n*page]
             join_v = lambda v: np.concatenate(list(v), axis=1)   # [n, K, page, D] -> [K, n*page, D]
-            return tuple(KVCache(join_k(np.asarray(p.k)[pages])[..., :length],
-                                 join_v(np.asarray(p.v)[pages])[:, :length]) for p in pool)
+            return tuple(KVCache(join_k(np.asarray(p.k)[shard, pages])[..., :length],
+                                 join_v(np.asarray(p.v)[shard, pages])[:, :length]) for p in pool)
         cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
         return tuple(KVCache(np.asarray(c.k[row, :, :, :length]),
                              np.asarray(c.v[row, :, :length])) for c in cache)
@@ -758,6 +760,7 @@ class Engine:
         occupied = sum(s is not None for s in self._slots)
         target = -(-(1 << (len(self._running) - 1).bit_length()) // self._multiple) * self._multiple
         if (self._queue or occupied > len(self._running) or target > rows // 2
+                or (self._pool is not None and self._multiple > 1)  # rows would change pools
                 or any(self._requests[self._slots[s]].segment_tokens is not None
                        for s in self._running)):
             return
@@ -802,18 +805,16 @@ class Engine:
         if not self._queue or (self._running
                                and self._slots.count(None) < self._admission_size()):
             return
-        if self._pool is not None and not self._fits(self._queue[0]):
+        if self._pool is not None and self._free_slot_for(self._queue[0]) is None:
             return
         self._expand()
         admitted = []
         while self._queue and None in self._slots:
             request = self._queue[0]
-            if request.pause_at <= len(request.tokens):  # not a preempted one's segment end
-                request.pause_at = self._pause_at(request, len(request.tokens))
-            if self._pool is not None and not self._fits(request):
+            slot = self._free_slot_for(request)
+            if slot is None:
                 break
             self._queue.popleft()
-            slot = self._slots.index(None)
             self._slots[slot], request.slot = request.id, slot
             self._admissions += 1
             request.order = self._admissions
@@ -896,7 +897,9 @@ class Engine:
             if not self._grow(slot, len(request.group.prompt) + step):
                 raise RuntimeError("kv_pages: no free page for a request's prefill")
             pages = min(-(-cache[0].v.shape[2] // self.page_size), self._pages_per_slot)
-            page_ids = jnp.asarray(self._table[slot, :pages])
+            ids = np.zeros((self._multiple, pages), np.int32)  # other pools: their trash page
+            ids[self._shard(slot)] = self._table[slot, :pages]
+            page_ids = jnp.asarray(ids)
         with self._mesh():
             self._state, self._pool = _insert(
                 self._state, self._pool, page_ids, jnp.int32(slot), cache, logits, experts,
@@ -974,38 +977,53 @@ class Engine:
 
     # --- pages (paged KV only) ---
 
+    def _shard(self, slot: int) -> int:
+        """The batch shard, and so the page pool, of `slot`."""
+        return slot // (self.num_slots // self._multiple)
+
     def _free_slot(self, slot: int) -> None:
         """Frees `slot` and the pages it owns (its table row back to the trash page)."""
         self._slots[slot] = None
-        self._free_pages += self._owned[slot][::-1]
+        self._free_pages[self._shard(slot)] += self._owned[slot][::-1]
         self._owned[slot] = []
         self._table[slot] = 0
 
     def _grow(self, slot: int, positions: int) -> bool:
         """Extends `slot`'s pages to hold `positions` cache positions; False, taking none,
-        when too few pages are free."""
-        owned = self._owned[slot]
+        when its pool has too few free."""
+        owned, free = self._owned[slot], self._free_pages[self._shard(slot)]
         need = min(-(-positions // self.page_size), self._pages_per_slot) - len(owned)
-        if need > len(self._free_pages):
+        if need > len(free):
             return False
         for _ in range(need):
-            self._table[slot, len(owned)] = self._free_pages[-1]
-            owned.append(self._free_pages.pop())
+            self._table[slot, len(owned)] = free[-1]
+            owned.append(free.pop())
         return True
 
-    def _fits(self, request: _Request) -> bool:
-        """Whether free pages hold what a queued `request` fills by the end of its first chunk."""
-        return -(-self._chunk_positions(request) // self.page_size) <= len(self._free_pages)
+    def _free_slot_for(self, request: _Request) -> int | None:
+        """A free slot for queued `request` (reserved slots: the first); paged, the first whose
+        pool holds what it fills by the end of its first chunk, or None. Sets its segment end
+        (a preempted request keeps its own)."""
+        if request.pause_at <= len(request.tokens):
+            request.pause_at = self._pause_at(request, len(request.tokens))
+        free = [slot for slot, held in enumerate(self._slots) if held is None]
+        if self._pool is None:
+            return free[0] if free else None
+        need = -(-self._chunk_positions(request) // self.page_size)
+        return next((slot for slot in free
+                     if need <= len(self._free_pages[self._shard(slot)])), None)
 
     def _ensure_pages(self) -> None:
         """Gives every running request the pages its next chunk writes, oldest admission first;
-        when the pool runs out, preempts the running request admitted last (`_preempt`)."""
+        when its pool runs out, preempts the running request of that pool admitted last
+        (`_preempt`)."""
         order = lambda slot: self._requests[self._slots[slot]].order
         for slot in sorted(self._running, key=order):
             if slot not in self._running:  # preempted for an older one
                 continue
             while not self._grow(slot, self._chunk_positions(self._requests[self._slots[slot]])):
-                victim = max(self._running, key=order)
+                victim = max((s for s in self._running if self._shard(s) == self._shard(slot)),
+                             key=order)
                 self._preempt(victim)
                 if victim == slot:
                     break

@@ -112,21 +112,30 @@ def test_tiny_engine_programs_write_the_sharded_slot_state_in_place(tmp_path):
     assert r["engine_shrink"]["output_bytes"] <= 0.55 * expand["output_bytes"]
 
 
-def test_tiny_paged_engine_programs_keep_one_pool_split_over_kv_heads(tmp_path):
-    """8 slots over a pool of 20 pages of 16 positions on tensor=4 (the tiny model's 2 KV
-    heads split in 2): the report's KV bytes are the pool's, (20 + 1 trash) pages x 16
-    positions, half of it per chip; the insert and the decode chunk take the pool donated."""
+@pytest.mark.parametrize("mesh, pools, per_device", [
+    (("--config.mesh.data=1", "--config.mesh.tensor=-1"), 1, 2),  # the 2 KV heads split
+    (("--config.mesh.data=-1",), 4, 4),                            # a pool per chip
+])
+def test_tiny_paged_engine_programs_keep_a_pool_per_batch_shard(tmp_path, mesh, pools,
+                                                               per_device):
+    """8 slots over 2,000 pages of 16 positions on v5e:2x2: the report's KV bytes are the
+    pools', (2,000 + one trash page per pool) x 16 positions, spread over the chips; the
+    insert and the decode chunk take the pools donated, and neither copies them (temporaries
+    under a quarter of a chip's pages: no pool is gathered)."""
     result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY,
                           "--config.rollout.decode_engine=engine",
-                          "--config.rollout.engine_slots=8", "--config.rollout.engine_kv_pages=20",
-                          "--config.rollout.engine_page_size=16", "--config.mesh.data=1",
-                          "--config.mesh.tensor=-1", "--programs=engine_insert,engine_decode")
+                          "--config.rollout.engine_slots=8",
+                          "--config.rollout.engine_kv_pages=2000",
+                          "--config.rollout.engine_page_size=16", *mesh,
+                          "--programs=engine_insert,engine_decode")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     kv = report["kv_bytes"]
-    assert kv["total"] == kv["per_token"] * 21 * 16 and kv["per_device"] == kv["total"] // 2
-    assert "over 20 pages" in result.stdout
+    assert kv["total"] == kv["per_token"] * (2000 + pools) * 16
+    assert kv["per_device"] == kv["total"] // per_device
+    assert "over 2000 pages" in result.stdout
     for r in report["results"]:
         assert r["alias_bytes"] >= kv["per_device"], r["program"]
+        assert r["temp_bytes"] < kv["per_device"] / 4, r["program"]
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
 """The continuous-batching engine against `generate`, HF generate, the full forward, itself."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -363,7 +365,8 @@ def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order):
         assert outputs[i].tokens == ref.tokens[0], i
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
     assert (engine.stats["preemptions"] > 0) == (pages == 8)
-    assert sorted(engine._free_pages) == list(range(1, pages + 1)) and engine._state.cache == ()
+    assert sorted(engine._free_pages[0]) == list(range(1, pages + 1))
+    assert engine._state.cache == ()
 
 
 def test_a_paused_request_longer_than_the_running_span_keeps_its_pages(model):
@@ -383,20 +386,27 @@ def test_a_paused_request_longer_than_the_running_span_keeps_its_pages(model):
     _assert_same_output(engine.run()[a], expected)
 
 
-def test_a_paged_cache_on_a_mesh_that_splits_the_kv_heads(hf_moe_dir, reference):
-    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 2, "expert": 1},
-                              devices=jax.devices()[:2])
+@pytest.mark.parametrize("axes, pool_spec", [
+    (dict(data=1, fsdp=1, tensor=2, expert=1), (None, None, "tensor")),  # KV heads split
+    (dict(data=2, fsdp=2, tensor=1, expert=2), (("data", "fsdp", "expert"),)),  # 8 pools
+])
+def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec):
+    """A pool per batch shard of the slots (its pages on that shard's chips), KV heads split
+    inside each. 16 slots over 64 pages of 8: one pool of 64, or 8 pools of 8 for 2 slots
+    each, which hold fewer positions than their two slots' longest requests."""
+    devices = jax.devices()[:math.prod(axes.values())]
+    mesh = sharding.make_mesh(axes, devices=devices)
     sharded = from_pretrained(hf_moe_dir, mesh=mesh)
-    engine = Engine(sharded, num_slots=4, max_length=64, chunk_steps=4, mesh=mesh, min_span=16,
-                    kv_pages=12, page_size=8)
-    assert engine._pool[0].k.sharding.spec[1] == "tensor"
+    engine = Engine(sharded, num_slots=16, max_length=64, chunk_steps=4, mesh=mesh, min_span=16,
+                    kv_pages=64, page_size=8)
+    assert tuple(engine._pool[0].k.sharding.spec)[:len(pool_spec)] == pool_spec
     outputs = _serve(engine, range(10))
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
-    with pytest.raises(ValueError, match="kv_pages: a paged cache"):
-        split = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
-        Engine(from_pretrained(hf_moe_dir, mesh=split), num_slots=8, max_length=64, mesh=split,
-               kv_pages=12)
+        np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+    if engine._multiple > 1:
+        with pytest.raises(ValueError, match="kv_pages: 60 is not a multiple"):
+            Engine(sharded, num_slots=16, max_length=64, mesh=mesh, kv_pages=60)
 
 
 def test_a_request_larger_than_the_page_pool_is_refused(model):
