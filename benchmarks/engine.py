@@ -118,8 +118,7 @@ def engine_run(model, args, paged: bool = False):
                 "decode_steps": s["decode_steps"], "prefills": s["prefills"],
                 "prefill_calls": s["prefill_calls"], "preemptions": s["preemptions"],
                 "mean_rows": s["tokens"] / max(1, s["decode_steps"]),
-                "kv_bytes_per_token": engine.kv_bytes_per_token,
-                "kv_bytes_per_slot": engine.kv_bytes_per_slot}
+                "kv_bytes_per_token": engine.kv_bytes_per_token, "kv_bytes": engine.kv_bytes}
         return [outputs[i].tokens for i in ids], info
 
     return run
@@ -289,7 +288,7 @@ def main() -> None:
                              f"{r['prefill_share']:.1%}, {r['decode_steps']} decode steps, "
                              f"{r['prefills']} prefills in {r['prefill_calls']} calls, KV "
                              f"{r['kv_bytes_per_token']} B/token, "
-                             f"{r['kv_bytes_per_slot'] / 2**20:.1f} MiB/slot")
+                             f"{r['kv_bytes'] / 2**20:.1f} MiB in all")
                 print(f"  {engine:9s} {r['tokens']:6d} tokens in {wall:7.2f} s = "
                       f"{rates[engine]:6.1f} tokens/s (runs "
                       f"{', '.join(f'{w:.1f}' for w in r['walls'])} s; warm-up "

@@ -49,8 +49,8 @@ tokens so far under the engine's current weights (`update_weights`): exactly on-
 the cost of a prefill of that many tokens.
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
-(`kv_bytes_per_token`), logged at start. By default every slot reserves `max_length` positions
-whatever its request's length (`kv_bytes_per_slot`).
+(`kv_bytes_per_token`), logged at start with the cache's whole size (`kv_bytes`). By default
+every slot reserves `max_length` positions whatever its request's length (`kv_bytes_per_slot`).
 
 Paged KV (`kv_pages` = P): the cache is P pages of `page_size` positions, one pool of P / S
 pages per batch shard of the slots (S = 1 without a mesh that splits them; `layers.paged_kv`,
@@ -556,14 +556,16 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(model.config)
         self.kv_bytes_per_slot = self.kv_bytes_per_token * max_length
         if kv_pages is None:
+            self.kv_bytes = self.kv_bytes_per_slot * num_slots
             log.info("Engine: %d slots x %d positions; KV cache %d bytes per token, %d per slot, "
                      "%d in all", num_slots, max_length, self.kv_bytes_per_token,
-                     self.kv_bytes_per_slot, self.kv_bytes_per_slot * num_slots)
-        else:
+                     self.kv_bytes_per_slot, self.kv_bytes)
+        else:  # every pool's pages and its trash page
+            self.kv_bytes = self.kv_bytes_per_token * page_size * (kv_pages + multiple)
             log.info("Engine: %d slots of up to %d positions over %d pools of %d pages x %d "
                      "positions; KV cache %d bytes per token, %d in all", num_slots, max_length,
                      multiple, self._pool_pages, page_size, self.kv_bytes_per_token,
-                     self.kv_bytes_per_token * page_size * (kv_pages + multiple))
+                     self.kv_bytes)
         self._requests: dict[int, _Request] = {}
         self._slots: list[int | None] = [None] * num_slots   # request id per slot
         self._running: set[int] = set()                      # slots decoding

@@ -367,6 +367,8 @@ def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order):
     assert (engine.stats["preemptions"] > 0) == (pages == 8)
     assert sorted(engine._free_pages[0]) == list(range(1, pages + 1))
     assert engine._state.cache == ()
+    assert engine.kv_bytes == engine.kv_bytes_per_token * 8 * (pages + 1) == sum(
+        p.k.nbytes + p.v.nbytes for p in engine._pool)
 
 
 def test_a_paused_request_longer_than_the_running_span_keeps_its_pages(model):
