@@ -64,7 +64,7 @@ from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding, weight_sync  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
-from mars_jax.layers.paged_kv import POOL_AXES  # noqa: E402
+from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, make_optimizer,  # noqa: E402
@@ -339,11 +339,9 @@ class StepPrograms:
             return None
         cfg, page = self.cfg, self.config.rollout.engine_page_size
         shards = sharding_multiple(self.mesh)
-        lead = (shards, self.pages // shards + 1)
-        shapes = ((*lead, cfg.num_key_value_heads, cfg.head_dim, page),
-                  (*lead, cfg.num_key_value_heads, page, cfg.head_dim))
+        shape = (shards, cfg.num_key_value_heads, self.pages // shards + 1, page, cfg.head_dim)
         return tuple(KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
-                               for shape in shapes)) for _ in range(cfg.num_hidden_layers))
+                               for _ in range(2))) for _ in range(cfg.num_hidden_layers))
 
     def _page_ids(self, *lead: int, positions: int):
         """Abstract page ids covering `positions` positions (None with reserved slots)."""
@@ -398,7 +396,17 @@ class StepPrograms:
         return engine._decode_chunk.lower(
             self.graphdef, self.weights, self.engine_state(), self.engine_pool(), table,
             _scalar(self.mesh, jnp.int32), steps=self.config.rollout.engine_chunk_steps,
-            span=span)
+            span=span, kernel=self.paged_kernel)
+
+    @property
+    def paged_kernel(self) -> str:
+        """`rollout.engine_paged_attention` for the target ('auto': its backend's Pallas
+        kernel, as `paged_kv.default_kernel` picks at run time)."""
+        kernel = self.config.rollout.get("engine_paged_attention", "auto")
+        if kernel != "auto":
+            return kernel
+        return default_kernel(self.cfg.head_dim, self.config.rollout.engine_page_size,
+                              self.mesh.devices.flat[0].platform)
 
     def _shrink_index(self):
         slots, _ = engine_shape(self.config, self.mesh)
@@ -448,7 +456,8 @@ class StepPrograms:
         kv = self.kv_bytes()
         if self.pages:
             return (f"engine  {kv['slots']} slots of up to {kv['positions']} positions over "
-                    f"{self.pages} pages; KV cache {kv['per_token']:,} bytes per token, "
+                    f"{self.pages} pages (paged attention: {self.paged_kernel}); KV cache "
+                    f"{kv['per_token']:,} bytes per token, "
                     f"{kv['total'] / GiB:,.2f} GiB in all, {kv['per_device'] / 2**20:,.1f} MiB "
                     "per device")
         return (f"engine  {kv['slots']} slots x {kv['positions']} positions; KV cache "

@@ -32,6 +32,7 @@ from ml_collections import ConfigDict, FieldReference
 from mars_jax import sharding
 from mars_jax.agents.prompts import STYLES
 from mars_jax.agents.system import FALLBACKS
+from mars_jax.layers.paged_kv import KERNELS
 from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES, ROLES_TRAINED
@@ -79,6 +80,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.pi_old": PI_OLD,
     "eval.policy": ("sampler", "http"),
     "eval.fallback": FALLBACKS,
+    "rollout.engine_paged_attention": ("auto",) + KERNELS,
 }
 AT_LEAST: dict[str, float] = {
     "total_steps": 1, "max_nonfinite_updates": 1,

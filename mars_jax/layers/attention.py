@@ -168,17 +168,22 @@ class Attention(nnx.Module):
                  ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
         `cache` is given, in which case the new keys are written at `cache_index`: one position,
-        or one per row). A `PagedKVCache` takes one decode step (T = 1, one position per row)
-        and S = its table's `n * page` positions."""
+        or one per row). A `PagedKVCache` takes one decode step (T = 1, one position per row,
+        each row seeing its positions up to `cache_index`) and S = its table's `n * page`
+        positions."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = self.head_dim ** -0.5
-        if isinstance(cache, PagedKVCache):
+        if isinstance(cache, PagedKVCache):  # each row sees positions 0 .. cache_index
             cache = cache.write(k, v, cache_index)
-            keys, values = cache.view()
-            out = _cached_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale)
+            if cache.kernel == "gather":
+                keys, values = cache.view()
+                out = _cached_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask,
+                                        scale)
+            else:
+                out = cache.attend(q, cache_index + 1, scale).astype(x.dtype)
             return self._output(out, x.dtype), cache
         from_cache = cache is not None and not _is_fresh_prefill(cache_index)
         if cache is not None:

@@ -1,28 +1,36 @@
 """A layer's KV cache as page pools plus a page table per row (vLLM's layout), one pool per
-shard of the rows.
+shard of the rows, and attention over it.
 
-Pages hold keys and values in the layouts a decode step's matmuls read (`KVCache`'s, one page
-of `page` positions each): `k [shards, pages, kv_heads, head_dim, page]`, `v [shards, pages,
-kv_heads, page, head_dim]`. The B rows split into `shards` equal blocks (as an array sharded
-over its rows splits them), and block s's rows own pages of pool s only, so a mesh that splits
-the rows over chips keeps each chip's pages on that chip. Row b's position p lives in its
-pool's page `table[b, p // page]` at offset `p % page`. Page 0 of every pool is its trash page:
-table entries a row does not own are 0, so writes through them land there and reads from them
-are masked out by the caller's `AttentionMask`.
+Pools hold keys and values in the layout of the Pallas paged-attention kernels (`jax.
+experimental.pallas.ops.{gpu,tpu}.paged_attention`), one pool per shard: `k`, `v` `[shards,
+kv_heads, pages, page, head_dim]`. The B rows split into `shards` equal blocks (as an array
+sharded over its rows splits them), and block s's rows own pages of pool s only, so a mesh that
+splits the rows over chips keeps each chip's pages on that chip. Row b's position p lives in
+its pool's page `table[b, p // page]` at offset `p % page`. Page 0 of every pool is its trash
+page: table entries a row does not own are 0, so writes through them land there, and reads
+past a row's length are masked.
 
-`view` gathers a row's pages into one contiguous `[B, K, D, n * page]` / `[B, K, n * page, D]`
-cache for attention: the copy is per layer and transient, so memory holds the pools plus one
-layer's view, not a `max_length` cache per row.
+Attention (`attend`), by `kernel`:
+  gather     XLA everywhere: each row's pages gathered into one contiguous cache per layer (a
+             transient copy: memory holds the pools plus one layer's view), then the dense
+             decode attention;
+  gpu / tpu  the Pallas kernel of that backend, reading the pages in place;
+  interpret  the GPU kernel in Pallas' interpreter (any backend; for tests).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from mars_jax import sharding
 
 # Logical axes of a pool's keys and values: pools over the rows' shards, heads split.
-POOL_AXES = ("batch", None, "act_kv_heads", None, None)
+POOL_AXES = ("batch", "act_kv_heads", None, None, None)
+KERNELS = ("gather", "gpu", "tpu", "interpret")
 
 
 def _by_shard(x: jax.Array, shards: int) -> jax.Array:
@@ -30,17 +38,23 @@ def _by_shard(x: jax.Array, shards: int) -> jax.Array:
     return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
 
 
-class PagedKVCache(NamedTuple):
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+@struct.dataclass
+class PagedKVCache:
     """One layer's page pools and the rows' page tables `[B, n]` (n pages per row visible,
     ids into the row's own pool)."""
 
-    k: jax.Array      # [shards, pages, kv_heads, head_dim, page]
-    v: jax.Array      # [shards, pages, kv_heads, page, head_dim]
+    k: jax.Array      # [shards, kv_heads, pages, page, head_dim]
+    v: jax.Array      # [shards, kv_heads, pages, page, head_dim]
     table: jax.Array  # [B, n] int32 page ids, 0 = the trash page
+    kernel: str = struct.field(pytree_node=False, default="gather")
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[-1]
+        return self.k.shape[3]
 
     def write(self, k: jax.Array, v: jax.Array, index: jax.Array) -> "PagedKVCache":
         """The pools with one new key and value per row (`[B, 1, K, D]`) written at position
@@ -48,34 +62,72 @@ class PagedKVCache(NamedTuple):
         shards = self.k.shape[0]
         page = jnp.take_along_axis(self.table, (index // self.page_size)[:, None], axis=1)[:, 0]
         offset = index % self.page_size
-        set_k = lambda pool, p, o, x: pool.at[p, :, :, o].set(x)
-        set_v = lambda pool, p, o, x: pool.at[p, :, o, :].set(x)
+        # pool [K, pages, page, D].at[:, p, o] indexes [K, rows, D]: rows in the middle
+        put = jax.vmap(lambda pool, p, o, x: pool.at[:, p, o, :].set(jnp.swapaxes(x, 0, 1)))
         page, offset = _by_shard(page, shards), _by_shard(offset, shards)
-        new_k = jax.vmap(set_k)(self.k, page, offset,
-                                _by_shard(k[:, 0].astype(self.k.dtype), shards))
-        new_v = jax.vmap(set_v)(self.v, page, offset,
-                                _by_shard(v[:, 0].astype(self.v.dtype), shards))
-        return self._replace(k=new_k, v=new_v)
+        return self.replace(
+            k=put(self.k, page, offset, _by_shard(k[:, 0].astype(self.k.dtype), shards)),
+            v=put(self.v, page, offset, _by_shard(v[:, 0].astype(self.v.dtype), shards)))
 
     def view(self) -> tuple[jax.Array, jax.Array]:
         """Each row's first `n * page` positions as one contiguous cache, keys `[B, K, D, S]`
         and values `[B, K, S, D]` (`attention.KVCache`'s layouts), S = n * page."""
         rows, n = self.table.shape
-        table = _by_shard(self.table, self.k.shape[0])
-        gather = jax.vmap(lambda pool, ids: pool[ids])
-        k = gather(self.k, table).reshape(rows, n, *self.k.shape[2:])  # [B, n, K, D, page]
-        v = gather(self.v, table).reshape(rows, n, *self.v.shape[2:])  # [B, n, K, page, D]
-        k = jnp.transpose(k, (0, 2, 3, 1, 4))  # [B, K, D, n, page]
-        v = jnp.transpose(v, (0, 2, 1, 3, 4))  # [B, K, n, page, D]
-        return (k.reshape(*k.shape[:3], n * self.page_size),
-                v.reshape(rows, v.shape[1], n * self.page_size, v.shape[-1]))
+        shards, heads, _, page, dim = self.k.shape
+        gather = jax.vmap(lambda pool, ids: pool[:, ids])  # [S, K, B / S, n, page, D]
+        to_rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(rows, heads, n * page, dim)
+        values = to_rows(gather(self.v, _by_shard(self.table, shards)))
+        keys = jnp.swapaxes(to_rows(gather(self.k, _by_shard(self.table, shards))), 2, 3)
+        return keys, values
+
+    def attend(self, q: jax.Array, lengths: jax.Array, scale: float) -> jax.Array:
+        """softmax(q k^T * scale) v for one query per row, `q [B, 1, N, D]`, over each row's
+        first `lengths [B]` positions; `[B, 1, N, D]`."""
+        rows, n = self.table.shape
+        shards = self.k.shape[0]
+        q = (q[:, 0] * scale).astype(self.k.dtype)
+        if self.kernel == "tpu":
+            from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+            attend = lambda q, k, v, t, l: paged_attention(
+                q, k, v, l, t, pages_per_compute_block=_largest_divisor(n, 8))
+        else:
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+            attend = functools.partial(
+                paged_attention, k_splits=_largest_divisor(n, 16), pages_per_compute_block=
+                _largest_divisor(n // _largest_divisor(n, 16), 8),
+                interpret=self.kernel == "interpret")
+        run = jax.vmap(attend)
+        args = (_by_shard(q, shards), self.k, self.v, _by_shard(self.table, shards),
+                _by_shard(lengths.astype(jnp.int32), shards))
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:  # a Pallas kernel is not partitioned by XLA: each chip runs its part
+            pool = sharding.fitted_spec(POOL_AXES, self.k.shape, mesh)
+            pools, heads = pool[0], pool[1]  # q's heads split as the pools' KV heads
+            rows_of = lambda *rest: PartitionSpec(pools, *rest)
+            run = jax.shard_map(run, mesh=mesh, in_specs=(rows_of(None, heads, None), pool, pool,
+                                                          rows_of(None, None), rows_of(None)),
+                                out_specs=rows_of(None, heads, None), check_vma=False)
+        out = run(*args)
+        return out.reshape(rows, 1, *out.shape[2:])
 
 
 def write_pages(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array,
                 page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Pools with whole pages `k [n, K, D, page]` / `v [n, K, page, D]` written to pages
-    `page_ids [shards, n]` of every pool (a pool the pages do not belong to gets ids 0: its
-    trash page), each pool updated on its own shard."""
-    put = jax.vmap(lambda pool, ids, pages: pool.at[ids].set(pages), in_axes=(0, 0, None))
+    """Pools with whole pages `k`, `v` `[K, n, page, D]` written to pages `page_ids [shards,
+    n]` of every pool (a pool the pages do not belong to gets ids 0: its trash page), each pool
+    updated on its own shard."""
+    put = jax.vmap(lambda pool, ids, pages: pool.at[:, ids].set(pages), in_axes=(0, 0, None))
     return (put(pool_k, page_ids, k.astype(pool_k.dtype)),
             put(pool_v, page_ids, v.astype(pool_v.dtype)))
+
+
+def default_kernel(head_dim: int, page_size: int, platform: str | None = None) -> str:
+    """The Pallas kernel of `platform` (default: the default backend's) where there is one and
+    the shapes suit it (TPU: head_dim a multiple of 128 and pages of 8k positions; GPU:
+    multiples of 16 for both), else 'gather'."""
+    platform = platform or jax.default_backend()
+    if platform == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0:
+        return "tpu"
+    if platform in ("gpu", "cuda") and head_dim % 16 == 0 and page_size % 16 == 0:
+        return "gpu"
+    return "gather"

@@ -101,11 +101,11 @@ def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:
 
 def engine_options(config: ConfigDict) -> dict:
     """The `Engine` settings a config's `rollout.engine_*` fields give (`engine_kv_pages` 0:
-    every slot reserves its positions; else a pool of that many pages)."""
+    every slot reserves its positions; else that many pages)."""
     r = config.rollout
     return dict(chunk_steps=r.engine_chunk_steps, admit_batch=r.engine_admit_batch,
                 prefill_ahead=r.engine_prefill_ahead, kv_pages=r.engine_kv_pages or None,
-                page_size=r.engine_page_size)
+                page_size=r.engine_page_size, paged_attention=r.engine_paged_attention)
 
 
 def stream_engine(config: ConfigDict, model, eos: Sequence[int], *, mesh=None) -> Engine:

@@ -63,10 +63,10 @@ pages. A queued request is admitted while a slot is free whose pool holds its fi
 pages; when the running requests' next chunk does not fit a pool, that pool's request admitted
 last is preempted: its pages and slot are freed and it waits at the front of the queue, to be re-prefilled from prompt + tokens so far when readmitted
 (as `submit(generated=...)`: same PRNG steps, KV recomputed under the current weights, which
-changes a token only at a near-tie). Each decode step gathers every row's pages of the chunk's
-span into one layer's contiguous cache at a time (a copy per layer: more memory traffic than a
-reserved slot's in-place read, a kernel reading pages in place being the faster alternative on
-accelerators). A request must fit one pool alone. With S > 1 the running rows are not gathered
+changes a token only at a near-tie). A decode step attends over the pages with the Pallas
+paged-attention kernel of the backend on GPU and TPU (reading the pages in place), else by
+gathering every row's pages of the chunk's span into one layer's contiguous cache at a time (a
+copy per layer: more memory traffic than a reserved slot's in-place read). A request must fit one pool alone. With S > 1 the running rows are not gathered
 into smaller slot buckets (a row would change pools).
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ from flax import nnx, struct
 from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
-from mars_jax.layers.paged_kv import POOL_AXES, PagedKVCache, write_pages
+from mars_jax.layers.paged_kv import (KERNELS, POOL_AXES, PagedKVCache, default_kernel,
+                                      write_pages)
 from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sampling.processors import choose_tokens_per_row
 from mars_jax.sampling.sampler import _batch_multiple, length_bucket, prompt_bucket
@@ -265,10 +266,9 @@ def _init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int
                ) -> tuple[KVCache, ...]:
     """Zeroed page pools per layer, `shards` of `pages` pages each (`paged_kv`'s layouts)."""
     cfg = nnx.merge(graphdef, weights).config
-    shape = (shards, pages, cfg.num_key_value_heads)
+    shape = (shards, cfg.num_key_value_heads, pages, page_size, cfg.head_dim)
     return _pinned_pool(tuple(
-        KVCache(jnp.zeros(shape + (cfg.head_dim, page_size), cfg.compute_dtype),
-                jnp.zeros(shape + (page_size, cfg.head_dim), cfg.compute_dtype))
+        KVCache(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
         for _ in range(cfg.num_hidden_layers)))
 
 
@@ -298,10 +298,10 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
     return min(max_length, length_bucket(needed, min_span))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span", "kernel"),
                    donate_argnames=("state", "pool"))
 def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
-                  steps: int, span: int):
+                  steps: int, span: int, kernel: str = "gather"):
     """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
     only (the caller guarantees that every active slot's `length + steps <= span`); returns
     the state, the page pool, the chunk's tokens and log-probabilities `[slots, steps]` (a
@@ -309,11 +309,11 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
     slot is idle, or once `stop_after` (> 0) requests have ended. Slots idle at the start keep
     their cache. Paged (`pool` given, else None): row b's positions are in pages `table[b]`
     (`span / page` of them; the caller gives 0, the trash page, where a row owns none and for
-    every row idle at the start)."""
+    every row idle at the start), attended by `kernel` (`paged_kv`)."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
-        state = state.replace(cache=tuple(PagedKVCache(p.k, p.v, table) for p in pool))
+        state = state.replace(cache=tuple(PagedKVCache(p.k, p.v, table, kernel) for p in pool))
     max_length = span if pool is not None else state.cache[0].v.shape[2]
     full_cache, was_active = state.cache, state.active
     if span < max_length:
@@ -402,15 +402,15 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
     """`pool` with row `row` of a prompt cache written to pages `page_ids [shards, n]` (its
     positions 0 .. n * page, zero-padded or cut; `paged_kv.write_pages`)."""
-    pages, page = page_ids.shape[1], pool.k.shape[-1]
+    pages, page = page_ids.shape[1], pool.k.shape[3]
     width = pages * page
     fit = lambda x, axis: (x[(slice(None),) * axis + (slice(0, width),)] if x.shape[axis] >= width
                            else jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0)
                                             for a in range(x.ndim)]))
     k = fit(_row(prompt.k, row)[0], 2)  # [K, D, width]
     v = fit(_row(prompt.v, row)[0], 1)  # [K, width, D]
-    k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (2, 0, 1, 3))
-    v = jnp.transpose(v.reshape(v.shape[0], pages, page, v.shape[-1]), (1, 0, 2, 3))
+    k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (0, 2, 3, 1))  # [K, n, page, D]
+    v = v.reshape(v.shape[0], pages, page, v.shape[-1])
     return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids))
 
 
@@ -503,13 +503,16 @@ class Engine:
     a slot, which they then take one at a time without a prefill (as a group's members do).
     `min_span` is the shortest KV span a decode chunk attends over (module docstring). With
     `kv_pages` = P the KV cache is P pages of `page_size` positions, pooled per batch shard
-    (module docstring, "Paged KV")."""
+    (module docstring, "Paged KV"), attended by `paged_attention` ('auto': the backend's Pallas
+    kernel on GPU and TPU where the shapes suit it, else 'gather': `paged_kv.default_kernel`;
+    `paged_kv.KERNELS`)."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
                  record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
                  admit_batch: int = 1, prefill_ahead: int = 0, min_span: int = MIN_SPAN,
-                 kv_pages: int | None = None, page_size: int = 64):
+                 kv_pages: int | None = None, page_size: int = 64,
+                 paged_attention: str = "auto"):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
@@ -525,6 +528,9 @@ class Engine:
                              f"shards ({multiple})")
         if kv_pages is not None and (kv_pages < 1 or page_size < 1):
             raise ValueError(f"kv_pages, page_size: need >= 1 each, got {kv_pages}, {page_size}")
+        if paged_attention not in ("auto",) + KERNELS:
+            raise ValueError(f"paged_attention: one of {('auto',) + KERNELS}, got "
+                             f"{paged_attention!r}")
         if kv_pages is not None and kv_pages % multiple:
             raise ValueError(f"kv_pages: {kv_pages} is not a multiple of the mesh's batch shards "
                              f"({multiple}: one pool each)")
@@ -539,6 +545,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self._queue: collections.deque[_Request] = collections.deque()
         self.kv_pages, self.page_size = kv_pages, page_size
+        self.paged_attention = (default_kernel(model.config.head_dim, page_size)
+                                if paged_attention == "auto" else paged_attention)
         self.update_weights(model)
         with self._mesh():
             self._state = _init_state(self._graphdef, self._weights, num_slots=num_slots,
@@ -713,10 +721,10 @@ class Engine:
         if self._pool is not None:
             pages, shard = self._owned[request.slot], self._shard(request.slot)
             pool = sharding.fetch(self._pool)
-            join_k = lambda k: np.concatenate(list(k), axis=-1)  # [n, K, D, page] -> [K, D, n*page]
-            join_v = lambda v: np.concatenate(list(v), axis=1)   # [n, K, page, D] -> [K, n*page, D]
-            return tuple(KVCache(join_k(np.asarray(p.k)[shard, pages])[..., :length],
-                                 join_v(np.asarray(p.v)[shard, pages])[:, :length]) for p in pool)
+            join = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]  # [K, L, D]
+            return tuple(KVCache(
+                np.swapaxes(join(np.asarray(p.k)[shard][:, pages]), 1, 2),
+                join(np.asarray(p.v)[shard][:, pages])) for p in pool)
         cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
         return tuple(KVCache(np.asarray(c.k[row, :, :, :length]),
                              np.asarray(c.v[row, :, :length])) for c in cache)
@@ -940,7 +948,8 @@ class Engine:
         with self._mesh():
             self._state, self._pool, tokens, logprobs, steps = _decode_chunk(
                 self._graphdef, self._weights, self._state, self._pool, table,
-                jnp.int32(self._stop_after()), steps=self.chunk_steps, span=span)
+                jnp.int32(self._stop_after()), steps=self.chunk_steps, span=span,
+                kernel=self.paged_attention)
         tokens, logprobs, step, active, steps = sharding.fetch(
             (tokens, logprobs, self._state.step, self._state.active, steps))
         self.stats["decode_seconds"] += time.perf_counter() - start_time

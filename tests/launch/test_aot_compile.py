@@ -138,6 +138,22 @@ def test_tiny_paged_engine_programs_keep_a_pool_per_batch_shard(tmp_path, mesh, 
         assert r["temp_bytes"] < kv["per_device"] / 4, r["program"]
 
 
+def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
+    """One layer of Qwen3-30B-A3B (head_dim 128, 32 query / 4 KV heads) on v5p:2x2x1, 8 slots
+    over 64 pages of 64 positions: 'auto' picks the Pallas TPU paged-attention kernel, which
+    compiles inside the decode chunk (on each batch shard's rows and pool)."""
+    result, _ = _aot(tmp_path, "--topology=v5p:2x2x1",
+                     "--config=experiments/configs/marsrl_qwen3_30b_a3b.py", "--num_layers=1",
+                     "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=8",
+                     "--config.rollout.max_prompt_tokens=128", "--config.rollout.segment_tokens=0",
+                     *(f"--config.rollout.max_new_tokens.{role}=128"
+                       for role in ("solver", "verifier", "corrector")),
+                     "--config.rollout.engine_kv_pages=64", "--config.rollout.engine_page_size=64",
+                     "--programs=engine_decode")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "(paged attention: tpu)" in result.stdout
+
+
 @pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])

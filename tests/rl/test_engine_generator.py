@@ -44,7 +44,7 @@ def test_batched_admission_from_the_config_decodes_the_same_tokens(kv_pages):
                               max_new_tokens={"solver": 16}, engine_chunk_steps=4,
                               engine_admit_batch=2, engine_prefill_ahead=3, temperature=0.0,
                               top_p=1.0, top_k=0, engine_kv_pages=kv_pages,
-                              engine_page_size=8))
+                              engine_page_size=8, engine_paged_attention="auto"))
     config = ConfigDict(dict(rollout=rollout, learner=dict(routing_replay=False)))
     generator = EngineGenerator.from_config(config, model, (), seed=0)
     assert (generator.engine.admit_batch, generator.engine.prefill_ahead) == (2, 3)

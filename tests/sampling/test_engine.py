@@ -354,12 +354,15 @@ def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, 
                                   temperature=0).tokens[0]
 
 
-@pytest.mark.parametrize("pages, order", [(64, range(10)), (8, [3, 8, 0, 5, 9, 1, 6, 2, 7, 4])])
-def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order):
+@pytest.mark.parametrize("pages, order, kernel", [
+    (64, range(10), "gather"), (8, [3, 8, 0, 5, 9, 1, 6, 2, 7, 4], "gather"),
+    (8, range(10), "interpret")])
+def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, kernel):
     """64 pages of 8 hold every request at once; 8 pages (64 positions) hold about one, so
-    requests are preempted and re-prefilled from their tokens: the outputs stay `generate`'s."""
+    requests are preempted and re-prefilled from their tokens: the outputs stay `generate`'s,
+    with the pages gathered for attention or read by the Pallas GPU kernel (interpreted)."""
     engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
-                    kv_pages=pages, page_size=8)
+                    kv_pages=pages, page_size=8, paged_attention=kernel)
     outputs = _serve(engine, order)
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
@@ -388,19 +391,20 @@ def test_a_paused_request_longer_than_the_running_span_keeps_its_pages(model):
     _assert_same_output(engine.run()[a], expected)
 
 
-@pytest.mark.parametrize("axes, pool_spec", [
-    (dict(data=1, fsdp=1, tensor=2, expert=1), (None, None, "tensor")),  # KV heads split
-    (dict(data=2, fsdp=2, tensor=1, expert=2), (("data", "fsdp", "expert"),)),  # 8 pools
+@pytest.mark.parametrize("axes, pool_spec, kernel", [
+    (dict(data=1, fsdp=1, tensor=2, expert=1), (None, "tensor"), "gather"),  # KV heads split
+    (dict(data=2, fsdp=2, tensor=1, expert=2), (("data", "fsdp", "expert"),), "interpret"),
 ])
-def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec):
+def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec, kernel):
     """A pool per batch shard of the slots (its pages on that shard's chips), KV heads split
     inside each. 16 slots over 64 pages of 8: one pool of 64, or 8 pools of 8 for 2 slots
-    each, which hold fewer positions than their two slots' longest requests."""
+    each, which hold fewer positions than their two slots' longest requests; the kernel runs
+    on each shard's rows and pool (`shard_map`)."""
     devices = jax.devices()[:math.prod(axes.values())]
     mesh = sharding.make_mesh(axes, devices=devices)
     sharded = from_pretrained(hf_moe_dir, mesh=mesh)
     engine = Engine(sharded, num_slots=16, max_length=64, chunk_steps=4, mesh=mesh, min_span=16,
-                    kv_pages=64, page_size=8)
+                    kv_pages=64, page_size=8, paged_attention=kernel)
     assert tuple(engine._pool[0].k.sharding.spec)[:len(pool_spec)] == pool_spec
     outputs = _serve(engine, range(10))
     for i, ref in enumerate(reference):
