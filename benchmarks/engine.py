@@ -304,7 +304,8 @@ def main() -> None:
               f"= {kv} positions, the KV memory of {args.slots} reserved slots of "
               f"{args.prompt_len + MAX_NEW}")
         if "engine" in rates:
-            print(f"  ratio paged/engine (same KV memory) = {rates['paged'] / rates['engine']:.2f}x")
+            ratio = rates["paged"] / rates["engine"]
+            print(f"  ratio paged/engine (same KV memory) = {ratio:.2f}x")
     for base in ("generate", "tunix", "hf"):
         if "engine" in rates and base in rates:
             print(f"  ratio engine/{base} = {rates['engine'] / rates[base]:.2f}x")

@@ -14,9 +14,9 @@ batch bucket); one slot insert per (prompt bucket, batch bucket). Requests comin
 only array values. When nothing waits, the running requests' rows are gathered into a smaller slot
 bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk
-plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least `min_span`, at most
-`max_length`): it copies those positions out of the slot cache once, decodes over them, and
-writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span)) + 3 spans
+plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least
+`min_span`, at most `max_length`): it copies those positions out of the slot cache once, decodes
+over them, and writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span)) + 3 spans
 (for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
 
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
@@ -61,9 +61,9 @@ are taken when a request is admitted (its prompt and first chunk) and before eac
 the chunk can write), and freed when it finishes or is released; a paused request keeps its
 pages. A queued request is admitted while a slot is free whose pool holds its first chunk's
 pages; when the running requests' next chunk does not fit a pool, that pool's request admitted
-last is preempted: its pages and slot are freed and it waits at the front of the queue, to be re-prefilled from prompt + tokens so far when readmitted
-(as `submit(generated=...)`: same PRNG steps, KV recomputed under the current weights, which
-changes a token only at a near-tie). A decode step attends over the pages with the Pallas
+last is preempted: its pages and slot are freed and it waits at the front of the queue, to be
+re-prefilled from prompt + tokens so far when readmitted (as `submit(generated=...)`: same PRNG
+steps, KV recomputed under the current weights, which changes a token only at a near-tie). A decode step attends over the pages with the Pallas
 paged-attention kernel of the backend on GPU and TPU where the shapes suit it (reading the
 pages in place; `paged_attention`), else by gathering every row's pages of the chunk's span into
 one layer's contiguous cache at a time (a copy per layer: more memory traffic than a reserved
@@ -202,7 +202,8 @@ def _pinned(state: SlotState) -> SlotState:
 
 
 def _pinned_pool(pool: tuple[KVCache, ...] | None) -> tuple[KVCache, ...] | None:
-    """A page pool constrained to its logical shardings (KV heads split; pages never)."""
+    """Page pools constrained to their logical shardings (a pool per batch shard, KV heads
+    split; pages never)."""
     if pool is None:
         return None
     return tuple(KVCache(sharding.constrain(p.k, POOL_AXES), sharding.constrain(p.v, POOL_AXES))
