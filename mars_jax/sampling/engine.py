@@ -63,12 +63,13 @@ pages. A queued request is admitted while a slot is free whose pool holds its fi
 pages; when the running requests' next chunk does not fit a pool, that pool's request admitted
 last is preempted: its pages and slot are freed and it waits at the front of the queue, to be
 re-prefilled from prompt + tokens so far when readmitted (as `submit(generated=...)`: same PRNG
-steps, KV recomputed under the current weights, which changes a token only at a near-tie). A decode step attends over the pages with the Pallas
-paged-attention kernel of the backend on GPU and TPU where the shapes suit it (reading the
-pages in place; `paged_attention`), else by gathering every row's pages of the chunk's span into
-one layer's contiguous cache at a time (a copy per layer: more memory traffic than a reserved
-slot's in-place read). A request must fit one pool alone. With S > 1 the running rows are not
-gathered into smaller slot buckets (a row would change pools).
+steps, KV recomputed under the current weights, which changes a token only at a near-tie). A
+decode step attends over the pages with the Pallas paged-attention kernel of the backend on GPU
+and TPU where the shapes suit it (reading the pages in place; `paged_attention`), else by
+gathering every row's pages of the chunk's span into one layer's contiguous cache at a time (a
+copy per layer: more memory traffic than a reserved slot's in-place read). A request must fit
+one pool alone. With S > 1 the running rows are not gathered into smaller slot buckets (a row
+would change pools).
 """
 from __future__ import annotations
 
