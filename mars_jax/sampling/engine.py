@@ -16,8 +16,8 @@ bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk atten
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk
 plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least
 `min_span`, at most `max_length`): it copies those positions out of the slot cache once, decodes
-over them, and writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span)) + 3 spans
-(for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
+over them, and writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span))
++ 3 spans (for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
 
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
 request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
