@@ -41,8 +41,8 @@ the rollout chips is one pool of KV positions, a request holds as many as its co
 `sim.engine.SimEngine` admits first come, first served while the pool holds the next request,
 preempting the request admitted last when it is full (vLLM's policy, and `Engine(kv_pages=...)`'s
 at `--kv_reserve=0`, which takes pages a chunk ahead), with at most `--max_rows` rows decoding.
-The cost model charges a paged step's KV reads as a reserved slot's (a kernel reading pages in
-place; `Engine`'s gather per layer copies them once more). `--kv_reserve` f admits a request only while
+The cost model charges a paged step's KV reads as a reserved slot's (the Pallas kernel that
+`Engine` runs on GPU and TPU reads the pages in place). `--kv_reserve` f admits a request only while
 the contexts plus f of every admitted request's remaining segment budget fit (SGLang's
 conservative admission; 1 never preempts).
 Accelerator-hours per 1,000 trained samples are measured between the end of update `--warmup`
