@@ -149,15 +149,16 @@ def bench_engine(args) -> None:
     prompts = np.random.default_rng(0).integers(1, model.config.vocab_size,
                                                 (args.requests, prompt_len)).tolist()
     pages = args.slots * -(-(prompt_len + max_new) // 64)  # as the reserved slots' positions
-    engines = {}
+    engines, outputs = {}, {}
 
     def run_engine(name: str, **options):
         engine = engines.get(name) or engines.setdefault(name, Engine(
             model, max_length=prompt_len + max_new, chunk_steps=16, **options))
-        for p, n in zip(prompts, lengths):
-            engine.submit(p, max_new_tokens=int(n), temperature=0.0)
+        ids = [engine.submit(p, max_new_tokens=int(n), temperature=0.0)[0]
+               for p, n in zip(prompts, lengths)]
         engine.stats.clear()
-        engine.run()
+        done = engine.run()
+        outputs[name] = [done[i].tokens for i in ids]
 
     def run_generate():
         for start in range(0, args.requests, args.slots):
@@ -180,12 +181,16 @@ def bench_engine(args) -> None:
         if name in engines:
             s = engines[name].stats
             line += (f", {engines[name].num_slots} slots, {s['tokens'] / s['decode_steps']:.0f} "
-                     f"rows decoding on average, {s['preemptions']} preemptions")
+                     f"rows decoding on average, {s['preemptions']} preemptions, paged "
+                     f"attention {engines[name].paged_attention if name == 'paged' else '-'}")
         print(line, flush=True)
     print(f"  KV memory of {args.slots} reserved slots = {pages} pages of 64; "
           + ", ".join(f"{a}/{b} {rates[a] / rates[b]:.2f}x" for a, b in
                       (("engine", "generate"), ("paged", "engine")) if a in rates and b in rates),
           flush=True)
+    if {"engine", "paged"} <= outputs.keys():  # greedy, bf16: a near-tie may flip a token
+        same = np.mean([a == b for a, b in zip(outputs["engine"], outputs["paged"])])
+        print(f"  paged outputs equal to the reserved engine's: {same:.1%} of requests")
 
 
 def bench_moe(args) -> None:
