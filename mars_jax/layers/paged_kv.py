@@ -123,8 +123,8 @@ def write_pages(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array
 
 def default_kernel(head_dim: int, page_size: int, platform: str | None = None) -> str:
     """The Pallas kernel of `platform` (default: the default backend's) where there is one and
-    the shapes suit it (TPU: head_dim a multiple of 128 and pages of 8k positions; GPU:
-    multiples of 16 for both), else 'gather'."""
+    the shapes suit it (TPU: head_dim a multiple of 128 and the page size of 8; GPU: both
+    multiples of 16), else 'gather'."""
     platform = platform or jax.default_backend()
     if platform == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0:
         return "tpu"
