@@ -91,15 +91,16 @@ def output_lengths(n: int, seed: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- engines (children)
 
-def kv_pages(args) -> int:
-    """Pages holding as many positions as `slots` reserved slots of prompt-len + 512."""
-    return args.slots * -(-(args.prompt_len + MAX_NEW) // args.page_size)
+def kv_pages(slots: int, prompt_len: int, page_size: int) -> int:
+    """Pages holding as many positions as `slots` reserved slots of prompt_len + 512."""
+    return slots * -(-(prompt_len + MAX_NEW) // page_size)
 
 
 def engine_run(model, args, paged: bool = False):
     from mars_jax.sampling import Engine
 
-    paging = dict(kv_pages=kv_pages(args), page_size=args.page_size) if paged else {}
+    pages = kv_pages(args.slots, args.prompt_len, args.page_size)
+    paging = dict(kv_pages=pages, page_size=args.page_size) if paged else {}
     engine = Engine(model, num_slots=args.paged_slots if paged else args.slots,
                     max_length=args.prompt_len + MAX_NEW, chunk_steps=args.chunk_steps,
                     admit_batch=args.admit_batch, prefill_ahead=args.prefill_ahead, **paging)
@@ -299,10 +300,10 @@ def main() -> None:
                 a, b = np.load(work / f"tokens_{name}.npy"), np.load(work / "tokens_generate.npy")
                 print(f"  {name} tokens equal to generate's: {np.mean(a == b):.1%}")
     if "paged" in rates:
-        kv = kv_pages(args) * args.page_size
-        print(f"  paged: {args.paged_slots} slots over {kv_pages(args)} pages of {args.page_size} "
-              f"= {kv} positions, the KV memory of {args.slots} reserved slots of "
-              f"{args.prompt_len + MAX_NEW}")
+        pages = kv_pages(args.slots, args.prompt_len, args.page_size)
+        print(f"  paged: {args.paged_slots} slots over {pages} pages of {args.page_size} "
+              f"= {pages * args.page_size} positions, the KV memory of {args.slots} reserved "
+              f"slots of {args.prompt_len + MAX_NEW}")
         if "engine" in rates:
             ratio = rates["paged"] / rates["engine"]
             print(f"  ratio paged/engine (same KV memory) = {ratio:.2f}x")

@@ -148,7 +148,7 @@ def bench_engine(args) -> None:
     lengths = engine_bench.output_lengths(args.requests, 0)
     prompts = np.random.default_rng(0).integers(1, model.config.vocab_size,
                                                 (args.requests, prompt_len)).tolist()
-    pages = args.slots * -(-(prompt_len + max_new) // 64)  # as the reserved slots' positions
+    pages = engine_bench.kv_pages(args.slots, prompt_len, 64)  # the reserved slots' memory
     engines, outputs = {}, {}
 
     def run_engine(name: str, **options):

@@ -22,7 +22,8 @@ from mars_jax.layers.attention_mask import AttentionMask
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
+def pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
+    """`x` padded with `value` at the end of `axis` to a multiple of `multiple`."""
     pad = -x.shape[axis] % multiple
     if not pad:
         return x
@@ -192,9 +193,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
     b, t, n, d = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     block_q, block_k = min(block_q, t), min(block_k, s)
-    q = _pad_to(q.reshape(b, t, kv_heads, n // kv_heads, d), 1, block_q)
-    q_seg = _pad_to(mask.q_segments, 1, block_q, value=-1)
-    k, v = _pad_to(k, 1, block_k), _pad_to(v, 1, block_k)
-    kv_seg = _pad_to(mask.kv_segments, 1, block_k)
+    q = pad_to(q.reshape(b, t, kv_heads, n // kv_heads, d), 1, block_q)
+    q_seg = pad_to(mask.q_segments, 1, block_q, value=-1)
+    k, v = pad_to(k, 1, block_k), pad_to(v, 1, block_k)
+    kv_seg = pad_to(mask.kv_segments, 1, block_k)
     out = _flash(q, k, v, q_seg, kv_seg, mask.offset, scale, block_q, block_k)
     return out[:, :t].reshape(b, t, n, d)

@@ -32,7 +32,9 @@ settings), and row b's PRNG key at step t is `fold_in(fold_in(key(seed), sequenc
 as in `generate` (`seed` is the engine's, `sequence_seed` the request's). Tokens and
 log-probabilities therefore do not depend on the other slots or on the admission time; they match
 `generate`'s up to float32 rounding (reductions run over the chunk's span instead of `generate`'s
-cache length), which changes a token only at an exact near-tie.
+cache length), which changes a token only at an exact near-tie. (Paged, the other slots decide
+whether a request is preempted, whose KV is then recomputed by a prefill: the same rounding
+caveat; "Paged KV" below.)
 
 Order: the outputs finished in one decode chunk are streamed in submission order (not slot
 order), so a caller's choices that follow the output order do not depend on slot placement.
@@ -90,6 +92,7 @@ from flax import nnx, struct
 from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
+from mars_jax.layers.flash_attention import pad_to
 from mars_jax.layers.paged_kv import (KERNELS, POOL_AXES, PagedKVCache, default_kernel,
                                       write_pages)
 from mars_jax.models.qwen3 import Qwen3
@@ -407,11 +410,8 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
     positions 0 .. n * page, zero-padded or cut; `paged_kv.write_pages`)."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
     width = pages * page
-    fit = lambda x, axis: (x[(slice(None),) * axis + (slice(0, width),)] if x.shape[axis] >= width
-                           else jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0)
-                                            for a in range(x.ndim)]))
-    k = fit(_row(prompt.k, row)[0], 2)  # [K, D, width]
-    v = fit(_row(prompt.v, row)[0], 1)  # [K, width, D]
+    k = pad_to(_row(prompt.k, row)[0], 2, page)[..., :width]  # [K, D, width]
+    v = pad_to(_row(prompt.v, row)[0], 1, page)[:, :width]    # [K, width, D]
     k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (0, 2, 3, 1))  # [K, n, page, D]
     v = v.reshape(v.shape[0], pages, page, v.shape[-1])
     return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids))
@@ -424,11 +424,8 @@ def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row,
     """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
     `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
     those pages) and the request's settings, active; written in place."""
-    bucket = cache[0].v.shape[2]
-    slot_length = (state.cache[0].v.shape[2] if state.cache
-                   else bucket if state.experts is None else state.experts.shape[2])
-    span = min(bucket, slot_length)  # the positions a slot's cache (or routing) holds
     if pool is None:
+        span = min(cache[0].v.shape[2], state.cache[0].v.shape[2])  # what a slot holds
         new_cache = tuple(KVCache(
             jax.lax.dynamic_update_slice(c.k, _row(p.k, row)[..., :span].astype(c.k.dtype),
                                          (slot, 0, 0, 0)),
@@ -440,8 +437,8 @@ def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row,
         pool = _pinned_pool(tuple(_write_pages(p, c, row, page_ids) for p, c in zip(pool, cache)))
     new_experts = state.experts
     if new_experts is not None:
-        new_experts = jax.lax.dynamic_update_slice(new_experts, _row(experts, row, 1)[:, :, :span],
-                                                   (0, slot, 0, 0))
+        new_experts = jax.lax.dynamic_update_slice(
+            new_experts, _row(experts, row, 1)[:, :, :new_experts.shape[2]], (0, slot, 0, 0))
     key = jax.random.fold_in(jax.random.key(seed), sequence_seed)
     put = lambda x, value: _set_row(x, slot, value)
     state = _pinned(state.replace(
