@@ -70,8 +70,8 @@ decode step attends over the pages with the Pallas paged-attention kernel of the
 and TPU where the shapes suit it (reading the pages in place; `paged_attention`), else by
 gathering every row's pages of the chunk's span into one layer's contiguous cache at a time (a
 copy per layer: more memory traffic than a reserved slot's in-place read). A request must fit
-one pool alone. With S > 1 the running rows are not gathered into smaller slot buckets (a row
-would change pools).
+one pool alone. With S > 1 the tail's running rows are gathered into smaller slot buckets shard
+by shard (each keeps to its pool's block of rows).
 """
 from __future__ import annotations
 
@@ -480,13 +480,13 @@ def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotStat
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _put_slots(state: SlotState, part: SlotState, index: jax.Array, count: jax.Array
-               ) -> SlotState:
-    """`state` with `part`'s first `count` rows written to slots `index[:count]`, one row at a
+def _put_slots(state: SlotState, part: SlotState, rows: jax.Array, slots: jax.Array,
+               count: jax.Array) -> SlotState:
+    """`state` with `part`'s rows `rows[:count]` written to slots `slots[:count]`, one row at a
     time, in place."""
     def copy(i, state):
-        return _pinned(_map_rows(lambda x, y, axis: _set_row(x, index[i], _row(y, i, axis), axis),
-                                 state, part))
+        return _pinned(_map_rows(
+            lambda x, y, axis: _set_row(x, slots[i], _row(y, rows[i], axis), axis), state, part))
 
     return _pinned(jax.lax.fori_loop(0, count, copy, state))
 
@@ -765,33 +765,43 @@ class Engine:
     def _shrink(self) -> None:
         """Once nothing waits, nothing is paused and the running requests fit a slot bucket at
         most half the current one, decodes just their rows (gathered, KV caches included) so
-        idle slots stop costing compute; tokens are unchanged (each row keeps its state)."""
+        idle slots stop costing compute; tokens are unchanged (each row keeps its state). With
+        a page pool per batch shard, each shard's requests stay in that shard's block of rows."""
         rows = self._state.length.shape[0]
         occupied = sum(s is not None for s in self._slots)
-        target = -(-(1 << (len(self._running) - 1).bit_length()) // self._multiple) * self._multiple
-        if (self._queue or occupied > len(self._running) or target > rows // 2
-                or (self._pool is not None and self._multiple > 1)  # rows would change pools
+        if (self._queue or occupied > len(self._running)
                 or any(self._requests[self._slots[s]].segment_tokens is not None
                        for s in self._running)):
             return
-        running = sorted(self._running)
-        index = [self._row(s) for s in running]
-        index += [index[0]] * (target - len(index))
-        live = np.arange(target) < len(running)
+        pools = self._multiple if self._pool is not None else 1
+        blocks: list[list[int]] = [[] for _ in range(pools)]
+        for slot in sorted(self._running):
+            blocks[self._shard(slot) if pools > 1 else 0].append(slot)
+        block = 1 << (max(map(len, blocks)) - 1).bit_length()
+        target = -(-block * pools // self._multiple) * self._multiple
+        if target > rows // 2:
+            return
+        block = target // pools
+        index = np.full((target,), self._row(min(self._running)), np.int32)
+        live, placed = np.zeros((target,), bool), {}
+        for b, slots in enumerate(blocks):
+            for j, slot in enumerate(slots):
+                index[b * block + j], live[b * block + j] = self._row(slot), True
+                placed[slot] = b * block + j
         if self._full is None:
             self._full = self._state
-        self._state = _take_slots(self._state, jnp.asarray(index, jnp.int32), jnp.asarray(live))
-        self._rows = {s: i for i, s in enumerate(running)}
+        self._state = _take_slots(self._state, jnp.asarray(index), jnp.asarray(live))
+        self._rows = placed
         self.stats["shrinks"] += 1
 
     def _expand(self) -> None:
         """Back to all slots (the shrunk rows written to theirs)."""
         if self._full is None:
             return
-        index = np.zeros((self._state.length.shape[0],), np.int32)
-        for slot, row in self._rows.items():  # rows 0 .. len(_rows) - 1 (`_shrink`)
-            index[row] = slot
-        self._state = _put_slots(self._full, self._state, jnp.asarray(index),
+        rows, slots = np.zeros((2, self._state.length.shape[0]), np.int32)
+        for i, (slot, row) in enumerate(self._rows.items()):
+            rows[i], slots[i] = row, slot
+        self._state = _put_slots(self._full, self._state, jnp.asarray(rows), jnp.asarray(slots),
                                  jnp.int32(len(self._rows)))
         self._full, self._rows = None, {}
 

@@ -399,7 +399,8 @@ def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec, kernel)
     """A pool per batch shard of the slots (its pages on that shard's chips), KV heads split
     inside each. 16 slots over 64 pages of 8: one pool of 64, or 8 pools of 8 for 2 slots
     each, which hold fewer positions than their two slots' longest requests; the kernel runs
-    on each shard's rows and pool (`shard_map`)."""
+    on each shard's rows and pool (`shard_map`). The tail's rows are gathered into fewer slots
+    (8 pools: shard by shard, each row staying in its pool's block)."""
     devices = jax.devices()[:math.prod(axes.values())]
     mesh = sharding.make_mesh(axes, devices=devices)
     sharded = from_pretrained(hf_moe_dir, mesh=mesh)
@@ -410,6 +411,7 @@ def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec, kernel)
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+    assert engine.stats["shrinks"] > 0
     if engine._multiple > 1:
         with pytest.raises(ValueError, match="kv_pages: 60 is not a multiple"):
             Engine(sharded, num_slots=16, max_length=64, mesh=mesh, kv_pages=60)
