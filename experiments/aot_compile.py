@@ -423,14 +423,14 @@ class StepPrograms:
         return engine._take_slots.lower(self.engine_state(), index, live)
 
     def _engine_expand(self) -> jax.stages.Lowered:
-        """Half the slots written back into all of them."""
+        """Half the slots' rows written back to their slots."""
         index, rows = self._shrink_index()
         part = jax.eval_shape(engine._take_slots, self.engine_state(), index,
                               jax.ShapeDtypeStruct((rows,), jnp.bool_))
         state = self.engine_state(rows)
         part = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
                                                               sharding=s.sharding), part, state)
-        return engine._put_slots.lower(self.engine_state(), part, index,
+        return engine._put_slots.lower(self.engine_state(), part, index, index,
                                        _scalar(self.mesh, jnp.int32))
 
     def kv_bytes(self) -> dict[str, int]:
