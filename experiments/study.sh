@@ -6,8 +6,8 @@
 # warm start (the committed experiments/results/study/sft, copied to $ROOT/sft; with
 # RETRAIN_SFT=1 study.py:sft trains it again from experiments/results/study/warm_start) -> its
 # evaluation (the base row, in $OUT/base) -> RL runs in this order: marsrl_seed0,
-# marsrl_s_seed0, marsrl_vc_seed0, marsrl_seed1, marsrl_s_seed1, then MarsRL with the two
-# selection policies other than the config's (seed 0) -> experiments/report.py
+# marsrl_s_seed0, marsrl_seed1, marsrl_s_seed1 (the two-seed rows first), marsrl_vc_seed0, then
+# MarsRL with the two selection policies other than the config's (seed 0) -> experiments/report.py
 # (evaluates every model, writes the tables and plots to $OUT, default $ROOT/report; then
 # `report.py --root=$ROOT --skip_eval --out=experiments/results/study` for the repository's copy).
 # Everything runs under `nice -n 19`. Re-running it skips finished runs (a `done` file in the run
@@ -44,7 +44,7 @@ fi
 
 default_selection=$(python -c "import sys; sys.path.insert(0, 'experiments/configs'); \
 import study; print(study.get_config('marsrl').rollout.selection)")
-runs=(marsrl:0: marsrl_s:0: marsrl_vc:0: marsrl:1: marsrl_s:1:)
+runs=(marsrl:0: marsrl_s:0: marsrl:1: marsrl_s:1: marsrl_vc:0:)
 for sel in adaptive balanced random; do
   [[ $sel == "$default_selection" ]] || runs+=("marsrl:0:$sel")
 done
