@@ -164,7 +164,7 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
-    pause_at: int = 0
+    pause_at: int = 0  # step at which it pauses (segment end or budget): set when submitted
     order: int = 0  # admission count when it last took a slot (paged: preempted newest first)
 
 
@@ -646,6 +646,7 @@ class Engine:
                                int(top_k), float(top_p), int(seed) + i,
                                tuple(int(s) for s in stop_ids), segment_tokens,
                                list(tokens), list(logprobs))
+            request.pause_at = self._pause_at(request, len(tokens))
             self._next_id += 1
             self._requests[request.id] = request
             ids.append(request.id)
@@ -1023,10 +1024,7 @@ class Engine:
 
     def _free_slot_for(self, request: _Request) -> int | None:
         """A free slot for queued `request` (reserved slots: the first); paged, the first whose
-        pool holds what it fills by the end of its first chunk, or None. Sets its segment end
-        (a preempted request keeps its own)."""
-        if request.pause_at <= len(request.tokens):
-            request.pause_at = self._pause_at(request, len(request.tokens))
+        pool holds what it fills by the end of its first chunk, or None."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self._pool is None:
             return free[0] if free else None
