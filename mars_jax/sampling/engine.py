@@ -164,7 +164,7 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
-    pause_at: int = 0  # step at which it pauses (segment end or budget): set when submitted
+    pause_at: int = 0  # step at which it pauses (segment end or budget): set by submit / resume
     order: int = 0  # admission count when it last took a slot (paged: preempted newest first)
 
 
@@ -778,17 +778,17 @@ class Engine:
         blocks: list[list[int]] = [[] for _ in range(pools)]
         for slot in sorted(self._running):
             blocks[self._shard(slot) if pools > 1 else 0].append(slot)
-        block = 1 << (max(map(len, blocks)) - 1).bit_length()
-        target = -(-block * pools // self._multiple) * self._multiple
+        per_block = 1 << (max(map(len, blocks)) - 1).bit_length()
+        target = -(-per_block * pools // self._multiple) * self._multiple
         if target > rows // 2:
             return
-        block = target // pools
+        stride = target // pools  # block b is rows b * stride ..
         index = np.full((target,), self._row(min(self._running)), np.int32)
         live, placed = np.zeros((target,), bool), {}
         for b, slots in enumerate(blocks):
             for j, slot in enumerate(slots):
-                index[b * block + j], live[b * block + j] = self._row(slot), True
-                placed[slot] = b * block + j
+                index[b * stride + j], live[b * stride + j] = self._row(slot), True
+                placed[slot] = b * stride + j
         if self._full is None:
             self._full = self._state
         self._state = _take_slots(self._state, jnp.asarray(index), jnp.asarray(live))
