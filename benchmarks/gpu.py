@@ -1,6 +1,7 @@
 """One-GPU throughput of mars_jax in bfloat16: forward, train step, decode, engine (run by gpu.sh).
 
-Usage: python benchmarks/gpu.py [--preset qwen3_30b_a3b] [--num-layers 12] [--parts all]
+Usage: python benchmarks/gpu.py [--preset qwen3_30b_a3b] [--num-layers 12]
+           [--parts forward,train,decode,engine,moe]
            [--peak-tflops 989] [--peak-hbm-tbs 4.8]
 
 Random weights (`create_model`, bf16 weights and compute) of `preset` with `num-layers` layers

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole toy study of experiments/RESULTS.md in one command, resumable:
 #
-#   nohup nice -n 19 bash experiments/study.sh /tmp/mars_study > /tmp/mars_study/study.log 2>&1 &
+#   mkdir -p /tmp/mars_study && nohup nice -n 19 bash experiments/study.sh /tmp/mars_study \
+#     > /tmp/mars_study/study.log 2>&1 &
 #
 # warm start (the committed experiments/results/study/sft, copied to $ROOT/sft; with
 # RETRAIN_SFT=1 study.py:sft trains it again from experiments/results/study/warm_start) -> its

@@ -15,6 +15,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import hf_fixtures  # noqa: E402
@@ -30,6 +31,16 @@ def hf_dense_dir(tmp_path_factory):
 def hf_moe_dir(tmp_path_factory):
     """A tiny random HF Qwen3-MoE checkpoint (one dense layer via mlp_only_layers)."""
     return hf_fixtures.save_tiny_hf(tmp_path_factory.mktemp("hf_moe"), moe=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """Drops a test file's compiled programs when it ends (the next file loads what it needs
+    from the persistent cache): each loaded XLA:CPU program holds memory maps, and one process
+    that keeps a few hundred files' worth reaches the kernel's vm.max_map_count (65,530) and
+    dies of a segmentation fault inside the next compile."""
+    yield
+    jax.clear_caches()
 
 
 # The longest files (minutes each on 2 cores) go first, so that the two xdist workers of

@@ -1,6 +1,6 @@
 """A simulated decode engine: the `DecodeEngine` protocol of `mars_jax.rl.streaming` (as
 `mars_jax.sampling.Engine` has it: submit / stream / finished / in_slots / partial / recompute /
-update_weights / num_slots / stats, plus segments' resume) over a simulated clock.
+update_weights / stats, plus segments' resume) over a simulated clock.
 
 Each request's output length is drawn once from a `LengthModel` by (role, sequence seed), so it
 does not depend on when the request runs. The loop is event-driven: it admits queued requests

@@ -4,7 +4,7 @@ from ml_collections import ConfigDict, config_dict
 
 def base_config() -> ConfigDict:
     """Every field a run reads, with its default. Sections: data, model, rollout, loss,
-    optimizer, learner (the update step), checkpoint, eval, warm_start, sft."""
+    optimizer, learner (the update step), checkpoint, eval, warm_start, sft; mesh."""
     c = ConfigDict()
     c.job = "train"                 # 'train' | 'eval_system' | 'sft'
     c.seed = 0

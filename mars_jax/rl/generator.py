@@ -130,7 +130,7 @@ class EngineGenerator:
         self.eos = tuple(int(e) for e in eos)
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.engine = Engine(model, num_slots=num_slots, max_length=max_length,
-                             max_stop_ids=max(8, len(self.eos)), seed=seed,
+                             max_stop_ids=max(8, len(self.eos)), seed=seed % (1 << 32),
                              record_routing=record_routing, mesh=mesh, **engine_options)
         self.submitted = 0
 

@@ -54,7 +54,6 @@ RESUME_MODES = ("recompute", "keep")
 class DecodeEngine(Protocol):
     """What the scheduler uses of `mars_jax.sampling.Engine`."""
 
-    num_slots: int
     stats: collections.Counter
 
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
@@ -285,8 +284,10 @@ class StreamingRollouts:
                 and self._fresh_enough(version))
 
     def _untrained(self) -> Iterator[Rollout]:
-        """Rollouts in flight and finished members of incomplete groups."""
+        """Rollouts in flight (or restored from a checkpoint, not yet resubmitted) and finished
+        members of incomplete groups."""
         yield from self._inflight.values()
+        yield from (r for r in self.rollouts.pending if r.first_version is not None)
         size = self.rollouts.config.group_size
         for tree in self.rollouts.trees.values():
             for members in tree.finished.values():

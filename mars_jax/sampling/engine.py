@@ -48,7 +48,9 @@ Segments: a request submitted with `segment_tokens` pauses in its slot after tha
 `resume(id, mode='keep')` continues from the slot's KV cache (no prefill; the KV of the tokens
 so far stays that of the weights that produced them), `mode='recompute'` re-prefills prompt +
 tokens so far under the engine's current weights (`update_weights`): exactly on-policy KV for
-the cost of a prefill of that many tokens.
+the cost of a prefill of that many tokens. Recorded routing is a position's from the step or
+prefill that first computed it: a re-prefill (`recompute`, a paged preemption) rewrites the KV,
+not the routing the tokens were sampled under.
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
 (`kv_bytes_per_token`), logged at start with the cache's whole size (`kv_bytes`). By default
@@ -60,18 +62,18 @@ each pool with a trash page that writes through unowned table entries land in); 
 pages of its shard's pool, those its request has filled or fills in the next chunk, so
 `num_slots` can exceed what reserved slots of `max_length` would fit in the same memory. Pages
 are taken when a request is admitted (its prompt and first chunk) and before each chunk (what
-the chunk can write), and freed when it finishes or is released; a paused request keeps its
-pages. A queued request is admitted while a slot is free whose pool holds its first chunk's
-pages; when the running requests' next chunk does not fit a pool, that pool's request admitted
-last is preempted: its pages and slot are freed and it waits at the front of the queue, to be
-re-prefilled from prompt + tokens so far when readmitted (as `submit(generated=...)`: same PRNG
-steps, KV recomputed under the current weights, which changes a token only at a near-tie). A
-decode step attends over the pages with the Pallas paged-attention kernel of the backend on GPU
-and TPU where the shapes suit it (reading the pages in place; `paged_attention`), else by
-gathering every row's pages of the chunk's span into one layer's contiguous cache at a time (a
-copy per layer: more memory traffic than a reserved slot's in-place read). A request must fit
-one pool alone. With S > 1 the tail's running rows are gathered into smaller slot buckets shard
-by shard (each keeps to its pool's block of rows).
+the chunk can write), and freed when it finishes; a paused request keeps its pages. A queued
+request is admitted while a slot is free whose pool holds its first chunk's pages beside the
+running requests' next chunk's; when, later, the running requests' next chunk does not fit a
+pool, that pool's request admitted last is preempted: its pages and slot are freed and it waits
+at the front of the queue, to be re-prefilled from prompt + tokens so far when readmitted (as
+`submit(generated=...)`: same PRNG steps, KV recomputed under the current weights, which
+changes a token only at a near-tie). A decode step attends over the pages with the Pallas
+paged-attention kernel of the backend on GPU and TPU where the shapes suit it (reading the pages
+in place; `paged_attention`), else by gathering every row's pages of the chunk's span into one
+layer's contiguous cache at a time (a copy per layer: more memory traffic than a reserved slot's
+in-place read). A request must fit one pool alone. With S > 1 the tail's running rows are
+gathered into smaller slot buckets shard by shard (each keeps to its pool's block of rows).
 """
 from __future__ import annotations
 
@@ -166,6 +168,7 @@ class _Request:
     slot: int | None = None
     pause_at: int = 0  # step at which it pauses (segment end or budget): set by submit / resume
     order: int = 0  # admission count when it last took a slot (paged: preempted newest first)
+    routing: np.ndarray | None = None  # recorded routing of its positions, kept over a re-prefill
 
 
 # --- device programs -------------------------------------------------------------------------
@@ -347,8 +350,10 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
         experts = s.experts
         if experts is not None:
             write = lambda e, new, at: jax.lax.dynamic_update_slice_in_dim(e, new, at, axis=1)
-            experts = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(experts, out.expert_ids,
+            written = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)(experts, out.expert_ids,
                                                                       s.length)
+            # An idle row's write would clamp onto its last token once its length is max_length.
+            experts = jnp.where(active[None, :, None, None], written, experts)
         next_logits = jnp.where(active[:, None], model.logits(out.hidden[:, 0]), s.next_logits)
         s = s.replace(cache=out.cache, next_logits=next_logits, length=s.length + active,
                       step=step, active=active & ~finished & ~pausing, experts=experts)
@@ -450,6 +455,15 @@ def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row,
         top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids),
         experts=new_experts))
     return state, pool
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _put_routing(state: SlotState, slot, routing) -> SlotState:
+    """`state` with `routing` `[L_moe, n, k]` as slot `slot`'s recorded routing of its first n
+    positions; written in place."""
+    experts = jax.lax.dynamic_update_slice(
+        state.experts, routing[:, None].astype(state.experts.dtype), (0, slot, 0, 0))
+    return _pinned(state.replace(experts=experts))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -674,6 +688,7 @@ class Engine:
             self._state = _unpause(self._state, jnp.int32(request.slot),
                                    jnp.int32(request.pause_at))
         else:
+            request.routing = self._recorded_routing(request)
             self._insert(request, request.slot,
                          self._prefill([request.group.prompt + request.tokens])[0])
         self._running.add(request.slot)
@@ -686,6 +701,8 @@ class Engine:
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
         self._expand()
+        for request in requests:
+            request.routing = self._recorded_routing(request)
         for request, prefilled in zip(requests, self._prefill(
                 [r.group.prompt + r.tokens for r in requests])):
             self._insert(request, request.slot, prefilled)
@@ -707,13 +724,6 @@ class Engine:
         self._done.clear()
         return done
 
-    def release(self, request_id: int) -> None:
-        """Frees the slot of a paused request (its output was already streamed)."""
-        request = self._requests.pop(request_id)
-        if request.slot is None or request.slot in self._running:
-            raise ValueError(f"release: request {request_id} is not paused in a slot")
-        self._free_slot(request.slot)
-
     def kv_cache(self, request_id: int) -> tuple[KVCache, ...]:
         """The filled part of a request's slot cache (host arrays, per layer `[K, D, L]` keys
         and `[K, L, D]` values for its L = prompt + new tokens positions)."""
@@ -734,9 +744,10 @@ class Engine:
 
     def stream(self, stop: Callable[[], bool] | None = None
                ) -> Iterator[tuple[int, EngineOutput]]:
-        """Runs until no request waits or decodes (or, with `stop`, until `stop()` is true after
-        a decode chunk), yielding `(request_id, output)` as each one finishes or pauses at a
-        segment end."""
+        """Runs until no request decodes (or, with `stop`, until `stop()` is true after a decode
+        chunk), yielding `(request_id, output)` as each one finishes or pauses at a segment end.
+        A paused request keeps its slot (and pages) until `resume`d, so requests can still be
+        queued when it returns: every slot, or its pool's pages, held by paused ones."""
         while True:
             while self._done:
                 yield self._done.popleft()
@@ -930,6 +941,9 @@ class Engine:
                 jnp.uint32(self.seed), jnp.uint32(request.sequence_seed),
                 jnp.float32(request.temperature), jnp.int32(request.top_k),
                 jnp.float32(request.top_p), jnp.asarray(stops))
+            if request.routing is not None:  # positions decoded before: their own routing
+                self._state = _put_routing(self._state, jnp.int32(slot), request.routing)
+        request.routing = None
 
     def _span(self) -> int:
         """The KV span of the next decode chunk: the longest a running request can grow to in
@@ -967,7 +981,6 @@ class Engine:
         self.stats["decode_steps"] += int(steps)
         self.stats["slot_steps"] += int(steps) * self.num_slots
         self.stats["row_steps"] += int(steps) * len(step)
-        self.stats["span_steps"] += int(steps) * span * len(step)
         for slot in sorted(self._running, key=lambda s: self._slots[s]):  # by request id
             request, row = self._requests[self._slots[slot]], self._row(slot)
             new = int(step[row]) - len(request.tokens)
@@ -984,14 +997,17 @@ class Engine:
             else:
                 self._finish(request, "segment")
 
+    def _recorded_routing(self, request: _Request) -> np.ndarray | None:
+        """The expert ids recorded for the positions of `request` (in a slot) so far, or None
+        without `record_routing`."""
+        if not self.record_routing or request.slot is None:
+            return None
+        length = len(request.group.prompt) + len(request.tokens)
+        return np.asarray(sharding.fetch(self._state.experts[:, self._row(request.slot), :length]))
+
     def _finish(self, request: _Request, reason: str) -> None:
-        experts = None
-        if self.record_routing and request.slot is not None:
-            length = len(request.group.prompt) + len(request.tokens)
-            experts = np.asarray(sharding.fetch(
-                self._state.experts[:, self._row(request.slot), :length]))
         self._done.append((request.id, EngineOutput(list(request.tokens), list(request.logprobs),
-                                                    reason, experts)))
+                                                    reason, self._recorded_routing(request))))
         if reason != "segment":
             if request.slot is not None:
                 self._free_slot(request.slot)
@@ -1024,13 +1040,20 @@ class Engine:
 
     def _free_slot_for(self, request: _Request) -> int | None:
         """A free slot for queued `request` (reserved slots: the first); paged, the first whose
-        pool holds what it fills by the end of its first chunk, or None."""
+        pool holds what it fills by the end of its first chunk beside the pages the pool's
+        running requests take for their next chunk (so admitting it preempts nobody), or None."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self._pool is None:
             return free[0] if free else None
-        need = -(-self._chunk_positions(request) // self.page_size)
-        return next((slot for slot in free
-                     if need <= len(self._free_pages[self._shard(slot)])), None)
+        pages = lambda positions: -(-positions // self.page_size)
+        growth = collections.Counter()
+        for slot in self._running:
+            running = self._requests[self._slots[slot]]
+            growth[self._shard(slot)] += max(
+                0, pages(self._chunk_positions(running)) - len(self._owned[slot]))
+        need = pages(self._chunk_positions(request))
+        return next((slot for slot in free if need + growth[self._shard(slot)]
+                     <= len(self._free_pages[self._shard(slot)])), None)
 
     def _ensure_pages(self) -> None:
         """Gives every running request the pages its next chunk writes, oldest admission first;
@@ -1051,6 +1074,7 @@ class Engine:
         """Stops `slot`'s request and frees its slot and pages; it goes back to the front of the
         queue with its tokens, to be re-prefilled (prompt + tokens) when readmitted."""
         request = self._requests[self._slots[slot]]
+        request.routing = self._recorded_routing(request)
         self._state = _pause(self._state, jnp.int32(self._row(slot)))
         self._running.discard(slot)
         self._free_slot(slot)

@@ -25,8 +25,21 @@ def test_requests_equal_their_own_decode_and_a_group_is_prefilled_once():
         assert list(output.token_ids) == alone.tokens[0]
         np.testing.assert_allclose(output.logprobs, alone.logprobs[0], atol=1e-5)
         assert output.finish_reason == "length"
+
+
+
+def test_set_model_starts_the_seed_series_again():
+    model = create_model(get_preset("tiny"), seed=0)
+    requests = [GenerationRequest((5, 9, 13), 8, "solver")] * 3
+    generator = EngineGenerator(model, (), temperature=1.0, top_p=1.0, top_k=0, seed=0,
+                                record_routing=False, num_slots=4, max_length=32, chunk_steps=4)
+    first = generator(requests)
+    assert len({o.token_ids for o in first}) > 1  # each request its own sequence seed
+    assert generator(requests) != first  # the series goes on
     generator.set_model(model, seed=0)
-    assert generator(requests) == outputs  # same weights and seed: same outputs
+    assert generator(requests) == first
+    generator.set_model(model, seed=1)
+    assert generator(requests) != first
 
 
 @pytest.mark.parametrize("kv_pages", [0, 6])

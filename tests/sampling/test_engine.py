@@ -74,6 +74,26 @@ def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order):
     assert {o.finish_reason for o in outputs.values()} == {"stop", "length"}
 
 
+def test_a_request_that_fills_max_length_keeps_its_routing_while_a_neighbour_decodes(model):
+    """Requests 8 and 9 without stop tokens, to max_length 40 (11 + 29 and 4 + 36 positions):
+    request 8 ends in the middle of a chunk and its slot sits idle at length 40 while 9 decodes
+    on. Each equals `generate` alone, token for token and expert for expert."""
+    engine = Engine(model, num_slots=2, max_length=40, chunk_steps=8, record_routing=True)
+    ids, alone = [], []
+    for i in (8, 9):
+        r = dict(REQUESTS[i], max_new_tokens=40 - len(REQUESTS[i]["prompt"]))
+        prompt = r.pop("prompt")
+        sampling = {k: r.pop(k) for k in ("temperature", "top_p", "top_k") if k in r}
+        ids.append(engine.submit(prompt, **r, **sampling)[0])
+        alone.append(generate(model, [prompt], max_new_tokens=r["max_new_tokens"],
+                              eos_token_ids=(), seed=0, sequence_seeds=[r["seed"]],
+                              record_routing=True, **sampling))
+    outputs = engine.run()
+    for rid, ref in zip(ids, alone):
+        assert outputs[rid].tokens == ref.tokens[0] and len(ref.tokens[0]) > 28
+        np.testing.assert_array_equal(outputs[rid].expert_ids, ref.expert_ids[0])
+
+
 def test_greedy_equals_transformers_generate_on_a_padded_batch(model, hf_moe_dir):
     prompts = [r["prompt"] for r in REQUESTS[:4]]
     engine = Engine(model, num_slots=2, max_length=48, chunk_steps=4, min_span=16)
@@ -217,8 +237,9 @@ def test_segments_kept_in_their_slot_equal_one_uninterrupted_decode(model, pagin
 
 @pytest.mark.parametrize("paging", PAGING)
 def test_a_request_paused_mid_chunk_at_the_span_keeps_its_last_keys(model, paging):
-    """A pauses after 8 tokens at length 16 = the chunk's span while B decodes on in the same
-    chunk (3 steps a chunk): the steps after A's pause must not write over A's keys."""
+    """A pauses after 8 tokens at length 16 while B decodes on in the same chunk (3 steps a
+    chunk): the steps after A's pause write at A's length, which the chunk's span must hold
+    (16 positions + 1, bucketed to 24) or the write would clamp onto A's last keys."""
     rng = np.random.default_rng(0)
     prompt_a, prompt_b = rng.integers(4, 96, 8).tolist(), rng.integers(4, 96, 4).tolist()
     settings = dict(max_new_tokens=20, temperature=0.0, seed=7)
@@ -320,8 +341,11 @@ def test_a_continuation_from_generated_tokens_equals_the_uninterrupted_decode(mo
 def test_recompute_of_a_decoding_request_equals_a_fresh_prefill_under_new_weights(
         model, tmp_path, paging):
     new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
+    """Its KV is the new weights'; its recorded routing stays the old weights' for the positions
+    decoded before (the tokens were sampled under it) and is the new weights' after."""
     prompt = REQUESTS[2]["prompt"]
-    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, **paging)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=4, record_routing=True,
+                    **paging)
     rid = engine.submit(prompt, max_new_tokens=30, temperature=0.0)[0]
     short = engine.submit(REQUESTS[4]["prompt"], max_new_tokens=3, temperature=0.0)[0]
     assert next(engine.stream())[0] == short  # `rid` is mid-decode in its slot
@@ -338,8 +362,16 @@ def test_recompute_of_a_decoding_request_equals_a_fresh_prefill_under_new_weight
         np.testing.assert_allclose(got.k, np.asarray(want.k[0]), atol=1e-5)
         np.testing.assert_allclose(got.v, np.asarray(want.v[0]), atol=1e-5)
     out = engine.run()[rid]
-    continued = generate(new_model, [sequence], max_new_tokens=30 - len(done), temperature=0)
+    continued = generate(new_model, [sequence], max_new_tokens=30 - len(done), temperature=0,
+                         record_routing=True)
     assert out.tokens == done + continued.tokens[0]
+    before = generate(model, [prompt], max_new_tokens=len(done), temperature=0,
+                      record_routing=True)
+    assert before.tokens[0] == done
+    np.testing.assert_array_equal(out.expert_ids[:, :len(sequence)],
+                                  before.expert_ids[0][:, :len(sequence)])
+    np.testing.assert_array_equal(out.expert_ids[:, len(sequence):],
+                                  continued.expert_ids[0][:, len(sequence):])
 
 
 def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, tmp_path):
@@ -360,13 +392,15 @@ def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, 
 def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, kernel):
     """64 pages of 8 hold every request at once; 8 pages (64 positions) hold about one, so
     requests are preempted and re-prefilled from their tokens: the outputs stay `generate`'s,
-    with the pages gathered for attention or read by the Pallas GPU kernel (interpreted)."""
+    with the pages gathered for attention or read by the Pallas GPU kernel (interpreted), and
+    the routing recorded before a preemption put back in the new slot."""
     engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
-                    kv_pages=pages, page_size=8, paged_attention=kernel)
+                    kv_pages=pages, page_size=8, paged_attention=kernel, record_routing=True)
     outputs = _serve(engine, order)
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
+        np.testing.assert_array_equal(outputs[i].expert_ids, ref.expert_ids[0])
     assert (engine.stats["preemptions"] > 0) == (pages == 8)
     assert sorted(engine._free_pages[0]) == list(range(1, pages + 1))
     assert engine._state.cache == ()
@@ -389,6 +423,25 @@ def test_a_paused_request_longer_than_the_running_span_keeps_its_pages(model):
     assert len(engine.run()[b].tokens) == 10
     engine.resume(a, mode="keep")
     _assert_same_output(engine.run()[a], expected)
+
+
+def test_paged_admission_leaves_the_running_requests_their_next_chunk(model):
+    """4 pages of 8. After A's first chunk (8 + 8 positions, 2 pages) its next chunk needs a
+    third; B's first chunk needs 2 of the 2 left, so B waits for A (admitting it would have it
+    preempted, its prefill wasted, before it decoded a token)."""
+    rng = np.random.default_rng(1)
+    prompt_a, prompt_b = rng.integers(4, 96, 8).tolist(), rng.integers(4, 96, 8).tolist()
+    settings = dict(max_new_tokens=24, temperature=0.0)
+    engine = Engine(model, num_slots=2, max_length=64, chunk_steps=8, min_span=16, kv_pages=4,
+                    page_size=8)
+    a = engine.submit(prompt_a, **settings)[0]
+    chunks = iter([False, True])
+    assert not dict(engine.stream(stop=lambda: next(chunks)))  # one chunk: A half done
+    b = engine.submit(prompt_b, **settings)[0]
+    outputs = engine.run()
+    assert engine.stats["preemptions"] == 0 and engine.stats["prefills"] == 2
+    _assert_same_output(outputs[a], _alone(model, prompt_a, chunk_steps=8, **settings))
+    _assert_same_output(outputs[b], _alone(model, prompt_b, chunk_steps=8, **settings))
 
 
 @pytest.mark.parametrize("axes, pool_spec, kernel", [
