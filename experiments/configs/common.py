@@ -84,6 +84,8 @@ def base_config() -> ConfigDict:
                              mask_truncated=False, mastered_mask_prob=0.0, target_entropy=0.0,
                              entropy_coef=0.0))
 
+    # decay_steps: optimizer updates the cosine schedule decays over (0: the whole run, i.e.
+    # total_steps x ppo_epochs x mini_batches; the sft job: sft.steps).
     c.optimizer = ConfigDict(dict(learning_rate=1e-6, schedule="constant", warmup_steps=0,
                                   decay_steps=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0))

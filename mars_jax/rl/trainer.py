@@ -278,7 +278,9 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
         model = builders.build_model(config, mesh)
     tokenizer = builders.build_tokenizer(config)
     problems = builders.build_problem_iterator(config)
-    optimizer = make_optimizer(**dict(config.optimizer))
+    decay = config.optimizer.decay_steps or (  # 0: over the run's optimizer updates
+        config.total_steps * config.learner.ppo_epochs * config.learner.mini_batches)
+    optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": decay})
     graphdef, _ = nnx.split(model, nnx.Param)
     state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
     update_config = update_program_config(config)
@@ -389,6 +391,9 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                                         "sync/bytes": transfer.bytes})
                     elif stream is not None:
                         stream.weights_updated(nnx.merge(graphdef, state.params), version)
+                elif stream is not None and not split:  # the same weights in the arrays the
+                    # update returned: it donated those the engine decodes with
+                    stream.engine.update_weights(nnx.merge(graphdef, state.params))
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
                 if not finite:

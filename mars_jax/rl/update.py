@@ -76,8 +76,9 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: 
                    schedule: str = "constant", b1: float = 0.9, b2: float = 0.999,
                    eps: float = 1e-8, weight_decay: float = 0.0,
                    max_grad_norm: float | None = 1.0) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; schedule 'constant' or 'cosine' after linear warmup.
-    Weight decay applies to matrices only (not norm scales or biases)."""
+    """AdamW with global-norm clipping; schedule 'constant' or 'cosine' after linear warmup (to 0
+    at update `decay_steps`, at least one update after the warmup). Weight decay applies to
+    matrices only (not norm scales or biases)."""
     if schedule == "constant":
         lr = optax.join_schedules([optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
                                    optax.constant_schedule(learning_rate)], [warmup_steps]) \
@@ -250,8 +251,11 @@ def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef
 def train_step(state: TrainState, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, config: UpdateConfig
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update on the mini-batch `batch` (see `batch_gradients`). `ref_params` is
-    only read when the loss has a KL term (pass None otherwise)."""
+    """One optimizer update on the mini-batch `batch` (see `batch_gradients`), applied whenever
+    it is finite: a mini-batch without loss tokens (every group's rewards equal, kept with
+    `drop_zero_variance=False`) has a zero gradient, on which AdamW's momentum still moves the
+    weights, as `optimizer.step()` does in verl and TRL. `ref_params` is only read when the loss
+    has a KL term (pass None otherwise)."""
     grads, summary = batch_gradients(state.params, batch, ref_params, graphdef=graphdef,
                                      config=config)
     grad_norm = optax.global_norm(grads)
@@ -261,7 +265,8 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Any, *, graphde
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     summary.update(grad_norm=grad_norm, finite=finite.astype(jnp.float32))
-    new_state = TrainState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+    new_state = TrainState(params=keep(params, state.params),
+                           opt_state=keep(opt_state, state.opt_state),
                            step=state.step + finite.astype(jnp.int32))
     return new_state, summary
 

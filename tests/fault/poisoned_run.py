@@ -11,14 +11,14 @@ import numpy as np
 from mars_jax.rl import trainer
 
 POISON_STEPS = {int(s) for s in os.environ["POISON_STEPS"].split(",")}
-_step = 0
-_rollout_step, _make_batch = trainer.rollout_step, trainer.make_batch
+_step = 0  # steps of this (fresh) run so far: the trainer takes a step's samples once a step
+_training_samples, _make_batch = trainer.training_samples, trainer.make_batch
 
 
-def rollout_step(*args, step, **kwargs):
+def training_samples(*args, **kwargs):
     global _step
-    _step = step
-    return _rollout_step(*args, step=step, **kwargs)
+    _step += 1
+    return _training_samples(*args, **kwargs)
 
 
 def make_batch(*args, **kwargs):
@@ -33,7 +33,7 @@ def make_batch(*args, **kwargs):
     return batch
 
 
-trainer.rollout_step, trainer.make_batch = rollout_step, make_batch
+trainer.training_samples, trainer.make_batch = training_samples, make_batch
 run = Path(__file__).resolve().parents[2] / "experiments/run.py"
 sys.argv[0] = str(run)
 runpy.run_path(str(run), run_name="__main__")

@@ -36,12 +36,17 @@ def test_a_non_finite_gradient_leaves_params_and_optimizer_untouched(poison):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scheduler", [
+    (), ("--config.rollout.scheduler=stream", "--config.rollout.decode_engine=engine",
+         "--config.rollout.engine_slots=4", "--config.rollout.segment_tokens=0")])
 def test_skipped_updates_are_logged_and_a_streak_stops_the_run_at_the_last_good_checkpoint(
-        tmp_path):
+        tmp_path, scheduler):
+    """Also with the streaming engine on the training mesh, which decodes on after a skipped
+    update with the arrays the update returned (it donated the ones the engine had)."""
     # Step 3 is poisoned alone (skipped, training goes on); steps 5 and 6 in a row stop the run.
     workdir = tmp_path / "run"
     result = subprocess.run(
-        harness.command(workdir, "--config.max_nonfinite_updates=2",
+        harness.command(workdir, "--config.max_nonfinite_updates=2", *scheduler,
                         script=harness.REPO / "tests/fault/poisoned_run.py"),
         env=harness.env(POISON_STEPS="3,5,6"), capture_output=True, text=True, timeout=900)
     assert result.returncode == NonFiniteUpdates.exit_code, result.stderr[-3000:]

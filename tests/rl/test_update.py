@@ -191,3 +191,18 @@ def test_ratio_is_one_on_the_first_update_and_the_clip_acts_after(pi_old):
     assert max(m["clip_frac_low"] + m["clip_frac_high"] for m in later) > 0
     if pi_old == "recompute":  # sampler == recomputed pi_old here: behaviour weights are 1
         assert abs(first["behaviour_weight_mean"] - 1.0) < 1e-5
+
+
+def test_the_cosine_schedule_decays_over_decay_steps_after_the_warmup():
+    """With a constant gradient AdamW's step is the learning rate (bias-corrected m / sqrt(v) =
+    1): linear warmup over 2 updates, then 1/2 (1 + cos(pi (t - 2) / 4)) to 0 at update 6."""
+    optimizer = make_optimizer(1.0, schedule="cosine", warmup_steps=2, decay_steps=6, eps=0.0,
+                               max_grad_norm=None)
+    params = {"w": jnp.ones((2, 2))}
+    opt_state, steps = optimizer.init(params), []
+    for _ in range(8):
+        updates, opt_state = optimizer.update({"w": jnp.ones((2, 2))}, opt_state, params)
+        steps.append(-float(updates["w"][0, 0]))
+    t = np.arange(2, 7)
+    expected = [0.0, 0.5, *(0.5 * (1 + np.cos(np.pi * (t - 2) / 4))), 0.0]
+    np.testing.assert_allclose(steps, expected, atol=1e-5)
