@@ -180,6 +180,17 @@ def load_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def check_complete(name: str, records: Sequence[dict], samples: int) -> None:
+    """Raises ValueError unless each problem of `records` has `samples` distinct samples."""
+    seen = Counter((r["problem_id"], r["sample"]) for r in records)
+    doubled = sorted(key for key, count in seen.items() if count > 1)
+    per_problem = Counter(problem for problem, _ in seen)
+    short = sorted(p for p, count in per_problem.items() if count != samples)
+    if doubled or short:
+        raise ValueError(f"{name}: records incomplete or doubled (problem, sample) "
+                         f"{doubled[:3]}; problems without {samples} samples: {short[:3]}")
+
+
 def rl_steps(run_dir: Path) -> int | None:
     """The step of the exported model, else the last step in metrics.jsonl; None if neither."""
     step_file = run_dir / "final_model" / "step.txt"
@@ -451,6 +462,9 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         raise FileNotFoundError(f"no base records at {records_path(root, 'base')}")
     records = {run.name: load_records(records_path(root, run.name)) for run in runs}
     problems = eval_stats.problem_ids(records["base"])
+    k = max(Counter(r["problem_id"] for r in records["base"]).values())
+    for name, run_records in records.items():
+        check_complete(name, run_records, k)
     grouped: dict[tuple, list[Run]] = {}
     for run in runs:
         row = (run.variant, None if run.variant == "base" else
@@ -458,6 +472,11 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         grouped.setdefault(row, []).append(run)
     order = [("base", None), *((v, "default") for v in ("marsrl_s", "marsrl_vc", "marsrl")),
              *(("marsrl", s) for s in SELECTIONS if s != default_selection)]
+    left_out = [run.name for row, row_runs in grouped.items() if row not in order
+                for run in row_runs]
+    if left_out:
+        raise ValueError(f"runs {left_out}: a variant other than MarsRL with a selection other "
+                         f"than the config's ({default_selection!r}) has no row in the tables")
     grouped = {row: sorted(grouped[row], key=lambda r: (r.seed is None, r.seed))
                for row in order if row in grouped}
     several_selections = len([row for row in grouped if row[0] == "marsrl"]) > 1
@@ -472,7 +491,8 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         summaries[row] = row_summary(row_records, scores[row], settings)
         summaries[row]["seeds"] = [r.seed for r in row_runs]
         run_steps = [0 if r.variant == "base" else rl_steps(root / r.name) for r in row_runs]
-        steps[row] = ", ".join(sorted({str(s) if s is not None else "?" for s in run_steps}))
+        steps[row] = ", ".join(str(s) if s is not None else "?"
+                               for s in sorted(set(run_steps), key=lambda s: (s is None, s)))
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
     differences = {row: {part: eval_stats.bootstrap_difference(
         scores[row][part], scores[("base", None)][part], **draws).to_json()
@@ -480,7 +500,6 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
     targets = check_targets(summaries, scores, settings)
     config = settings.eval_config("base", Path(""))
     e = config.eval
-    k = max(Counter(r["problem_id"] for r in records["base"]).values())
     header = (f"Held-out `{e.dataset}` {e.split}, {len(problems)} problems, avg@{k}, "
               f"T={e.temperature}, top_p={e.top_p}, k_accept={e.k_accept}, "
               f"max_iterations={e.max_iterations} (`{settings.config_module}`'s eval section).")

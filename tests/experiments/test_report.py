@@ -152,3 +152,12 @@ def test_report_interval_is_the_exact_bootstrap_of_a_proportion(tmp_path):
     low, high = scipy_stats.binom.ppf([0.025, 0.975], PROBLEMS, 0.3) / PROBLEMS
     assert (low, high) == pytest.approx((11 / 60, 25 / 60))
     assert (system["low"], system["high"]) == pytest.approx((low, high))
+
+
+def test_records_must_hold_each_problem_k_times_once_each():
+    complete = _records(30, 40, "oracle")
+    report.check_complete("run", complete, 2)
+    with pytest.raises(ValueError, match=r"doubled \(problem, sample\) \[\('p0', 0\)\]"):
+        report.check_complete("run", complete + complete[:1], 2)
+    with pytest.raises(ValueError, match=r"without 2 samples: \['p59'\]"):
+        report.check_complete("run", complete[:-1], 2)
