@@ -88,7 +88,9 @@ def evaluate(
 
 
 def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Record:
-    """The JSON-serialisable record of one loop run, graded against the gold answer."""
+    """The JSON-serialisable record of one loop run, graded against the gold answer. The Solver
+    is graded on its first attempt, as a lone Solver sample would be: when the system retried
+    an unusable one, the retry counts for the System only."""
     first = stages.parse_solution(result.steps[0].completion)
     texts = [first.solution, *(c.solution for c in result.candidates)]
     solver_correct, *candidates_correct = grade_many(texts, [problem.answer] * len(texts))
