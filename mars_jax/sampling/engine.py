@@ -928,7 +928,7 @@ class Engine:
         if self._pool is not None:
             if not self._grow(slot, len(request.group.prompt) + step):
                 raise RuntimeError("kv_pages: no free page for a request's prefill")
-            pages = min(-(-cache[0].v.shape[2] // self.page_size), self._pages_per_slot)
+            pages = self._pages_for(cache[0].v.shape[2])
             ids = np.zeros((self._multiple, pages), np.int32)  # other pools: their trash page
             ids[self._shard(slot)] = self._table[slot, :pages]
             page_ids = jnp.asarray(ids)
@@ -1026,11 +1026,15 @@ class Engine:
         self._owned[slot] = []
         self._table[slot] = 0
 
+    def _pages_for(self, positions: int) -> int:
+        """Pages that hold `positions` cache positions (at most a slot's table)."""
+        return min(-(-positions // self.page_size), self._pages_per_slot)
+
     def _grow(self, slot: int, positions: int) -> bool:
         """Extends `slot`'s pages to hold `positions` cache positions; False, taking none,
         when its pool has too few free."""
         owned, free = self._owned[slot], self._free_pages[self._shard(slot)]
-        need = min(-(-positions // self.page_size), self._pages_per_slot) - len(owned)
+        need = self._pages_for(positions) - len(owned)
         if need > len(free):
             return False
         for _ in range(need):
@@ -1045,13 +1049,12 @@ class Engine:
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self._pool is None:
             return free[0] if free else None
-        pages = lambda positions: -(-positions // self.page_size)
         growth = collections.Counter()
         for slot in self._running:
             running = self._requests[self._slots[slot]]
             growth[self._shard(slot)] += max(
-                0, pages(self._chunk_positions(running)) - len(self._owned[slot]))
-        need = pages(self._chunk_positions(request))
+                0, self._pages_for(self._chunk_positions(running)) - len(self._owned[slot]))
+        need = self._pages_for(self._chunk_positions(request))
         return next((slot for slot in free if need + growth[self._shard(slot)]
                      <= len(self._free_pages[self._shard(slot)])), None)
 
