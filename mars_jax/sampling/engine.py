@@ -49,8 +49,9 @@ Segments: a request submitted with `segment_tokens` pauses in its slot after tha
 so far stays that of the weights that produced them), `mode='recompute'` re-prefills prompt +
 tokens so far under the engine's current weights (`update_weights`): exactly on-policy KV for
 the cost of a prefill of that many tokens. Recorded routing is a position's from the step or
-prefill that first computed it: a re-prefill (`recompute`, a paged preemption) rewrites the KV,
-not the routing the tokens were sampled under.
+prefill of this engine that first computed it (for `submit(generated=...)`, its prefill): a
+re-prefill (`recompute`, a paged preemption) rewrites the KV, not the routing the tokens were
+sampled under.
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
 (`kv_bytes_per_token`), logged at start with the cache's whole size (`kv_bytes`). By default
@@ -1045,7 +1046,8 @@ class Engine:
     def _free_slot_for(self, request: _Request) -> int | None:
         """A free slot for queued `request` (reserved slots: the first); paged, the first whose
         pool holds what it fills by the end of its first chunk beside the pages the pool's
-        running requests take for their next chunk (so admitting it preempts nobody), or None."""
+        running requests take for their next chunk (so admitting it preempts nobody before that
+chunk), or None."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self._pool is None:
             return free[0] if free else None
