@@ -287,7 +287,8 @@ def check_targets(summaries: dict, scores: dict, settings: Settings) -> list[dic
 
 def _fmt(i: dict, signed: bool = False) -> str:
     f = (lambda x: f"{100 * x:+.1f}") if signed else (lambda x: f"{100 * x:.1f}")
-    return f"{f(i['estimate'])} [{f(i['low'])}, {f(i['high'])}]"
+    undefined = f" ({i['undefined']} resamples undefined)" if i.get("undefined") else ""
+    return f"{f(i['estimate'])} [{f(i['low'])}, {f(i['high'])}]{undefined}"
 
 
 def tables(summaries: dict, labels: dict, steps: dict, differences: dict, targets: list[dict],

@@ -38,11 +38,13 @@ LEVEL = 0.95
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """A point estimate and its percentile bootstrap interval."""
+    """A point estimate and its percentile bootstrap interval; `undefined` counts the replicates
+    left out because the statistic was NaN there (e.g. a resample without one class)."""
 
     estimate: float
     low: float
     high: float
+    undefined: int = 0
 
     @property
     def excludes_zero(self) -> bool:
@@ -104,7 +106,9 @@ def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
     over the same problems. `statistic(totals)` maps the list of each model's sums over runs x
     problems (`[..., *features]`) to values `[...]`. Each replicate draws the problems once for
     all models and each model's runs on its own (see the module docstring), and sums the drawn
-    sub-arrays (weights sum to runs x problems, as in the estimate's totals)."""
+    sub-arrays (weights sum to runs x problems, as in the estimate's totals). Replicates where
+    the statistic is NaN are left out, so the interval is conditional on it being defined; their
+    number is `Interval.undefined`."""
     arrays = [_check(a) for a in arrays]
     problems = arrays[0].shape[1]
     if any(a.shape[1] != problems for a in arrays):
@@ -121,7 +125,8 @@ def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
         replicates = np.asarray(statistic(sums), dtype=np.float64)
     tail = (1 - level) / 2
     low, high = np.nanquantile(replicates, [tail, 1 - tail])
-    return Interval(float(estimate), float(low), float(high))
+    return Interval(float(estimate), float(low), float(high),
+                    int(np.isnan(replicates).sum()))
 
 
 def bootstrap(scores: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,

@@ -163,6 +163,10 @@ def test_balanced_accuracy_interval_matches_the_enumerated_distribution():
     whole = eval_stats.confusion(p for pairs in verifier for p in pairs)
     assert interval.estimate == pytest.approx(whole.balanced_accuracy) == 0.25  # 3/6 and 0/4
     assert (interval.low, interval.high) == pytest.approx(exact)
+    undefined_share = np.isnan(_enumerated_balanced_accuracy(verifier)).mean()
+    assert undefined_share > 0  # some resamples hold no correct solution
+    sd = np.sqrt(undefined_share * (1 - undefined_share) / BALANCED_RESAMPLES)
+    assert abs(interval.undefined / BALANCED_RESAMPLES - undefined_share) < 5 * sd
 
 
 def test_balanced_accuracy_difference_matches_the_enumerated_distribution():
