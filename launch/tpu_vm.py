@@ -4,7 +4,9 @@ r"""TPU-VM launcher: create a slice, copy this repository to every worker, insta
       -- --config=experiments/configs/marsrl_qwen3_30b_a3b.py:ckpt=/mnt/ckpt/Qwen3-30B-A3B \
          --workdir=/mnt/shared/marsrl_30b
 
-Actions: create, copy, setup, run, delete, or all (create, copy, setup, run). Arguments after `--`
+Actions: create, copy, setup, run, delete, or all (create, copy, setup, run). `copy` sends the
+working tree to ~/mars_jax and the problem data (`$MARS_JAX_DATA_DIR`, else ../shared/data) to
+~/shared/data, where the workers' code finds it. Arguments after `--`
 go to `experiments/run.py`, which runs on every worker at once with `--distributed=on` (jax finds
 the other workers itself). `--dry_run` prints the commands instead of running them. The workdir
 must be one directory every worker sees (e.g. a gcsfuse or Filestore mount).
@@ -12,6 +14,7 @@ must be one directory every worker sees (e.g. a gcsfuse or Filestore mount).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import subprocess
 import sys
@@ -23,7 +26,9 @@ from absl import app, flags
 REPO = Path(__file__).resolve().parents[1]
 ACTIONS = ("create", "copy", "setup", "run", "delete", "all")
 REMOTE_DIR = "mars_jax"
+REMOTE_DATA_DIR = "shared/data"  # <REMOTE_DIR>/../shared/data: data.paths' default
 ARCHIVE = "/tmp/mars_jax_src.tgz"
+DATA_ARCHIVE = "/tmp/mars_jax_data.tgz"
 
 _NAME = flags.DEFINE_string("name", None, "TPU VM (slice) name.")
 _ZONE = flags.DEFINE_string("zone", None, "GCP zone, e.g. us-east5-a.")
@@ -58,13 +63,20 @@ class Slice:
                            f"--version={self.runtime}")
         return [cmd + (["--spot"] if self.spot else [])]
 
-    def copy(self, repo: Path = REPO) -> list[list[str]]:
-        """Archive the working tree (no .git, caches or build outputs) and unpack it everywhere."""
+    def copy(self, repo: Path = REPO, data: str | None = None) -> list[list[str]]:
+        """Archive the working tree (no .git, caches or build outputs) and the problem data
+        (default: $MARS_JAX_DATA_DIR, else <repo>/../shared/data), and unpack them everywhere."""
+        data = data or os.environ.get("MARS_JAX_DATA_DIR") or str(repo.parent / "shared" / "data")
+        if not os.path.isdir(data):
+            raise ValueError(f"copy: no problem data at {data} (set MARS_JAX_DATA_DIR)")
+        unpack = " && ".join(
+            f"rm -rf ~/{remote} && mkdir -p ~/{remote} && tar -xzf {archive} -C ~/{remote}"
+            for archive, remote in ((ARCHIVE, REMOTE_DIR), (DATA_ARCHIVE, REMOTE_DATA_DIR)))
         return [["tar", "-czf", ARCHIVE, "--exclude=.git", "--exclude=__pycache__",
                  "--exclude=*.egg-info", "-C", str(repo), "."],
-                self._gcloud("scp", ARCHIVE, f"{self.name}:{ARCHIVE}", "--worker=all"),
-                self._on_all_workers(f"rm -rf ~/{REMOTE_DIR} && mkdir -p ~/{REMOTE_DIR} && "
-                                     f"tar -xzf {ARCHIVE} -C ~/{REMOTE_DIR}")]
+                ["tar", "-czf", DATA_ARCHIVE, "-C", data, "."],
+                self._gcloud("scp", ARCHIVE, DATA_ARCHIVE, f"{self.name}:/tmp/", "--worker=all"),
+                self._on_all_workers(unpack)]
 
     def setup(self) -> list[list[str]]:
         return [self._on_all_workers(f"cd ~/{REMOTE_DIR} && python3 -m pip install -q -e '.[tpu]'")]
@@ -80,11 +92,11 @@ class Slice:
         """The command lines of `action` (one of ACTIONS), in order."""
         if action not in ACTIONS:
             raise ValueError(f"action: {action!r} is not one of {ACTIONS}")
+        if action in ("run", "all") and not run_args:
+            raise ValueError(f"{action}: pass experiments/run.py arguments after '--'")
         if action == "all":
             return self.create() + self.copy() + self.setup() + self.run(run_args)
         if action == "run":
-            if not run_args:
-                raise ValueError("run: pass experiments/run.py arguments after '--'")
             return self.run(run_args)
         return getattr(self, action)()
 

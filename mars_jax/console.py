@@ -5,7 +5,6 @@ The summary is read back from what the training job wrote in its workdir (`metri
 """
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import tqdm
+
+from mars_jax.metrics import read_rows
 
 ROLES = ("solver", "verifier", "corrector")
 
@@ -30,12 +31,12 @@ def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:
-    """The rows of `workdir/metrics.jsonl` in step order ([] when there is none)."""
+    """The rows of `workdir/metrics.jsonl` in step order ([] when there is none), up to a line
+    cut short by a crash (`metrics.read_rows`)."""
     path = Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()),
-                  key=lambda row: row["step"])
+    return sorted(read_rows(path), key=lambda row: row["step"])
 
 
 def window(rows: Sequence[dict]) -> int:

@@ -9,24 +9,34 @@ from pathlib import Path
 from tensorboardX import SummaryWriter
 
 
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """The rows of a metrics.jsonl file in file order, up to the first line that is not a whole
+    row (a line cut short by a crash: it and everything after are left out)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(row, dict) or "step" not in row:
+            break
+        rows.append(row)
+    return rows
+
+
 class MetricsWriter:
     """Appends metrics to `workdir/metrics.jsonl` and `workdir/tensorboard`. On resume from step
-    `resume_step`, lines for later steps (written after that checkpoint) are dropped first; the
-    file is rewritten atomically (temporary file + rename), so a crash then loses nothing."""
+    `resume_step`, lines for later steps (written after that checkpoint) are dropped first
+    (`resume_step=-1`: a run with no checkpoint starts the file over); the file is rewritten
+    atomically (temporary file + rename), so a crash then loses nothing."""
 
     def __init__(self, workdir: str | os.PathLike, *, resume_step: int = 0, tensorboard: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_step:
-                        kept.append(line)
-                except (ValueError, KeyError):
-                    break  # a line cut short by a crash: drop it and everything after
+            kept = [row for row in read_rows(self.path) if row["step"] <= resume_step]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(f"{line}\n" for line in kept))
+            tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in kept))
             os.replace(tmp, self.path)
         self.tb = SummaryWriter(str(Path(workdir) / "tensorboard")) if tensorboard else None
 

@@ -35,3 +35,20 @@ def test_summary_without_metrics_says_so(tmp_path):
 def test_postfix_shows_the_roles_that_had_samples():
     metrics = {"reward/solver": 0.25, "reward/verifier": float("nan"), "reward/corrector": 1.0}
     assert console.postfix(metrics) == {"solver": "0.25", "corrector": "1.00"}
+
+
+def test_a_line_cut_short_by_a_crash_ends_what_is_read(tmp_path):
+    _write(tmp_path, [{"step": 1, "reward/solver": 0.5}, {"step": 2, "reward/solver": 0.25}])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/sol')
+    assert [row["step"] for row in console.read_metrics(tmp_path)] == [1, 2]
+
+
+def test_metrics_writer_keeps_the_checkpointed_steps_and_starts_over_without_one(tmp_path):
+    from mars_jax.metrics import MetricsWriter
+    _write(tmp_path, [{"step": 0, "probe": 0.5}, {"step": 1, "a": 1}, {"step": 2, "a": 2}])
+    MetricsWriter(tmp_path, resume_step=1, tensorboard=False)
+    assert [row["step"] for row in console.read_metrics(tmp_path)] == [0, 1]
+    writer = MetricsWriter(tmp_path, resume_step=-1, tensorboard=False)  # nothing restored
+    writer.write(0, {"probe": 0.5})
+    assert console.read_metrics(tmp_path) == [{"step": 0, "probe": 0.5}]  # one step-0 row

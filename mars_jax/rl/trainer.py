@@ -309,7 +309,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
         console.note(f"resumed from step {start}")
     # Rollout metrics are this host's; host 0 writes workdir/metrics.jsonl, host i workdir/host{i}/.
     host = jax.process_index()
-    writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path, resume_step=start)
+    writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path,
+                           resume_step=start if restored is not None else -1)
     eos = eos_token_ids(tokenizer)
     inflight_cap = config.rollout.max_inflight_rows or auto_inflight_rows(
         rollouts.config, config.rollout.prompts_per_step)

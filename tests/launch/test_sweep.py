@@ -62,19 +62,24 @@ def test_paper_and_runlocal_configs():
         module.get_config("ckpt=/x,fast")
 
 
-def test_tpu_vm_commands():
+def test_tpu_vm_commands(monkeypatch):
+    monkeypatch.delenv("MARS_JAX_DATA_DIR", raising=False)
     tpu = tpu_vm.Slice("marsrl", "us-east5-a", "v5p-512", project="p")
     [create] = tpu.commands("create")
     assert create[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "marsrl"]
     assert "--accelerator-type=v5p-512" in create and "--project=p" in create
     everything = tpu.commands("all", ["--config=c.py", "--workdir=/mnt/w"])
     assert [c[4] if c[0] == "gcloud" else c[0] for c in everything] == [
-        "create", "tar", "scp", "ssh", "ssh", "ssh"]
+        "create", "tar", "tar", "scp", "ssh", "ssh", "ssh"]
+    data_archive, unpack = everything[2], everything[4][-3]
+    assert data_archive[-3:] == ["-C", str(ROOT.parent / "shared" / "data"), "."]
+    assert "tar -xzf /tmp/mars_jax_data.tgz -C ~/shared/data" in unpack  # ~/mars_jax/../shared
     run = everything[-1]
     assert "--worker=all" in run
     assert any("experiments/run.py --distributed=on --config=c.py --workdir=/mnt/w" in a
                for a in run)
-    with pytest.raises(ValueError, match="pass experiments/run.py arguments"):
-        tpu.commands("run")
+    for action in ("run", "all"):
+        with pytest.raises(ValueError, match=f"{action}: pass experiments/run.py arguments"):
+            tpu.commands(action)
     with pytest.raises(ValueError, match="action: 'start'"):
         tpu.commands("start")
