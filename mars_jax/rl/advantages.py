@@ -1,7 +1,7 @@
 """Group-normalised (GRPO / Dr.GRPO) advantages.
 
-A group is the set of samples sharing one (problem, role, parent) key; callers
-map keys to integer ids with ``group_ids_from_keys``. Within a group,
+A group is the set of samples with the same integer id (the trainer numbers each
+group of G samples for one input). Within a group,
 ``A = (r - mean) / (std + eps)`` with the population std (ddof=0), or
 ``A = r - mean`` without std normalisation (Dr.GRPO). Groups whose rewards are
 all equal (including singletons) get ``A = 0`` exactly and are flagged in
@@ -12,7 +12,6 @@ all equal (including singletons) get ``A = 0`` exactly and are flagged in
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -23,12 +22,6 @@ class GroupAdvantages(NamedTuple):
 
     advantages: np.ndarray
     zero_variance: np.ndarray
-
-
-def group_ids_from_keys(keys: Sequence[Hashable]) -> np.ndarray:
-    """Dense int32 ids ``[N]`` for hashable group keys, numbered by first appearance."""
-    ids: dict[Hashable, int] = {}
-    return np.array([ids.setdefault(k, len(ids)) for k in keys], dtype=np.int32)
 
 
 def group_advantages_np(

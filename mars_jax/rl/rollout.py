@@ -73,7 +73,8 @@ def selection_rng(seed: int, problem_uid: str, stage: int) -> np.random.Generato
 
 def sequence_seed(seed: int, group_uid: str) -> int:
     """A group's first sequence seed (members take the next ones): a function of the run's seed
-    and the group's uid only, so a rollout draws the same tokens whatever the order of spawning."""
+    and the group's uid only. The streaming scheduler decodes with it, so there a rollout draws
+    the same tokens whatever the order of spawning; the per-step generators seed by call."""
     return zlib.crc32(f"{seed}:{group_uid}".encode()) >> 1
 
 
@@ -156,9 +157,9 @@ class Rollout:
 
     def to_json(self) -> dict:
         """Every field but `expert_ids` (checkpointed as arrays: `AgenticRollouts.routing`)."""
-        data = dataclasses.asdict(self)
-        data["expert_ids"] = None
-        return data
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "response_ids": list(self.response_ids), "logprobs": list(self.logprobs),
+                "prompt_ids": list(self.prompt_ids), "expert_ids": None}
 
 
 @dataclasses.dataclass
@@ -319,8 +320,10 @@ class AgenticRollouts:
         role = STAGE_ROLES[stage]
         # Spawn order, not finishing order: the choice must not depend on the decode schedule.
         parents = sorted(parents, key=lambda r: int(r.uid.rsplit("/", 1)[1]))
-        if role == "verifier":
-            usable = [r for r in parents if r.finished_by_itself or self.config.verify_truncated]
+        if role == "verifier":  # a solution with no visible text has nothing to judge
+            usable = [r for r in parents
+                      if (r.finished_by_itself or self.config.verify_truncated)
+                      and strip_thinking(r.text, thinking_open=self.thinking_open).strip()]
             candidates = [Candidate(is_correct=r.solved) for r in usable]
         else:  # a truncated Verifier output has no verdict: never eligible
             usable = list(parents)

@@ -76,3 +76,51 @@ def test_roles_trained_solver_decodes_the_solver_group_only():
     assert [g[0].stage for g in out.groups] == [0, 0]
     assert {r.reward for g in out.groups for r in g} == {0.0}
     assert engine.pending == [] and engine.trees == {}
+
+
+class MixedSolvers(RoleScript):
+    """Solver members in turn: right, wrong, cut by length, and one whose visible text is empty
+    (all of it thinking); every Verifier reports an error; Correctors answer right."""
+
+    SOLVERS = ["2 + 3 = 5, so \\boxed{5}", "2 + 3 = 6, so \\boxed{6}", None,
+               "<think>2 + 3 = 5</think>"]
+
+    def __call__(self, requests):
+        outputs = super().__call__(requests)
+        solvers = iter(self.SOLVERS * len(requests))
+        for i, request in enumerate(requests):
+            if request.role == "solver":
+                text = next(solvers)
+                if text is None:  # cut by length
+                    ids = (7,) * request.max_new_tokens
+                    outputs[i] = GenerationOutput(ids, (-0.1,) * len(ids), "length")
+                else:
+                    ids = tuple(TOKENIZER.encode(text, add_special_tokens=False)) + (EOS,)
+                    outputs[i] = GenerationOutput(ids, (-0.1,) * len(ids), "stop")
+        return outputs
+
+
+def test_each_verifier_judges_its_own_parent_and_each_corrector_revises_it():
+    engine = _engine(RolloutConfig(group_size=4, fan_out=2, selection="adaptive",
+                                   prompt_style="compact", max_prompt_tokens=1024, max_stages=3,
+                                   max_new_tokens={"solver": 64, "verifier": 96, "corrector": 64}))
+    generate = MixedSolvers({"solver": "replaced", "verifier": "**Final Verdict:** a slip.\n**List of Findings:** 1.\n"
+                                         "**Correctness:** Wrong",
+                             "corrector": "2 + 3 = 5, so \\boxed{5}"})
+    out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=1,
+                       step=1, version=0)
+    by_uid = {r.uid: r for g in out.groups for r in g}
+    solvers, verifiers, correctors = ([r for r in by_uid.values() if r.stage == s]
+                                      for s in range(3))
+    assert [r.finish_reason for r in solvers] == ["stop", "stop", "length", "stop"]
+    # Only the two solutions with visible text and an ending can be judged: adaptive (which
+    # prefers wrong ones) must not take the empty one, nor the cut one.
+    assert {by_uid[v.parent_uid].uid for v in verifiers} == {solvers[0].uid, solvers[1].uid}
+    for v in verifiers:
+        parent = by_uid[v.parent_uid]
+        assert v.judged_correct == parent.solved
+        assert v.solution == parent.text.split("<|")[0].strip()  # the visible text, no EOS
+        assert v.reward == (0.0 if parent.solved else 1.0)  # every verdict is Wrong
+    assert correctors  # verdict Wrong: every report is eligible
+    for c in correctors:
+        assert c.solution == by_uid[c.parent_uid].solution
