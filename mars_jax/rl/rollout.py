@@ -12,7 +12,8 @@ Solver or Corrector output earns `truncated_reward` (default 0) and is not hande
 unless `verify_truncated`; a truncated Verifier output has no verdict, earns 0 and never reaches
 the Corrector. Text inside an unclosed thought is never read as an answer or a verdict: when the
 chat template's generation prompt opens `<think>` (Qwen3-Thinking-2507; read once from the
-encoded generation prompt, `thinking_open`), a response without `</think>` is all thought.
+encoded generation prompt, `thinking_open`), a response without `</think>` is all thought. An
+output with no visible text (all thought) is never handed to a Verifier.
 
 Segments: a rollout asks for at most `segment_tokens` new tokens per decode; an unfinished one is
 resumed in a later decode by re-prefilling prompt + partial response under the then-current policy
