@@ -1,16 +1,14 @@
-"""The three agent stages: build requests for a batch, and parse completions.
+"""The three agent stages: requests, and the parsing of completions.
 
-`*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification`
-turn a `Completion` into a typed result. `solve`, `verify` and `correct` do both
-around a single policy call, for callers that run one stage on a batch (the
-Solver-only baseline, RL rollouts); the system loop mixes the builders and
-parsers of all stages in one call per round (see `system.py`).
+`*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a
+`Completion` into a typed result; `complete` makes one checked policy call. The system loop
+(`system.py`) and the probes (`mars_jax.sft.probe`) use them; RL rollouts build token prompts
+from `prompts` directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 from mars_jax.agents import prompts
 from mars_jax.agents.policy import ChatRequest, Completion, Policy, check_batch
@@ -35,8 +33,9 @@ class SolutionOutput:
 
     @property
     def usable(self) -> bool:
-        """Whether the output ended by itself (not truncated, no policy error)."""
-        return self.completion.finish_reason == "stop"
+        """Whether the output ended by itself (not truncated, no policy error) with visible
+        text (not all thinking)."""
+        return self.completion.finish_reason == "stop" and bool(self.solution)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,27 +82,6 @@ def parse_verification(completion: Completion) -> VerificationOutput:
     text, opened = completion.text, completion.thinking_open
     return VerificationOutput(completion, parse_verdict(text, thinking_open=opened),
                               prompts.bug_report(text, thinking_open=opened))
-
-
-def solve(policy: Policy, problems: Sequence[str], *, max_new_tokens: int) -> list[SolutionOutput]:
-    """One Solver call per problem, in one batch; no retries."""
-    requests = [solver_request(p, max_new_tokens) for p in problems]
-    return [parse_solution(c) for c in complete(policy, requests)]
-
-
-def verify(policy: Policy, problems: Sequence[str], solutions: Sequence[str], *,
-           max_new_tokens: int) -> list[VerificationOutput]:
-    """One Verifier call per (problem, solution) pair, in one batch; no retries."""
-    requests = [verifier_request(p, s, max_new_tokens) for p, s in zip(problems, solutions, strict=True)]
-    return [parse_verification(c) for c in complete(policy, requests)]
-
-
-def correct(policy: Policy, problems: Sequence[str], solutions: Sequence[str], reports: Sequence[str], *,
-            max_new_tokens: int) -> list[SolutionOutput]:
-    """One Corrector call per (problem, solution, report), in one batch; no retries."""
-    requests = [corrector_request(p, s, r, max_new_tokens)
-                for p, s, r in zip(problems, solutions, reports, strict=True)]
-    return [parse_solution(c) for c in complete(policy, requests)]
 
 
 def complete(policy: Policy, requests: list[ChatRequest]) -> list[Completion]:

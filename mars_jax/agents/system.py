@@ -16,9 +16,10 @@ Rules (per problem), those of the released MarsRL loop (`vc_reasoning_system.py`
       'most_verified'  the most verifications that returned a verdict, ties to the earliest
                        (the released `extract_solution.py`).
   * **Retries** (`max_retries`, per request): a Solver or Corrector output that does
-    not end by itself (finish_reason 'length' or 'error') is requested again, up to
-    `max_retries` more times; if still unusable, the problem is marked failed (no
-    answer, `failure` says why). A Verifier output that is truncated, errored or
+    not end by itself (finish_reason 'length' or 'error') or has no visible text (all
+    thinking) is requested again, up to `max_retries` more times; if still unusable, the
+    loop stops (`failure` says why): a Solver's problem is marked failed (no answer), a
+    Corrector's returns the `fallback` candidate among those it has. A Verifier output that is truncated, errored or
     whose Correctness is unparseable is likewise retried; retries are not
     verifications. If all retries are unusable, it counts as a verification that
     did not pass (verdict None: the streak resets, there is no report to correct
@@ -112,7 +113,7 @@ class SystemResult:
       candidates: every candidate, in order (index 0 is the Solver's).
       verifications: number of verifications spent (retries not counted).
       steps: every policy call, in order.
-      failure: why the problem failed, else None.
+      failure: why the loop stopped early (an output unusable after its retries), else None.
     """
 
     status: str
@@ -193,9 +194,10 @@ class ProblemLoop:
         if not output.usable:
             if self._retry():
                 return
-            reason = output.completion.finish_reason
-            self._finish(FAILED, f"{self._stage} output unusable ({reason}) "
-                                 f"after {self.config.max_retries + 1} attempts")
+            reason = output.completion.finish_reason if output.solution else "no visible text"
+            self._finish(FALLBACK if self._candidates else FAILED,
+                         f"{self._stage} output unusable ({reason}) "
+                         f"after {self.config.max_retries + 1} attempts")
             return
         self._attempt = 0
         self._candidates.append(Candidate(self._stage, output.solution, output.answer))

@@ -64,6 +64,7 @@ def test_parse_verification_and_solution():
     s = stages.parse_solution(Completion("<think>try 3</think>\nSo the answer is \\boxed{2}.", "stop", 9))
     assert (s.solution, s.answer, s.usable) == ("So the answer is \\boxed{2}.", "2", True)
     assert not stages.parse_solution(Completion("\\boxed{2}", "length", 9)).usable
+    assert not stages.parse_solution(Completion("<think>it is 2</think>\n", "stop", 9)).usable
 
 
 class EchoPolicy:
@@ -75,18 +76,12 @@ class EchoPolicy:
         return [Completion(self.text, "stop", 1) for _ in requests]
 
 
-def test_stage_functions_make_one_batched_call():
+def test_complete_makes_one_batched_call_and_none_for_no_requests():
     policy = EchoPolicy("\\boxed{4}")
-    outputs = stages.solve(policy, ["p1", "p2"], max_new_tokens=7)
-    assert [o.answer for o in outputs] == ["4", "4"]
+    requests = [stages.solver_request("p1", 7), stages.corrector_request("p1", "s1", "r1", 6)]
+    completions = stages.complete(policy, requests)
+    assert [stages.parse_solution(c).answer for c in completions] == ["4", "4"]
     [batch] = policy.requests
-    assert [(r.role, r.max_new_tokens) for r in batch] == [("solver", 7)] * 2
-
-    policy = EchoPolicy("**Final Verdict:** ok\n\n**Correctness:** Correct")
-    [v] = stages.verify(policy, ["p1"], ["s1"], max_new_tokens=5)
-    assert v.passed is True and policy.requests[0][0].role == "verifier"
-
-    policy = EchoPolicy("fixed \\boxed{5}")
-    [c] = stages.correct(policy, ["p1"], ["s1"], ["r1"], max_new_tokens=6)
-    assert c.answer == "5" and policy.requests[0][0].messages[1]["content"] == "s1"
-    assert stages.solve(policy, [], max_new_tokens=1) == [] and len(policy.requests) == 1
+    assert [(r.role, r.max_new_tokens) for r in batch] == [("solver", 7), ("corrector", 6)]
+    assert batch[1].messages[1]["content"] == "s1"
+    assert stages.complete(policy, []) == [] and len(policy.requests) == 1

@@ -182,12 +182,23 @@ def test_solver_truncated_beyond_retries_fails_the_problem():
     assert result.candidates == () and "solver" in result.failure and "length" in result.failure
 
 
-def test_corrector_truncated_beyond_retries_fails_the_problem():
-    result, calls = run_one({"solver": [sol("s1")], "verifier": [bad("b1")],
+def test_corrector_truncated_beyond_retries_returns_the_fallback_candidate():
+    # s1 passes three times, then fails; no Corrector output ends: s1 is still the answer.
+    result, calls = run_one({"solver": [sol("s1")], "verifier": [ok()] * 3 + [bad("b1")],
                              "corrector": [sol("x", "length")] * 2}, max_retries=1)
-    assert calls == [S, V("s1"), C("s1", "b1"), C("s1", "b1")]
-    assert (result.status, result.answer, result.verifications) == ("failed", None, 1)
-    assert "corrector" in result.failure
+    assert calls == [S] + [V("s1")] * 4 + [C("s1", "b1"), C("s1", "b1")]
+    assert (result.status, result.final, result.answer, result.verifications) == (
+        "fallback", 0, "s1", 4)
+    assert "corrector" in result.failure and "length" in result.failure
+
+
+def test_an_output_that_is_all_thinking_is_retried():
+    thought = Completion("<think>so it is s1</think>", "stop", 5)
+    result, calls = run_one({"solver": [thought, sol("s1")], "verifier": [ok()] * 4})
+    assert calls == [S, S] + [V("s1")] * 4
+    assert (result.status, result.answer) == ("accepted", "s1")
+    failed, _ = run_one({"solver": [thought] * 2}, max_retries=1)
+    assert failed.status == "failed" and "no visible text" in failed.failure
 
 
 def test_unusable_verification_is_retried_without_counting_an_iteration():
