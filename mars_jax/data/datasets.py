@@ -91,9 +91,9 @@ def load(
 ) -> Sequence[dict]:
     """Records of problem set `name`, split `split` (see `SPLITS` for the valid pairs).
 
-    Builds the TFDS dataset on first use (seconds). `skip_malformed` applies to that
-    build: malformed JSONL rows are skipped and counted (`ProblemSource.skipped`)
-    instead of raising `jsonl.MalformedRowError`. `arith` ignores the directories and takes its
+    Builds the TFDS dataset on first use (seconds). With `skip_malformed`, malformed JSONL rows
+    are skipped and counted (`ProblemSource.skipped`) instead of raising
+    `jsonl.MalformedRowError`; without it, a build that skipped rows raises ValueError. `arith` ignores the directories and takes its
     difficulty from `arith_knobs` (see `arith.load_split`).
     """
     _check_name_split(name, split)
@@ -116,5 +116,10 @@ def load(
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{name}: source file not found: {path}")
         tfds_builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    skipped = tfds_builder.info.metadata[split]["skipped"]
+    if skipped and not skip_malformed:
+        raise ValueError(f"{tfds_builder.data_dir} ({split}) was built with skip_malformed: "
+                         f"{skipped} malformed row(s) left out; pass skip_malformed=True to "
+                         "accept that, or fix the file and delete that directory to rebuild")
     data_source = tfds.data_source(tfds_name, split=split, data_dir=data_dir, download=False)
-    return ProblemSource(data_source, name, split, skipped=tfds_builder.info.metadata[split]["skipped"])
+    return ProblemSource(data_source, name, split, skipped=skipped)

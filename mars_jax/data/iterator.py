@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import zlib
 from collections.abc import Iterator, Sequence
 
 import grain
+
+FINGERPRINT_RECORDS = 64  # records read to fingerprint a source, evenly spaced
 
 
 class ProblemIterator(Iterator[dict]):
@@ -13,7 +17,9 @@ class ProblemIterator(Iterator[dict]):
     With `shuffle`, every epoch is a different permutation determined by `seed`.
     `num_epochs=None` repeats forever. `get_state()` is a JSON-serializable dict to
     store in a checkpoint; `set_state` on an iterator built with the same arguments
-    continues with exactly the records the saved one would have produced.
+    continues with exactly the records the saved one would have produced. The state carries the
+    source's length and a fingerprint of up to `FINGERPRINT_RECORDS` of its records, so a
+    source that changed (e.g. other generator settings) is caught on resume.
     """
 
     def __init__(
@@ -44,6 +50,7 @@ class ProblemIterator(Iterator[dict]):
             "shard_index": shard_index,
             "shard_count": shard_count,
             "source_len": len(source),
+            "source_fingerprint": source_fingerprint(source),
         }
         self._next_index = 0
 
@@ -66,9 +73,21 @@ class ProblemIterator(Iterator[dict]):
     def set_state(self, state: dict) -> None:
         """Resume from `get_state()` output; ValueError if it was saved with other arguments."""
         for key, value in self._config.items():
+            if key == "source_fingerprint" and key not in state:
+                continue  # saved before states carried it
             if state.get(key) != value:
                 raise ValueError(f"iterator state has {key}={state.get(key)!r}, this iterator has {value!r}")
         next_index = state.get("next_index")
         if not isinstance(next_index, int) or next_index < 0:
             raise ValueError(f"iterator state has invalid next_index={next_index!r}")
         self._next_index = next_index
+
+
+def source_fingerprint(source: Sequence[dict]) -> int:
+    """CRC32 of up to `FINGERPRINT_RECORDS` evenly spaced records (as sorted-key JSON)."""
+    step = max(1, len(source) // FINGERPRINT_RECORDS)
+    crc = 0
+    for index in range(0, len(source), step)[:FINGERPRINT_RECORDS]:
+        record = json.dumps(source[index], sort_keys=True, default=str)
+        crc = zlib.crc32(record.encode(), crc)
+    return crc

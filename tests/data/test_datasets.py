@@ -141,8 +141,11 @@ def test_malformed_rows_skipped_and_counted(tmp_path):
     records = datasets.load("aime2025", "test", manual_dir=manual, data_dir=tmp_path / "tfds", skip_malformed=True)
     assert [r["id"] for r in records] == ["p0", "p1", "p2"]
     assert records.skipped == 2
-    again = datasets.load("aime2025", "test", manual_dir=manual, data_dir=tmp_path / "tfds")
+    again = datasets.load("aime2025", "test", manual_dir=manual, data_dir=tmp_path / "tfds",
+                          skip_malformed=True)
     assert again.skipped == 2  # recorded in the built dataset's metadata
+    with pytest.raises(ValueError, match="2 malformed row"):  # a strict load of that build
+        datasets.load("aime2025", "test", manual_dir=manual, data_dir=tmp_path / "tfds")
 
 
 def test_changed_source_file_is_detected(tmp_path):

@@ -73,6 +73,17 @@ def test_state_from_another_configuration_is_rejected():
         ProblemIterator(SOURCE, seed=1).set_state({**state, "next_index": -1})
 
 
+def test_a_changed_source_of_the_same_length_is_rejected():
+    state = ProblemIterator(SOURCE, seed=1).get_state()
+    changed = [{**r, "problem": "other"} if i == 11 else r for i, r in enumerate(SOURCE)]
+    with pytest.raises(ValueError, match="source_fingerprint"):
+        ProblemIterator(changed, seed=1).set_state(state)
+    older = {k: v for k, v in state.items() if k != "source_fingerprint"}  # saved before it
+    resumed = ProblemIterator(SOURCE, seed=1)
+    resumed.set_state(older)
+    assert _ids(resumed, 5) == _ids(ProblemIterator(SOURCE, seed=1), 5)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="shard_index"):
         ProblemIterator(SOURCE, seed=0, shard_index=4, shard_count=4)
