@@ -44,9 +44,13 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the run commands, launch n
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def expand(config: str, grid: Sequence[str], seeds: Sequence[int]) -> list[dict]:
-    """The sweep's points: the --grid product x seeds, else the config's `get_sweep()`."""
-    points = sweep_lib.grid_sweep(grid, seeds) if grid else sweep_lib.load_sweep(config)
+def expand(config: str, grid: Sequence[str], seeds: Sequence[int] | None) -> list[dict]:
+    """The sweep's points: the --grid product x seeds (default [0]), else the config's
+    `get_sweep()` (then `seeds` must be None: a config's sweep names its own seeds)."""
+    if not grid and seeds is not None:
+        raise ValueError("--seeds applies to --grid; a config's get_sweep() sets its own seeds")
+    points = (sweep_lib.grid_sweep(grid, [0] if seeds is None else seeds) if grid
+              else sweep_lib.load_sweep(config))
     names = [sweep_lib.run_name(p) for p in points]
     if len(set(names)) != len(names):
         raise ValueError("sweep: two runs would share a workdir; make the grid points distinct")
@@ -56,7 +60,8 @@ def expand(config: str, grid: Sequence[str], seeds: Sequence[int]) -> list[dict]
 def main(argv: Sequence[str]) -> None:
     del argv
     try:
-        points = expand(_CONFIG.value, _GRID.value, [int(s) for s in _SEEDS.value])
+        points = expand(_CONFIG.value, _GRID.value,
+                        [int(s) for s in _SEEDS.value] if _SEEDS.present else None)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     runs = [(sweep_lib.run_name(p),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import tqdm
 from ml_collections import ConfigDict
 from tensorboardX import SummaryWriter
@@ -48,7 +49,11 @@ def load_eval_problems(config: ConfigDict) -> list[EvalProblem]:
 
 
 def run(config: ConfigDict, workdir: str) -> dict:
-    """Evaluates and returns the summary (also written to `workdir/eval/summary.json`)."""
+    """Evaluates and returns the summary (also written to `workdir/eval/summary.json`). One
+    process only: its records file is written and resumed by that process alone."""
+    if jax.process_count() > 1:
+        raise ValueError(f"eval_system runs on one process, not {jax.process_count()}: for a "
+                         "model larger than one host, serve it and set eval.policy='http'")
     out = Path(workdir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     problems = load_eval_problems(config)

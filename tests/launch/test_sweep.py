@@ -83,3 +83,15 @@ def test_tpu_vm_commands(monkeypatch):
             tpu.commands(action)
     with pytest.raises(ValueError, match="action: 'start'"):
         tpu.commands("start")
+
+
+def test_xm_launch_seeds_without_a_grid_is_refused():
+    import subprocess
+    base = [sys.executable, str(ROOT / "launch" / "xm_launch.py"), "--dry_run",
+            "--workdir=/tmp/sweep", f"--config={CONFIG}:runlocal"]
+    refused = subprocess.run(base + ["--seeds=3"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode != 0 and "--seeds applies to --grid" in refused.stderr
+    gridded = subprocess.run(base + ["--grid=config.optimizer.learning_rate=1e-4", "--seeds=3,4"],
+                             capture_output=True, text=True, cwd=ROOT, check=True)
+    assert [line.endswith("--config.seed=3") or line.endswith("--config.seed=4")
+            for line in gridded.stdout.splitlines()] == [True, True]
