@@ -17,8 +17,8 @@ Thinking text never travels between agents: solutions are passed through
 from __future__ import annotations
 
 import dataclasses
-import re
 
+from mars_jax.rewards.agent_rewards import CORRECTNESS_HEADING
 from mars_jax.rewards.text import strip_thinking
 
 Messages = tuple[dict[str, str], ...]
@@ -97,10 +97,6 @@ def _style(name: str) -> PromptStyle:
     return STYLES[name]
 
 
-# The Correctness heading as a line of its own, e.g. "**Correctness:** Wrong" or "### Correctness".
-_CORRECTNESS_HEADING = re.compile(r"^[ \t>#*_-]*correctness[ \t*_]*(?::|$)", re.IGNORECASE | re.MULTILINE)
-
-
 def solver_messages(problem: str, style: str = "full") -> Messages:
     """The Solver's chat: the problem and the boxed-answer instruction."""
     return ({"role": "user", "content": f"{problem.strip()}\n\n{_style(style).solver_instruction}"},)
@@ -133,7 +129,7 @@ def bug_report(verifier_text: str, *, thinking_open: bool = False) -> str:
     last Correctness heading on is dropped (the prompt asks for Correctness as the last part).
     """
     text = strip_thinking(verifier_text, thinking_open=thinking_open)
-    headings = list(_CORRECTNESS_HEADING.finditer(text))
+    headings = list(CORRECTNESS_HEADING.finditer(text))
     if headings:
         text = text[: headings[-1].start()]
     return text.strip()

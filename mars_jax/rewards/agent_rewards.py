@@ -19,15 +19,17 @@ import re
 from mars_jax.rewards.grader import grade
 from mars_jax.rewards.text import strip_thinking
 
-# The Correctness heading, as a line of its own or followed by a colon:
-# "**Correctness:** Wrong", "Correctness: Correct", "### Correctness" + next line.
-_HEADING = re.compile(r"^[ \t>#*_-]*correctness[ \t*_]*(?::|$)", re.IGNORECASE | re.MULTILINE)
+# The Correctness heading, as a line of its own or followed by a colon, maybe numbered:
+# "**Correctness:** Wrong", "3. Correctness: Correct", "### Correctness" + next line.
+CORRECTNESS_HEADING = re.compile(r"^[ \t>#*_-]*(?:\d+[.)][ \t>#*_-]*)?correctness[ \t*_]*(?::|\r?$)",
+                                 re.IGNORECASE | re.MULTILINE)
 _COMMANDS = re.compile(r"\\(?:boxed|text|textbf|mathrm|mathbf)\s*\{")
 _DECORATION = " \t*_`#>\"'[](){}$"
 # The verdict word, alone or followed by punctuation ("Wrong.", "Correct (see above)").
 # Not "/" or "|": "Correct/Wrong" is ambiguous.
 _VERDICT = re.compile(r"(correct|wrong|incorrect)(?:\s*[^\w\s/|].*)?", re.IGNORECASE | re.DOTALL)
 _VALUES = {"correct": True, "wrong": False, "incorrect": False}
+_VERDICT_WORD = re.compile(r"\b(?:correct|wrong|incorrect)\b", re.IGNORECASE)
 
 
 def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
@@ -36,12 +38,13 @@ def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
     Reads the value of the last Correctness heading after thinking is stripped: the
     rest of the heading line, or the next non-empty line when that is empty. Markdown,
     quotes, brackets and `\\boxed{}`/`\\text{}` around the word are ignored. None when
-    there is no heading or the value is not exactly one of the words (optionally
-    followed by punctuation): "Not correct", "Correct or Wrong", "Partially correct"
-    are None. Matching is whole-word, so "Incorrect" never reads as "Correct".
+    there is no heading, the value is not one of the words (optionally followed by
+    punctuation and more text), or it also names the opposite verdict: "Not correct",
+    "Correct or Wrong", "Correct; actually Wrong", "Partially correct" are None.
+    Matching is whole-word, so "Incorrect" never reads as "Correct".
     """
     visible = strip_thinking(text, thinking_open=thinking_open)
-    headings = list(_HEADING.finditer(visible))
+    headings = list(CORRECTNESS_HEADING.finditer(visible))
     if not headings:
         return None
     after = visible[headings[-1].end() :]
@@ -49,7 +52,9 @@ def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
         value = _COMMANDS.sub("", line).strip(_DECORATION)
         if value:
             match = _VERDICT.fullmatch(value)
-            return _VALUES[match.group(1).lower()] if match else None
+            if not match or len({_VALUES[word.lower()] for word in _VERDICT_WORD.findall(value)}) > 1:
+                return None
+            return _VALUES[match.group(1).lower()]
     return None
 
 

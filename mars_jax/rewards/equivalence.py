@@ -40,8 +40,9 @@ def equivalent(pred: str, gold: str) -> bool:
 
     Steps: `normalize.quick_verdict`; math-verify on both (bare LaTeX wrapped in
     `$...$`); then two retries math-verify does not do by default: a decimal comma
-    (`1,22` = 1.22) and a correctly rounded decimal (`0.3333` = 1/3) when every decimal
-    in `pred` has at least `normalize.MIN_ROUNDED_SIG_DIGITS` significant digits.
+    (`1,22` = 1.22, but `-2,1` is a list; see `normalize.comma_decimal`) and a correctly
+    rounded decimal (`0.3333` = 1/3) when every decimal in `pred` has at least
+    `normalize.MIN_ROUNDED_SIG_DIGITS` significant digits.
     """
     quick = normalize.quick_verdict(pred, gold)
     if quick is not None:

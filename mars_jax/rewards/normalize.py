@@ -30,16 +30,19 @@ MIN_ROUNDED_SIG_DIGITS = 4  # a rounded decimal must carry this many significant
 
 _OPERATOR = re.compile(r"[-+*/^=]|\\(?:cdot|times|div|pm)(?![a-zA-Z])")
 _GROUPING = re.compile(r"[{}\s]")
-_POWER_CHAIN = re.compile(r"\d+(?:\.\d+)?(?:\^-?\d+(?:\.\d+)?)+")
-_FACTORIAL = re.compile(r"(\d+)\s*!")
+# Both start only at the first digit of a run (`(?<!\d)`): without it, every digit of a
+# long run is a start that scans the rest of the run, quadratic in its length.
+_POWER_CHAIN = re.compile(r"(?<!\d)\d+(?:\.\d+)?(?:\^-?\d+(?:\.\d+)?)+")
+_FACTORIAL = re.compile(r"(?<!\d)(\d+)\s*!")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed|\\fbox")
 _SPACE_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
-_COMMA_DECIMAL = re.compile(r"([+-]?\d+),(\d{1,2}|\d{4,})")
+_COMMA_DECIMAL = re.compile(r"([+-]?\d+),(\d{2}|\d{4,})")
 _DECIMAL_LITERAL = re.compile(r"(?<![\d.])\d*\.(\d+)(?![\d.])")
 
-_SPACING = re.compile(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle|\\[!,;: ]|~")
+# A run of whitespace, spacing commands and `\left`/`\right`: one space in `canonical`.
+_SPACING = re.compile(r"(?:\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle|\\[!,;: ]|~|\s)+")
 _FRAC_VARIANT = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
-_SPACE_NOT_BETWEEN_DIGITS = re.compile(r"(?<!\d)\s+|\s+(?!\d)")
+_SPACE_NOT_BETWEEN_DIGITS = re.compile(r"(?<!\d) | (?!\d)")
 _BASE_NUMBER = re.compile(r"([0-9A-Za-z]+)_\{?(\d{1,2})\}?")
 
 _INTEGER = re.compile(r"[+-]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)")
@@ -61,9 +64,10 @@ def cost_reason(text: str) -> str | None:
         for chain in _POWER_CHAIN.finditer(flat):
             if _power_digits(chain.group().split("^")) > MAX_DIGITS:
                 return f"power {chain.group()[:40]} has more than {MAX_DIGITS} digits"
-    for match in _FACTORIAL.finditer(text):
-        if len(match.group(1)) > 5 or int(match.group(1)) > MAX_FACTORIAL:
-            return f"factorial of {match.group(1)[:20]} is too large"
+    if "!" in text:
+        for match in _FACTORIAL.finditer(text):
+            if len(match.group(1)) > 5 or int(match.group(1)) > MAX_FACTORIAL:
+                return f"factorial of {match.group(1)[:20]} is too large"
     return None
 
 
@@ -116,7 +120,7 @@ def _unwrap(text: str) -> str:
 def canonical(text: str) -> str:
     """`text` without cosmetic differences: outer `$`/`\\boxed{}`, `\\left`/`\\right`,
     spacing commands, `\\dfrac`/`\\tfrac`, `^{\\circ}` braces, a final period, and
-    whitespace except between two digits (`2 3` is not `23`)."""
+    whitespace except between two digits (`2 3`, `2  3` and `2\\,3` are not `23`)."""
     text = _SPACING.sub(" ", _unwrap(text))
     text = _FRAC_VARIANT.sub(r"\\frac", text).replace("^{\\circ}", "^\\circ")
     return _SPACE_NOT_BETWEEN_DIGITS.sub("", text).rstrip(".")
@@ -169,7 +173,9 @@ def quick_verdict(pred: str, gold: str) -> bool | None:
     """A verdict that needs no sympy, or None when the full check must decide.
 
     False: either side empty or too costly. True: identical after `canonical`. Numbers
-    in an explicit base (`2516_8`) on both sides: equal values. Plain numbers: True if
+    in an explicit base (`2516_8`) on both sides: equal values, and False if either
+    side's digits are decimal but invalid in its base (`2516_6`); other invalid numerals
+    (`a_5`, a subscripted name) are left to the full check. Plain numbers: True if
     equal, False if they differ and neither is a decimal, or differ by more than any
     accepted rounding.
     """
@@ -182,8 +188,13 @@ def quick_verdict(pred: str, gold: str) -> bool | None:
         return True
     pred_base, gold_base = base_number(pred_core), base_number(gold_core)
     if pred_base is not None and gold_base is not None:
-        pred_value = _value_in_base(*pred_base)
-        return pred_value is not None and pred_value == _value_in_base(*gold_base)
+        pred_numeral, gold_numeral = _value_in_base(*pred_base), _value_in_base(*gold_base)
+        if pred_numeral is not None and gold_numeral is not None:
+            return pred_numeral == gold_numeral
+        # `2516_6` (no base-6 numeral) is wrong, and math-verify would drop its base;
+        # `a_5` (a subscripted name) is left to math-verify.
+        if pred_base[0].isdigit() or gold_base[0].isdigit():
+            return False
     pred_num, gold_num = plain_number(pred_core), plain_number(gold_core)
     if pred_num is None or gold_num is None:
         return None
@@ -217,7 +228,8 @@ def for_math_verify(text: str) -> str:
 def comma_decimal(text: str) -> str | None:
     """`1,22` read with a decimal comma (`1.22`), or None if `text` is not of that form.
 
-    A comma followed by exactly three digits is a thousands separator, never this.
+    Only a comma followed by two or by four or more digits: one digit (`-2,1`) is read
+    as a list, three (`1,000`) as a thousands separator.
     """
     match = _COMMA_DECIMAL.fullmatch(_unwrap(text))
     return f"{match.group(1)}.{match.group(2)}" if match else None

@@ -24,6 +24,15 @@ from mars_jax.rewards.agent_rewards import answer_reward, parse_verdict, verifie
         # The last heading counts; thinking is ignored.
         ("**Correctness:** Correct\nOn reflection:\n**Correctness:** Wrong", False),
         ("<think>**Correctness:** Wrong</think>\n**Correctness:** Correct", True),
+        # Numbered headings and CRLF line ends.
+        ("3. **Correctness:** Wrong", False),
+        ("**3. Correctness:** Wrong", False),
+        ("1) Correctness: Correct", True),
+        ("**Correctness**\r\nWrong", False),
+        ("**Final Verdict:** fine.\r\n### Correctness\r\n\r\nCorrect\r\n", True),
+        # More text after the verdict, not naming the opposite one.
+        ("Correctness: Incorrect. The final answer is wrong.", False),
+        ("Correctness: Correct, and the answer is correct.", True),
         # Missing or ambiguous: None.
         ("The solution is correct.", None),
         ("Correctness:", None),
@@ -31,6 +40,11 @@ from mars_jax.rewards.agent_rewards import answer_reward, parse_verdict, verifie
         ("Correctness: Partially correct", None),
         ("Correctness: Correct or Wrong", None),
         ("Correctness: Correct/Wrong", None),
+        ("Correctness: **Correct** or **Wrong**", None),
+        ("**Correctness:** *Correct* / *Wrong*", None),
+        ("Correctness: Correct; actually Wrong", None),
+        ("Correctness: Wrong. The answer is correct but step 2 is unjustified.", None),
+        ("Correctness: Incorrect (or correct)", None),
         ("Correctness: Correctly argued", None),
         ("Correctness - Correct", None),
         ("<think>**Correctness:** Correct", None),

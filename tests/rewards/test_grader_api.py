@@ -74,7 +74,15 @@ def test_extract_answer(text, answer):
         ("\\$10", "10", True),  # currency sign
         ("1 000", "1000", True),  # space thousands separator
         ("1,22", "1.22", True),  # decimal comma
+        ("1.22", "1,22", True),
+        ("1000,99", "1000.99", True),
+        ("-2.1", "-2,1", False),  # one digit after a comma: a list (the roots -2 and 1)
+        ("1,2", "1.2", False),
+        ("1.2", "1,2", False),
+        ("3,5", "3.5", False),
         ("2 3", "23", False),  # a space between digits is not cosmetic
+        ("2  3", "23", False),
+        ("2\\,\\,3", "23", False),
         ("0.3333", "\\frac{1}{3}", True),  # correctly rounded, 4 significant digits
         ("0.33", "\\frac{1}{3}", False),  # too few significant digits
         ("3.14", "\\pi", False),
@@ -87,6 +95,9 @@ def test_extract_answer(text, answer):
         ("1358", "2516_8", False),
         ("2516_6", "2516_8", False),  # 6 is not a base-6 digit
         ("204_{5}", "204_5", True),
+        ("a_{5}", "a_5", True),  # a subscripted name, not a numeral
+        ("x_{1}", "x_1", True),
+        ("x_{1}", "x_2", False),
         ("76^{\\circ}", "76^\\circ", True),
         ("", "", False),
         ("  ", "  ", False),
