@@ -1,5 +1,7 @@
 """Prompt structure, bug-report extraction and the stage parsers."""
 
+import pytest
+
 from mars_jax.agents import prompts, stages
 from mars_jax.agents.policy import Completion
 
@@ -85,3 +87,10 @@ def test_complete_makes_one_batched_call_and_none_for_no_requests():
     assert [(r.role, r.max_new_tokens) for r in batch] == [("solver", 7), ("corrector", 6)]
     assert batch[1].messages[1]["content"] == "s1"
     assert stages.complete(policy, []) == [] and len(policy.requests) == 1
+
+
+@pytest.mark.parametrize("report", ["Verdict: bad.\n3. **Correctness:** Wrong",
+                                    "Verdict: bad.\n**3. Correctness:** Wrong",
+                                    "Verdict: bad.\r\n**Correctness**\r\nWrong\r\n"])
+def test_bug_report_drops_numbered_and_crlf_headings(report):
+    assert prompts.bug_report(report) == "Verdict: bad."
