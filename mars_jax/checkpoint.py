@@ -14,6 +14,10 @@ Integrity rules:
     from the newest step and skips, with a warning, any checkpoint that fails to read or whose
     fingerprint does not match (truncated or corrupted files); a skipped checkpoint is moved to
     `<directory>.unreadable/` so that the resumed run can save that step again.
+  * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
+    paths, shapes, dtypes of the state) with the state to restore into, and raises
+    `CheckpointMismatch` naming the step and the differences when they differ; such a
+    checkpoint is left in place, never skipped.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +55,10 @@ class CheckpointSaveError(RuntimeError):
 
 class CorruptCheckpoint(ValueError):
     """A checkpoint read back differs from what was saved."""
+
+
+class CheckpointMismatch(ValueError):
+    """A readable checkpoint whose state has another layout than the state to restore into."""
 
 
 class Checkpointer:
@@ -100,18 +109,43 @@ class Checkpointer:
         """(step, state, meta, arrays) of the newest intact checkpoint, or None if there is none.
 
         `arrays_target(meta)` gives the abstract pytree (shapes, dtypes, shardings) of a
-        checkpoint's arrays item from its meta; without it, arrays are not read."""
+        checkpoint's arrays item from its meta; without it, arrays are not read. Raises
+        `CheckpointMismatch` when the newest readable checkpoint's state has another layout
+        (tree paths, shapes, dtypes) than `abstract_state`."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                restored = self._restore(step, target, arrays_target)
+                saved = self._saved_layout(step)
             except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
-                logging.warning("checkpoint at step %d is unreadable (%s); trying an older one",
-                                step, e)
-                self._set_aside(step)
+                self._skip(step, e)
                 continue
-            return restored
+            differences = _layout_differences(saved, target)
+            if differences:
+                raise CheckpointMismatch(
+                    f"checkpoint at step {step} in {self.directory} does not fit the state to "
+                    f"restore: {'; '.join(differences)}; restore with the model and optimizer "
+                    "settings it was saved with, or use another directory to start afresh")
+            try:
+                return self._restore(step, target, arrays_target)
+            except Exception as e:  # noqa: BLE001
+                self._skip(step, e)
         return None
+
+    def _step_dir(self, step: int) -> Path:
+        return Path(self.directory, str(step))
+
+    def _saved_layout(self, step: int) -> Any:
+        """The metadata tree (paths, shapes, dtypes) of checkpoint `step`'s state."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            return handler.metadata(self._step_dir(step) / "state").tree
+        finally:
+            handler.close()
+
+    def _skip(self, step: int, error: Exception) -> None:
+        logging.warning("checkpoint at step %d is unreadable (%s); trying an older one",
+                        step, error)
+        self._set_aside(step)
 
     def _restore(self, step: int, target: Any, arrays_target: Callable[[dict], Any] | None
                  ) -> Restored:
@@ -140,8 +174,7 @@ class Checkpointer:
             while os.path.exists(aside + (f".{suffix}" if suffix else "")):
                 suffix += 1
             os.makedirs(os.path.dirname(aside), exist_ok=True)
-            shutil.move(os.path.join(self.directory, str(step)),
-                        aside + (f".{suffix}" if suffix else ""))
+            shutil.move(self._step_dir(step), aside + (f".{suffix}" if suffix else ""))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
@@ -153,6 +186,24 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:
+    """Up to `limit` differences (then a count of the rest) between the tree paths, shapes and
+    dtypes of checkpoint metadata `saved` and the abstract state `target`; empty when they agree.
+    Leaves of `target` without a dtype (Python scalars) are compared by path only."""
+    have, want = ocp.tree.to_flat_dict(saved), ocp.tree.to_flat_dict(target)
+    name = lambda path: ".".join(map(str, path))
+    found = [f"{name(p)} is missing from the checkpoint" for p in want if p not in have]
+    found += [f"{name(p)} is in the checkpoint but not in the state" for p in have if p not in want]
+    for path in (p for p in want if p in have and hasattr(want[p], "dtype")):
+        a, b = have[path], want[path]
+        if (tuple(a.shape), np.dtype(a.dtype)) != (tuple(b.shape), np.dtype(b.dtype)):
+            found.append(f"{name(path)} is {a.dtype}{list(a.shape)} in the checkpoint, "
+                         f"{b.dtype}{list(b.shape)} in the state")
+    if len(found) > limit:
+        found = found[:limit] + [f"{len(found) - limit} more"]
+    return found
 
 
 def fingerprint(state: Any) -> str:

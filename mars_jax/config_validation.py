@@ -7,7 +7,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
   schema       unknown fields (with the closest valid name), missing fields, wrong types
                (an int field takes int, a float field int or float, a placeholder also None);
   choices      enumerated strings (job, rollout.mode, rollout.selection, ...);
-  ranges       counts and sizes that must be positive or at least some minimum;
+  ranges       counts and sizes that must be positive or at least some minimum (a placeholder
+               left None is not checked);
   consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
                constant divisor, the mesh (or its rollout / training split) fits the devices,
                the segment budget fits every role's max_new_tokens, no pipeline output needs
@@ -107,6 +108,8 @@ AT_LEAST: dict[str, float] = {
     "eval.probe_every": 0, "eval.probe_problems": 1,
     "sft.probe_every": 0, "sft.probe_slots": 1, "sft.rows": 1, "sft.row_tokens": 1,
     "sft.short_rows": 0, "sft.short_row_tokens": 0,
+    "model.moe_block_size": 1, "model.moe_dense_max_tokens": 0, "model.moe_chunk_tokens": 0,
+    "model.attention_block": 1,
 }
 
 Rule = Callable[[ConfigDict, int], Iterator[Problem]]
@@ -203,7 +206,7 @@ def _choice(field: str, allowed: tuple[str, ...]) -> Rule:
 def _at_least(field: str, minimum: float) -> Rule:
     def rule(config: ConfigDict, device_count: int) -> Iterator[Problem]:
         value = _get(config, field)
-        if not (math.isfinite(value) and value >= minimum):
+        if value is not None and not (math.isfinite(value) and value >= minimum):
             yield Problem(field, f"{value!r} is not a finite number >= {minimum}",
                           f"set it to {minimum} or more")
     return rule
@@ -222,7 +225,7 @@ def _groups(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "set it to 2 or more (e.g. 8)")
     if r.fan_out > r.group_size:
         yield Problem("rollout.fan_out", f"{r.fan_out} > rollout.group_size={r.group_size}: a "
-                      "stage picks its parents among the previous stage's group",
+                      "first Verifier stage picks its parents among the Solver's group",
                       f"set rollout.fan_out <= {r.group_size} or raise rollout.group_size")
     if r.max_stages > len(STAGE_ROLES):
         yield Problem("rollout.max_stages", f"{r.max_stages} > {len(STAGE_ROLES)} stages "

@@ -295,13 +295,35 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None], shape: Sequence[int]
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
-    """A NamedSharding per variable in `state`, from each variable's `logical_axes` metadata."""
+    """A NamedSharding per variable in `state`, from each variable's `logical_axes` metadata.
 
-    def one(variable):
-        names = variable.get_metadata().get("logical_axes") or (None,) * variable.get_value().ndim
-        return variable.replace(named_sharding(mesh, names, variable.get_value().shape, rules))
+    A mesh axis that does not divide the dimension it would shard is dropped (the variable is
+    replicated along it), with one warning per variable naming it, the dimension and the axis."""
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    def one(path, variable):
+        shape = variable.get_value().shape
+        names = variable.get_metadata().get("logical_axes") or (None,) * len(shape)
+        wanted = logical_to_spec(names, rules)
+        fitted = _fit(wanted, shape, mesh)
+        _warn_dropped(jax.tree_util.keystr(path, simple=True, separator="."), shape, wanted,
+                      fitted, mesh)
+        return variable.replace(NamedSharding(mesh, fitted))
+
+    return jax.tree_util.tree_map_with_path(one, state,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _warn_dropped(name: str, shape: Sequence[int], wanted: PartitionSpec, fitted: PartitionSpec,
+                  mesh) -> None:
+    """Logs a warning listing the mesh axes of `wanted` that `fitted` dropped, if any."""
+    padded = tuple(wanted) + (None,) * (len(shape) - len(wanted))
+    dropped = [f"mesh axis {axis!r} (size {mesh.shape[axis]}) does not divide dimension {i} "
+               f"(size {dim})" for i, (dim, want, got) in enumerate(zip(shape, padded, fitted))
+               for axis in spec_axes(want) if axis not in spec_axes(got)]
+    if dropped:
+        logging.warning("sharding: parameter %s of shape %s: %s; it is replicated along %s",
+                        name, tuple(shape), "; ".join(dropped),
+                        "that axis" if len(dropped) == 1 else "those axes")
 
 
 def fetch(tree):

@@ -12,6 +12,16 @@ import jax.numpy as jnp
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 MOE_IMPLS = ("auto", "dense", "sorted", "ragged")
 ATTENTION_IMPLS = ("auto", "dense", "flash")
+# transformers' Qwen3Config / Qwen3MoeConfig defaults that depend on the model type (a Qwen3-MoE
+# head_dim defaults to hidden_size // num_attention_heads).
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(num_key_value_heads=32, head_dim=128),
+    "qwen3_moe": dict(num_key_value_heads=4, moe_intermediate_size=768, num_local_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=False),
+}
+HF_DEFAULT_ROPE_THETA = 10_000.0
+HF_DEFAULT_SLIDING_WINDOW = 4096
+HF_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen3Config: layers from this index on slide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +38,10 @@ class Qwen3Config:
     moe_intermediate_size: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = HF_DEFAULT_ROPE_THETA
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
@@ -91,15 +101,13 @@ class Qwen3Config:
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "Qwen3Config":
-        """Reads the fields of a Qwen3 / Qwen3-MoE `config.json` dictionary."""
+        """Reads the fields of a Qwen3 / Qwen3-MoE `config.json` dictionary; a missing field takes
+        transformers' default. Raises ValueError naming the field for RoPE variants or
+        sliding-window attention transformers would apply and this model does not implement."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config.json: unsupported model_type {model_type!r}; "
                              f"supported: {SUPPORTED_MODEL_TYPES}")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -107,28 +115,35 @@ class Qwen3Config:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"config.json: missing required fields {missing}")
-        moe = model_type == "qwen3_moe"
+        _check_full_attention(hf, model_type)
+        rope = _rope_parameters(hf)
+        default = HF_DEFAULTS[model_type]
+        heads = hf["num_attention_heads"]
         fields = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=hf["num_attention_heads"],
-            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            num_attention_heads=heads,
+            num_key_value_heads=(hf.get("num_key_value_heads", default["num_key_value_heads"])
+                                 or heads),
+            head_dim=hf.get("head_dim") or default.get("head_dim") or hf["hidden_size"] // heads,
             intermediate_size=hf["intermediate_size"],
-            moe_intermediate_size=hf.get("moe_intermediate_size", 0) if moe else 0,
-            num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if moe else 0,
-            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if moe else 0,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", HF_DEFAULT_ROPE_THETA))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
             attention_bias=bool(hf.get("attention_bias", False)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
         )
+        if model_type == "qwen3_moe":
+            get = lambda key: hf.get(key, default[key])
+            fields.update(
+                moe_intermediate_size=get("moe_intermediate_size"),
+                num_experts=hf.get("num_experts", get("num_local_experts")),
+                num_experts_per_tok=get("num_experts_per_tok"),
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
         fields.update(overrides)
         return cls(**fields)
 
@@ -172,3 +187,47 @@ class Qwen3Config:
                       decoder_sparse_step=self.decoder_sparse_step,
                       mlp_only_layers=list(self.mlp_only_layers))
         return hf
+
+
+def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE dictionary as transformers resolves it (a non-empty `rope_scaling` replaces
+    `rope_parameters`); raises ValueError naming the field unless it is plain RoPE over the whole
+    head."""
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = dict(hf.get(field) or {})
+    if any(isinstance(value, Mapping) for value in rope.values()):
+        raise ValueError(f"config.json: {field}: RoPE per layer type {sorted(rope)} is not "
+                         "supported (only one 'default' RoPE)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json: {field}: rope_type {rope_type!r} is not supported "
+                         "(only 'default')")
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor {factor} is not supported (only "
+                         "1.0, RoPE over the whole head)")
+    return rope
+
+
+def _check_full_attention(hf: Mapping[str, Any], model_type: str) -> None:
+    """Raises ValueError naming the field when a layer would not use full attention: a
+    `layer_types` entry other than 'full_attention', or a `use_sliding_window` window, which
+    transformers applies to every Qwen3-MoE layer and, when `layer_types` is not given, to the
+    Qwen3 layers from `max_window_layers` on."""
+    types = list(hf.get("layer_types") or ())
+    sliding = [i for i, kind in enumerate(types) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"config.json: layer_types: layers {sliding} are "
+                         f"{types[sliding[0]]!r}; only 'full_attention' is supported")
+    if not hf.get("use_sliding_window"):
+        return
+    window = hf.get("sliding_window", HF_DEFAULT_SLIDING_WINDOW)
+    if model_type == "qwen3_moe":
+        first = 0
+    elif types:  # transformers keeps the layer types given
+        return
+    else:
+        first = hf.get("max_window_layers", HF_DEFAULT_MAX_WINDOW_LAYERS)
+    if window is not None and first < hf["num_hidden_layers"]:
+        raise ValueError(f"config.json: use_sliding_window: a {window}-token window from layer "
+                         f"{first} on is not supported (only full attention)")

@@ -25,6 +25,8 @@ from mars_jax.models.config import Qwen3Config
 from mars_jax.models.qwen3 import Qwen3
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SHARD_GLOB = "model-[0-9]*-of-[0-9]*.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -126,6 +128,9 @@ class _SafetensorsDir:
             self.location = {}
             for file in files:
                 for name in self._open(file).keys():
+                    if name in self.location:
+                        raise CheckpointError(f"{path}: tensor {name!r} is in both "
+                                              f"{self.location[name].name} and {file.name}")
                     self.location[name] = file
 
     def _open(self, file: Path):
@@ -157,56 +162,49 @@ def _check_names(maps: dict[tuple, TensorMap], store: _SafetensorsDir, config: Q
                                   f"model with {config.num_hidden_layers} layers")
 
 
-def _loader(tmap: TensorMap, store: _SafetensorsDir, shape: tuple[int, ...], dtype, path_str: str):
+def _loader(tmap: TensorMap, store: _SafetensorsDir, shape: tuple[int, ...], dtype):
     """A `make_array_from_callback` callback reading only the requested slice."""
-
-    def expert(e: int) -> np.ndarray:
-        return tmap.to_ours([store.read(name) for name in tmap.names(e)])
-
-    def check(array: np.ndarray, expected: tuple[int, ...], what: str) -> np.ndarray:
-        if array.shape != expected:
-            raise CheckpointError(f"{what}: shape mismatch for {path_str}: checkpoint gives "
-                                  f"{array.shape} after conversion, the config implies {expected}")
-        return array
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
         if tmap.num_experts is None:
-            full = check(tmap.to_ours([store.read(n) for n in tmap.names(None)]), shape,
-                         "/".join(tmap.names(None)))
+            full = tmap.to_ours([store.read(n) for n in tmap.names(None)])
             return full[index].astype(dtype)
         experts = range(*index[0].indices(shape[0]))
-        parts = [check(expert(e), shape[1:], tmap.names(e)[0]) for e in experts]
+        parts = [tmap.to_ours([store.read(n) for n in tmap.names(e)]) for e in experts]
         return np.stack(parts)[(slice(None),) + tuple(index[1:])].astype(dtype)
 
     return callback
 
 
-def _validate_shapes(maps, store, abstract: dict[tuple, Any]):
-    """Raises before any read when an HF tensor's element count cannot fill our parameter."""
+def _validate_shapes(maps: dict[tuple, TensorMap], store: _SafetensorsDir,
+                     abstract: dict[tuple, Any]) -> None:
+    """Raises before any read when a stored HF tensor's shape differs from the HF shape our
+    parameter implies."""
     for key, tmap in maps.items():
         ours = abstract[key].shape
         per = ours[1:] if tmap.num_experts is not None else ours
-        names = tmap.names(0 if tmap.num_experts is not None else None)
-        total = sum(int(np.prod(store.shape(n))) for n in names)
-        if total != int(np.prod(per)):
-            shapes = {n: store.shape(n) for n in names}
-            raise CheckpointError(f"shape mismatch: tensors {shapes} cannot form parameter "
-                                  f"{'.'.join(map(str, key))} of shape {tuple(per)}")
+        expected = [tuple(t.shape) for t in
+                    jax.eval_shape(tmap.to_hf, jax.ShapeDtypeStruct(per, np.float32))]
+        experts = [None] if tmap.num_experts is None else range(tmap.num_experts)
+        for name, want in ((n, w) for e in experts for n, w in zip(tmap.names(e), expected)):
+            if store.shape(name) != want:
+                raise CheckpointError(f"shape mismatch: tensor {name!r} is {store.shape(name)} in "
+                                      f"the checkpoint, the config implies {want} (parameter "
+                                      f"{'.'.join(map(str, key))})")
 
 
 def from_pretrained(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
-                    dtype: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES,
                     **config_overrides: Any) -> Qwen3:
     """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory; the config is `model.config`.
 
-    `dtype` sets the parameter storage dtype (default: float32); `config_overrides` set run-time
-    fields such as `moe_impl` or `dtype` (compute). With `mesh`, parameters load into their shardings.
+    `config_overrides` set `Qwen3Config` fields, such as `param_dtype` (parameter storage,
+    default float32), `dtype` (compute, default float32) or `moe_impl`. With `mesh`, parameters
+    load into their shardings.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
-    if dtype is not None:
-        config_overrides["param_dtype"] = dtype
     config = Qwen3Config.from_json_file(path / "config.json", **config_overrides)
     store = _SafetensorsDir(path)
     maps = tensor_maps(config)
@@ -225,19 +223,26 @@ def from_pretrained(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
         shardings = {key: var.get_value() for key, var in nnx.to_flat_state(tree)}
     for key, var in flat.items():
         value = abstract[key]
-        path_str = ".".join(map(str, key))
-        callback = _loader(maps[key], store, value.shape, np.dtype(value.dtype), path_str)
+        callback = _loader(maps[key], store, value.shape, np.dtype(value.dtype))
         var.set_value(jax.make_array_from_callback(value.shape, shardings[key], callback))
     state = nnx.from_flat_state(flat)
     return nnx.merge(graphdef, state)
 
 
+def _remove_weights(path: Path) -> None:
+    """Deletes the index and the weight files `save_pretrained` writes (single or sharded)."""
+    for file in [path / INDEX_FILE, path / SINGLE_FILE, *path.glob(SHARD_GLOB)]:
+        file.unlink(missing_ok=True)
+
+
 def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 1024 ** 3) -> None:
     """Writes `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included."""
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included. The
+    weight files and index of an earlier save to `path` are removed first."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    _remove_weights(path)
     config = model.config
     maps = tensor_maps(config)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
@@ -260,7 +265,7 @@ def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
             sizes[-1] += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
+        save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mars_jax.checkpoint import Checkpointer, CheckpointSaveError
+from mars_jax.checkpoint import CheckpointMismatch, Checkpointer, CheckpointSaveError
 from tests.fault import harness
 
 
@@ -204,6 +204,43 @@ def test_restore_latest_when_every_checkpoint_is_damaged_is_none(tmp_path, caplo
     checkpointer.save(1, _state(1), {"step": 1})  # a fresh start can write step 1 again
     checkpointer.close()
     _assert_restores(directory, 1).close()
+
+
+@pytest.mark.parametrize("target, difference", [
+    ({"w": jnp.zeros(5)}, r"w is float32\[4\] in the checkpoint, float32\[5\] in the state"),
+    ({"w": jnp.zeros(4, jnp.bfloat16)},
+     r"w is float32\[4\] in the checkpoint, bfloat16\[4\] in the state"),
+    ({"w": jnp.zeros(4), "b": jnp.zeros(2)}, "b is missing from the checkpoint"),
+    ({"v": jnp.zeros(4)}, "v is missing from the checkpoint; w is in the checkpoint but not in"),
+])
+def test_a_state_that_does_not_fit_the_checkpoint_raises_and_sets_nothing_aside(
+        tmp_path, target, difference):
+    directory = tmp_path / "checkpoints"
+    checkpointer = Checkpointer(directory, keep=5)
+    for step in (1, 2):
+        checkpointer.save(step, {"w": jnp.ones(4)}, {"step": step})
+    checkpointer.close()
+    checkpointer = Checkpointer(directory, keep=5)
+    with pytest.raises(CheckpointMismatch, match=f"checkpoint at step 2 in .* does not fit the "
+                                                 f"state to restore: {difference}"):
+        checkpointer.restore_latest(target)
+    checkpointer.close()
+    assert _steps_on_disk(directory) == [1, 2]
+    assert not (tmp_path / "checkpoints.unreadable").exists()
+
+
+def test_an_unreadable_latest_checkpoint_then_a_mismatched_one_raises_for_the_readable_step(
+        tmp_path):
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    metadata = directory / "2" / "state" / "_METADATA"
+    metadata.write_bytes(metadata.read_bytes()[:40])  # torn: its layout cannot be read
+    checkpointer = Checkpointer(directory, keep=5)
+    with pytest.raises(CheckpointMismatch, match=r"step 1 .*w is float32\[256, 64\] in the "
+                                                 r"checkpoint, float32\[256, 32\] in the state"):
+        checkpointer.restore_latest({**_state(0), "w": jnp.zeros((256, 32))})
+    checkpointer.close()
+    assert _steps_on_disk(directory) == [1]
 
 
 def test_a_legacy_checkpoint_without_a_fingerprint_restores(tmp_path, caplog):

@@ -43,6 +43,15 @@ def test_sft_short_rows_not_below_the_row_length_are_named():
     assert "not between 0 and sft.row_tokens" in _problems(config)["sft.short_row_tokens"]
 
 
+def test_model_sizes_out_of_range_are_named():
+    config = smoke.get_config()
+    config.model.moe_block_size, config.model.moe_chunk_tokens = 0, -1
+    problems = _problems(config)
+    assert set(problems) == {"model.moe_block_size", "model.moe_chunk_tokens"}
+    assert "0 is not a finite number >= 1" in problems["model.moe_block_size"]
+    assert "-1 is not a finite number >= 0" in problems["model.moe_chunk_tokens"]
+
+
 def test_unknown_missing_and_mistyped_fields_are_named_with_the_fix():
     config = smoke.get_config()
     config.rollout.groupsize = 4                      # typo in a config file

@@ -4,6 +4,8 @@ Logits of these random models are small (|logit| < 0.5), so errors are measured 
 largest reference logit: CPU float32 gives ~3e-7 of it; the tolerance is 1e-5 of it. A long
 sequence (positions up to 383) makes RoPE errors visible: a rope_theta 1% off already misses the
 tolerance (`test_a_wrong_rope_theta_fails_the_tolerance`)."""
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,6 +61,19 @@ def test_a_wrong_rope_theta_fails_the_tolerance(fixture, theta, request):
     ids, mask = _long_batch()
     ref = hf_fixtures.hf_logits(path, ids, mask)
     assert _relative_error(_ours(path, ids, mask, rope_theta=theta * 1.01), ref, mask) > 3 * TOLERANCE
+
+
+def test_fields_left_out_of_config_json_take_transformers_defaults(tmp_path):
+    """A Qwen3-MoE config.json without norm_topk_prob or any RoPE field: transformers then uses
+    norm_topk_prob=False and rope_theta=10000 (the values this checkpoint was made with)."""
+    path = hf_fixtures.save_tiny_hf(tmp_path, moe=True, norm_topk_prob=False)
+    config = json.loads((path / "config.json").read_text())
+    for field in ("norm_topk_prob", "rope_parameters", "rope_theta", "rope_scaling"):
+        config.pop(field, None)
+    (path / "config.json").write_text(json.dumps(config))
+    ids, mask = _long_batch()
+    ref = hf_fixtures.hf_logits(path, ids, mask)
+    assert _relative_error(_ours(path, ids, mask), ref, mask) <= TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["dense", "sorted", "ragged"])

@@ -1,4 +1,6 @@
 """The model on an 8-device fake CPU mesh equals the 1-device model, with intended shardings."""
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mars_jax import sharding
-from mars_jax.models import create_model, from_pretrained, get_preset
+from mars_jax.models import Qwen3, create_model, from_pretrained, get_preset
 from tests import hf_fixtures
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 1, "expert": 2}
@@ -43,6 +45,32 @@ def test_create_model_initialises_into_shardings():
     assert wo.sharding.spec == P("expert", "tensor", "fsdp")
     assert wo.addressable_shards[0].data.shape == (4, 16, 32)
     assert state[("lm_head",)].get_value().sharding.spec == P("fsdp", "tensor")
+
+
+def _abstract_tiny() -> nnx.State:
+    return nnx.state(nnx.eval_shape(lambda: Qwen3(get_preset("tiny"), rngs=nnx.Rngs(0))))
+
+
+def test_a_mesh_axis_that_does_not_divide_a_parameter_is_named_once_in_a_warning(caplog):
+    """fsdp=6 does not divide the tiny preset's hidden size 64: each parameter it would shard
+    stays replicated along it, and one warning names the parameter, dimension and axis."""
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 6}, devices=jax.devices()[:6])
+    with caplog.at_level(logging.WARNING):
+        shardings = dict(nnx.to_flat_state(sharding.state_shardings(_abstract_tiny(), mesh)))
+    assert shardings[("lm_head",)].get_value().spec == P(None, "tensor")
+    lm_head = [r.getMessage() for r in caplog.records if "parameter lm_head " in r.getMessage()]
+    assert lm_head == ["sharding: parameter lm_head of shape (64, 512): mesh axis 'fsdp' (size 6) "
+                       "does not divide dimension 0 (size 64); it is replicated along that axis"]
+    assert any("parameter layers.1.mlp.wo of shape (8, 32, 64)" in r.getMessage()
+               for r in caplog.records)
+    assert not any("norm" in r.getMessage() for r in caplog.records)  # never sharded by fsdp
+
+
+def test_a_mesh_whose_axes_divide_every_parameter_logs_nothing(caplog):
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "expert": 2})
+    with caplog.at_level(logging.WARNING):
+        sharding.state_shardings(_abstract_tiny(), mesh)
+    assert not [r for r in caplog.records if r.getMessage().startswith("sharding:")]
 
 
 @pytest.mark.parametrize("bad, message", [
