@@ -224,7 +224,7 @@ def _groups(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "samples within a group, so one sample has none",
                       "set it to 2 or more (e.g. 8)")
     if r.fan_out > r.group_size:
-        yield Problem("rollout.fan_out", f"{r.fan_out} > rollout.group_size={r.group_size}: a "
+        yield Problem("rollout.fan_out", f"{r.fan_out} > rollout.group_size={r.group_size}: the "
                       "first Verifier stage picks its parents among the Solver's group",
                       f"set rollout.fan_out <= {r.group_size} or raise rollout.group_size")
     if r.max_stages > len(STAGE_ROLES):
