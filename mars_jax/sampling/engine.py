@@ -99,7 +99,7 @@ from mars_jax.layers.flash_attention import pad_to
 from mars_jax.layers.paged_kv import (KERNELS, POOL_AXES, PagedKVCache, default_kernel,
                                       write_pages)
 from mars_jax.models.qwen3 import Qwen3
-from mars_jax.sampling.processors import choose_tokens_per_row
+from mars_jax.sampling.processors import check_sampling, choose_tokens_per_row
 from mars_jax.sampling.sampler import _batch_multiple, length_bucket, prompt_bucket
 
 log = logging.getLogger(__name__)
@@ -637,9 +637,7 @@ class Engine:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) must fit kv_pages ({self.kv_pages}) / batch "
                              f"shards ({self._multiple}) x page_size ({self.page_size})")
-        if temperature < 0 or not 0 < top_p <= 1 or not 0 <= top_k <= self.vocab_size:
-            raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, "
-                             f"0 <= top_k <= vocab; got {temperature}, {top_p}, {top_k}")
+        check_sampling(temperature, top_p, top_k, self.vocab_size)
         if len(stop_ids) > self.max_stop_ids:
             raise ValueError(f"stop_ids: at most {self.max_stop_ids} (max_stop_ids), got "
                              f"{len(stop_ids)}")

@@ -13,9 +13,18 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
+def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
+    """Raises ValueError naming the settings unless temperature >= 0, 0 < top_p <= 1 and
+    0 <= top_k <= vocab_size (NaN fails)."""
+    if not (temperature >= 0 and 0 < top_p <= 1 and 0 <= top_k <= vocab_size):
+        raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= top_k <= "
+                         f"vocab ({vocab_size}); got {temperature}, {top_p}, {top_k}")
+
+
 def truncate_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
     """Sets logits outside the top-k set and outside the smallest nucleus of mass >= top_p to
-    -inf, row-wise over `[B, V]`. `top_k=0` and `top_p=1.0` disable each filter."""
+    -inf, row-wise over `[B, V]`; tokens tied with the last one kept are kept too. `top_k=0`
+    and `top_p=1.0` disable each filter."""
     if top_k > 0:
         kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
         scaled = jnp.where(scaled < kth, NEG_INF, scaled)

@@ -31,7 +31,7 @@ from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3, positions_from_mask
-from mars_jax.sampling.processors import choose_tokens
+from mars_jax.sampling.processors import check_sampling, choose_tokens
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_BUCKET = 16
@@ -225,13 +225,13 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise ValueError("prompts: expected at least one prompt")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: every prompt needs at least one token")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                         f"{temperature}, {top_p}, {top_k}")
     vocab = model.config.vocab_size
+    check_sampling(temperature, top_p, top_k, vocab)
     if any(t < 0 or t >= vocab for p in prompts for t in p):
         raise ValueError(f"prompts: token ids must be in [0, {vocab})")
     max_new = [int(m) for m in _per_row(max_new_tokens, n, "max_new_tokens")]
+    if min(max_new) < 0:
+        raise ValueError(f"max_new_tokens: must be >= 0, got {min(max_new)}")
     stops = [tuple(s) for s in _per_row(tuple(eos_token_ids), n, "eos_token_ids")]
     seeds = list(range(n)) if sequence_seeds is None else list(sequence_seeds)
     if len(seeds) != n:

@@ -130,6 +130,9 @@ def test_dropping_finished_rows_changes_nothing(hf_moe_dir, model, mesh_axes, mo
     (dict(prompts=[[]]), "at least one token"),
     (dict(prompts=[[1000]]), "token ids must be in"),
     (dict(prompts=[[1]], top_p=0.0), "0 < top_p"),
+    (dict(prompts=[[1]], temperature=float("nan")), "temperature >= 0"),
+    (dict(prompts=[[1]], top_k=10_000), "top_k <= vocab"),
+    (dict(prompts=[[1]], max_new_tokens=-1), "max_new_tokens: must be >= 0"),
     (dict(prompts=[[1], [2]], max_new_tokens=[3]), "max_new_tokens: expected one entry"),
     (dict(prompts=[[1]], compact_every=0), "compact_every"),
 ])
