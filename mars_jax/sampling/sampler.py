@@ -279,7 +279,8 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 def resume(model: Qwen3, segment: SegmentState, *, segment_tokens: int | None = None,
            mesh: jax.sharding.Mesh | None = None) -> SampleResult:
     """Continues a segmented decode for at most `segment_tokens` more steps (default: to the end).
-    Tokens returned are cumulative since the first segment."""
+    Tokens returned are cumulative since the first segment. `segment`'s buffers are donated
+    (on GPU / TPU): resume from the returned result's segment, never twice from one."""
     state = segment.decode
     step = int(state.step)
     end = state.tokens.shape[1] if segment_tokens is None else step + int(segment_tokens)
