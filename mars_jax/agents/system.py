@@ -56,13 +56,19 @@ class LoopConfig:
     fallback: str = "most_passed"  # one of FALLBACKS
 
     def __post_init__(self) -> None:
-        if self.k_accept < 1 or self.max_iterations < 0 or self.max_retries < 0:
-            raise ValueError(f"invalid loop config: {self}")
+        for field, value, least in (("k_accept", self.k_accept, 1),
+                                    ("max_iterations", self.max_iterations, 0),
+                                    ("max_retries", self.max_retries, 0)):
+            if value < least:
+                raise ValueError(f"{field}: must be >= {least}, got {value}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback: {self.fallback!r} is not one of {FALLBACKS}")
         missing = set(ROLES) - set(self.max_new_tokens)
         if missing:
             raise ValueError(f"max_new_tokens lacks roles {sorted(missing)}")
+        small = {role: n for role, n in self.max_new_tokens.items() if n < 1}
+        if small:
+            raise ValueError(f"max_new_tokens: must be >= 1 for every role, got {small}")
 
 
 @dataclasses.dataclass(frozen=True)

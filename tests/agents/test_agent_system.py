@@ -295,8 +295,12 @@ def test_loop_refuses_use_after_finishing():
 def test_config_validation():
     with pytest.raises(ValueError):
         LoopConfig(max_new_tokens={"solver": 1})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="k_accept: must be >= 1, got 0"):
         LoopConfig(k_accept=0)
+    with pytest.raises(ValueError, match="max_retries"):
+        LoopConfig(max_retries=-1)
+    with pytest.raises(ValueError, match="max_new_tokens: must be >= 1 .*'verifier': 0"):
+        LoopConfig(max_new_tokens={"solver": 5, "verifier": 0, "corrector": 5})
     with pytest.raises(ValueError, match="fallback"):
         LoopConfig(fallback="latest")
 
