@@ -61,6 +61,9 @@ def table(runs: Sequence[str], control: str, role: str, window: int) -> str:
     for run in runs:
         cells = [f"{w['first']}-{w['last']}: {w['mean']:+.3f} ±{w['half_width']:.3f}"
                  for w in windowed_difference(step_rewards(run, role), base, window)]
+        if not cells:
+            lines.append(f"{run}\n  no step where both have a {role} reward")
+            continue
         lines.append(f"{run}\n  " + "\n  ".join(cells[:-1]) + f"\n  all {cells[-1]}")
     return "\n".join(lines)
 

@@ -107,7 +107,8 @@ AT_LEAST: dict[str, float] = {
     "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
     "eval.probe_every": 0, "eval.probe_problems": 1,
     "sft.probe_every": 0, "sft.probe_slots": 1, "sft.rows": 1, "sft.row_tokens": 1,
-    "sft.short_rows": 0, "sft.short_row_tokens": 0,
+    "sft.short_rows": 0, "sft.short_row_tokens": 0, "sft.holdout_problems": 1,
+    "sft.eval_every": 1,
     "model.moe_block_size": 1, "model.moe_dense_max_tokens": 0, "model.moe_chunk_tokens": 0,
     "model.attention_block": 1,
 }

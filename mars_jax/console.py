@@ -53,7 +53,7 @@ def mean_reward(rows: Sequence[dict], role: str) -> float:
 def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
     """The closing summary of a training run in `workdir`, rerun with `command` to resume."""
     workdir = Path(workdir)
-    rows = read_metrics(workdir)
+    rows = [row for row in read_metrics(workdir) if row["step"] >= 1]  # not the step-0 probe
     if not rows:
         return f"no steps recorded in {workdir / 'metrics.jsonl'}"
     k, last = window(rows), rows[-1]

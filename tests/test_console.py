@@ -14,7 +14,8 @@ def test_summary_reports_steps_samples_rewards_and_paths(tmp_path):
              "samples/corrector": 0, "samples/trained": 10, "policy_version": i + 1,
              "reward/verifier": 0.5 if i else None, "reward/corrector": None}
             for i, r in enumerate(solver)]
-    _write(tmp_path, rows[::-1])  # read back in step order whatever the file order
+    probe = {"step": 0, "probe/solver_accuracy": 0.5}  # before training: not a step
+    _write(tmp_path, rows[::-1] + [probe])  # read back in step order whatever the file order
     text = console.summary(tmp_path, ["python", "experiments/run.py", "--workdir=/a b"], 12.0)
     assert "8 steps to step 8 (policy version 8)" in text
     assert "solver 64 · verifier 32 · corrector 0 (80 in the loss)" in text

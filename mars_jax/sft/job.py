@@ -66,8 +66,12 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
     tokenizer = builders.build_tokenizer(config)
     model = build_model(config)
     problems = list(builders.load_problems(config.data))
+    if not 0 < s.holdout_problems < len(problems):
+        raise ValueError(f"sft.holdout_problems: {s.holdout_problems} leaves no problem to train "
+                         f"on or none to hold out ({len(problems)} problems)")
     train_problems, holdout = problems[:-s.holdout_problems], problems[-s.holdout_problems:]
-    rates = dict(solver_error_rate=s.solver_error_rate, verifier_flawed_rate=s.verifier_flawed_rate)
+    rates = dict(solver_error_rate=s.solver_error_rate, verifier_flawed_rate=s.verifier_flawed_rate,
+                 style=config.rollout.prompt_style)
     rows = dict(rows=s.rows, row_tokens=s.row_tokens, short_rows=s.short_rows,
                 short_row_tokens=s.short_row_tokens)
     heldout = list(pack(encoded_examples(holdout, tokenizer, random.Random(-1), **rates),

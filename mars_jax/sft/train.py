@@ -64,21 +64,22 @@ def encode(tokenizer, example: Example) -> Encoded:
 
 def encoded_examples(problems: Iterable[dict], tokenizer, rng: random.Random, *,
                      solver_error_rate: float, verifier_flawed_rate: float,
-                     keep: Mapping[str, float] | None = None) -> Iterator[Encoded]:
-    """The encoded examples of each problem in turn (see `traces.make_examples`); an example of
-    role r is kept with probability `keep[r]` (default 1: all)."""
+                     keep: Mapping[str, float] | None = None,
+                     style: str = "compact") -> Iterator[Encoded]:
+    """The encoded examples of each problem in turn (see `traces.make_examples`; prompts in
+    `style`); an example of role r is kept with probability `keep[r]` (default 1: all)."""
     keep = keep or {}
     for problem in problems:
         for example in make_examples(problem["problem"], rng, solver_error_rate=solver_error_rate,
-                                     verifier_flawed_rate=verifier_flawed_rate):
+                                     verifier_flawed_rate=verifier_flawed_rate, style=style):
             rate = keep.get(example.role, 1.0)
             if rate >= 1.0 or rng.random() < rate:
                 yield encode(tokenizer, example)
 
 
 def example_stream(problems: Sequence[dict], tokenizer, *, seed: int, solver_error_rate: float,
-                   verifier_flawed_rate: float, keep: Mapping[str, float] | None = None
-                   ) -> Iterator[Encoded]:
+                   verifier_flawed_rate: float, keep: Mapping[str, float] | None = None,
+                   style: str = "compact") -> Iterator[Encoded]:
     """Encoded examples of `problems`, visited in a new random order each pass, forever."""
     rng = random.Random(seed)
     order = list(range(len(problems)))
@@ -86,7 +87,8 @@ def example_stream(problems: Sequence[dict], tokenizer, *, seed: int, solver_err
         rng.shuffle(order)
         yield from encoded_examples((problems[i] for i in order), tokenizer, rng,
                                     solver_error_rate=solver_error_rate,
-                                    verifier_flawed_rate=verifier_flawed_rate, keep=keep)
+                                    verifier_flawed_rate=verifier_flawed_rate, keep=keep,
+                                    style=style)
 
 
 def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int, short_rows: int = 0,

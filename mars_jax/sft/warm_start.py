@@ -1,10 +1,11 @@
 """A cached SFT warm start for a training run (`warm_start.sft`): built on first use, then reused.
 
 `ensure(config)` returns the HF directory of the model that the `sft` job (`mars_jax.sft.job`)
-trains from the run's tokenizer, seed, `data`, `model` and `sft` sections, with the optimizer
-fields of `warm_start` (`sft_config`). It lives in `warm_start.cache_dir/<fingerprint>/model`;
-the fingerprint hashes that SFT config and the source files of the code that generates the traces
-and trains on them (`SOURCES`), so a change to either builds a new one. A build is written to a
+trains from the run's tokenizer, seed, prompt style, `data`, `model` and `sft` sections, with the
+optimizer fields of `warm_start` (`sft_config`). It lives in
+`warm_start.cache_dir/<fingerprint>/model`; the fingerprint hashes the fields of that SFT config
+that change its weights, the tokenizer's chat template and the source files of the code that
+generates the traces and trains on them (`SOURCES`), so a change to any of them builds a new one. A build is written to a
 temporary directory and renamed into place once complete: an interrupted build leaves nothing a
 later run reads. Every process of a multi-process job builds (or finds) its own copy.
 """
@@ -19,13 +20,18 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 import mars_jax
-from mars_jax import console
+from mars_jax import builders, console
 from mars_jax.sft import job as sft_job
 
 # Sources (relative to the mars_jax package) whose code decides the warm start's weights.
-SOURCES = ("sft/*.py", "data/arith.py", "data/tokenizer.py", "agents/prompts.py", "models/*.py",
-           "layers/*.py", "rl/update.py")
+SOURCES = ("sft/*.py", "data/arith.py", "data/datasets.py", "data/tokenizer.py",
+           "agents/prompts.py", "rewards/text.py", "rewards/agent_rewards.py", "builders.py",
+           "models/*.py", "layers/*.py", "rl/update.py")
 _SFT_SECTIONS = ("data", "model", "sft", "optimizer")
+# Fields that do not change the weights: what the job logs and probes, the RL problem order,
+# the decay length (the job decays over sft.steps).
+_NOT_WEIGHTS = {"data": ("shuffle",), "sft": ("eval_every", "probe_every", "probe_slots"),
+                "optimizer": ("decay_steps",)}
 
 
 def sft_config(config: ConfigDict) -> ConfigDict:
@@ -40,11 +46,19 @@ def sft_config(config: ConfigDict) -> ConfigDict:
 
 
 def fingerprint(config: ConfigDict) -> str:
-    """16 hex digits of SHA-256 over the SFT config's fields that train it and `SOURCES`."""
+    """16 hex digits of SHA-256 over the SFT config's fields that train it, the tokenizer's
+    chat template and `SOURCES`."""
     sft = sft_config(config)
     fields = {"tokenizer": sft.tokenizer, "seed": sft.seed,
+              "prompt_style": sft.rollout.prompt_style,
               **{name: sft[name].to_dict() for name in _SFT_SECTIONS}}
-    del fields["data"]["shuffle"]  # the RL problem order; SFT draws its own
+    for section, names in _NOT_WEIGHTS.items():
+        for name in names:
+            fields[section].pop(name, None)
+    if sft.sft.arch:
+        del fields["model"]["preset"]  # the architecture is sft.arch's
+    template = getattr(builders.build_tokenizer(sft), "chat_template", None) or ""
+    fields["chat_template"] = hashlib.sha256(template.encode()).hexdigest()
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode())
     root = Path(mars_jax.__file__).parent
     for path in sorted(p for pattern in SOURCES for p in root.glob(pattern)):

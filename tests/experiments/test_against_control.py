@@ -29,3 +29,12 @@ def test_step_rewards_skip_steps_without_the_role(tmp_path):
     assert against_control.step_rewards(tmp_path, "solver") == {1: 0.25, 3: 1.0}
     with pytest.raises(FileNotFoundError, match="no metrics"):
         against_control.step_rewards(tmp_path / "missing", "solver")
+
+
+def test_a_role_the_run_never_trained_is_reported_not_a_crash(tmp_path):
+    for name, verifier in (("run", None), ("control", 0.5)):
+        lines = [{"step": 1, "reward/solver": 0.5, "reward/verifier": verifier}]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = against_control.table([str(tmp_path / "run")], str(tmp_path / "control"), "verifier", 2)
+    assert "no step where both have a verifier reward" in text

@@ -57,9 +57,10 @@ def test_study_configs_run_shrunk(tmp_path):
         rl.model.checkpoint = str(tmp_path / "sft" / "model")
         rl.total_steps, rl.checkpoint.every_steps = 2, 2
         rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
-        for role in ("solver", "verifier", "corrector"):
-            rl.rollout.max_new_tokens[role] = 16
-        rl.rollout.verify_truncated = True  # a 2-step model's 16-token solutions are all cut off
+        # Room for the Solver's thought and its one-line solution (a solution cut off inside
+        # its thought has no visible text to verify); Verifier reports are cut short.
+        rl.rollout.max_new_tokens.update(solver=study.MAX_NEW_TOKENS["solver"], verifier=16,
+                                         corrector=16)
         probed = variant == "marsrl"  # the held-out probe before step 1 and after step 2
         rl.eval.probe_every, rl.eval.probe_problems = (2, 2) if probed else (0, 256)
         rl.eval.max_new_tokens.update(rl.rollout.max_new_tokens)

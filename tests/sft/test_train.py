@@ -88,7 +88,7 @@ def test_packed_loss_equals_the_sum_of_separate_losses():
 
 def test_sft_job_lowers_heldout_loss_and_saves_a_loadable_model(tmp_path):
     config = base_config()
-    config.job, config.tokenizer = "sft", "tiny"
+    config.job, config.tokenizer, config.rollout.prompt_style = "sft", "tiny", "compact"
     config.sft.steps, config.sft.rows, config.sft.row_tokens = 12, 4, 640
     config.sft.holdout_problems, config.sft.eval_every = 4, 12
     config.optimizer.learning_rate = 3e-3

@@ -9,10 +9,14 @@ def test_fingerprint_follows_the_fields_that_train_the_warm_start():
     same.optimizer.learning_rate = 0.5      # the RL learning rate: replaced by warm_start's
     same.rollout.group_size = 3             # rollouts do not train the warm start
     same.warm_start.cache_dir = "/elsewhere"
+    same.sft.eval_every, same.sft.probe_every, same.sft.probe_slots = 3, 5, 2  # logs, probes
+    same.optimizer.decay_steps = 99         # the job decays over sft.steps
+    same.model.preset = "bench"             # the architecture is sft.arch's
+    assert base.sft.arch
     assert warm_start.fingerprint(same) == warm_start.fingerprint(base)
     for field, value in [("sft.steps", 7), ("warm_start.learning_rate", 0.5), ("seed", 1),
                          ("data.arith.max_operand", 8), ("optimizer.b2", 0.9),
-                         ("sft.arch", "toy")]:
+                         ("sft.arch", "toy"), ("rollout.prompt_style", "full")]:
         changed = quickstart.get_config()
         *path, key = field.split(".")
         node = changed
@@ -51,3 +55,14 @@ def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
     assert warm_start.ensure(config) == first and len(builds) == 1
     config.sft.steps += 1
     assert warm_start.ensure(config) != first and len(builds) == 2
+
+
+def test_fingerprint_follows_the_chat_template(monkeypatch):
+    config = quickstart.get_config()
+    base = warm_start.fingerprint(config)
+
+    class Templated:
+        chat_template = "{{ messages }}"
+
+    monkeypatch.setattr(warm_start.builders, "build_tokenizer", lambda c: Templated())
+    assert warm_start.fingerprint(config) != base
