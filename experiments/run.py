@@ -9,7 +9,7 @@ workdir resumes it. A training config with `warm_start.sft` first builds (or reu
 model (`mars_jax.sft.warm_start`). The console shows notes, progress bars and, after training, a
 summary (`mars_jax.console`); library INFO logs (orbax, absl) appear only with `--verbosity=0`
 (the default here shows warnings and errors). Exit codes: 2 the config is invalid (checked before anything is built; the
-message lists each field with its fix), 65 too many non-finite updates in a row, 74 a checkpoint
+message lists each field with its fix), 65 too many steps with non-finite updates in a row, 74 a checkpoint
 could not be saved, 75 preempted (SIGTERM) after a final checkpoint.
 """
 import os

@@ -111,7 +111,8 @@ class Checkpointer:
         `arrays_target(meta)` gives the abstract pytree (shapes, dtypes, shardings) of a
         checkpoint's arrays item from its meta; without it, arrays are not read. Raises
         `CheckpointMismatch` when the newest readable checkpoint's state has another layout
-        (tree paths, shapes, dtypes) than `abstract_state`."""
+        (tree paths, shapes, dtypes) than `abstract_state`, or `arrays_target` raises for its
+        meta (e.g. written by another number of hosts)."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
@@ -127,6 +128,8 @@ class Checkpointer:
                     "settings it was saved with, or use another directory to start afresh")
             try:
                 return self._restore(step, target, arrays_target)
+            except CheckpointMismatch:
+                raise
             except Exception as e:  # noqa: BLE001
                 self._skip(step, e)
         return None
@@ -154,7 +157,12 @@ class Checkpointer:
             saved = self.manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore())).meta
             if ARRAYS_FINGERPRINT_KEY in saved:
-                items["arrays"] = ocp.args.StandardRestore(arrays_target(dict(saved)))
+                try:
+                    abstract_arrays = arrays_target(dict(saved))
+                except Exception as e:  # noqa: BLE001 - the caller's rule for its own meta
+                    raise CheckpointMismatch(f"checkpoint at step {step} in {self.directory}: "
+                                             f"its arrays do not fit this run: {e}") from e
+                items["arrays"] = ocp.args.StandardRestore(abstract_arrays)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         meta = dict(restored.meta)
         expected = meta.pop(FINGERPRINT_KEY, None)

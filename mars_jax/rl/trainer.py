@@ -65,7 +65,7 @@ class Preempted(Exception):
 
 
 class NonFiniteUpdates(RuntimeError):
-    """Too many non-finite updates in a row; the last good checkpoint is kept."""
+    """Too many steps with non-finite updates in a row; the last good checkpoint is kept."""
 
     exit_code = 65  # EX_DATAERR: inspect metrics.jsonl, fix the config, rerun to resume
 
@@ -263,8 +263,8 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
     last step's metrics.
 
     Raises `Preempted` after SIGTERM (final checkpoint saved), `NonFiniteUpdates` after
-    `config.max_nonfinite_updates` skipped updates in a row (no checkpoint of the streak is
-    saved, so the newest one is the last good state) and `CheckpointSaveError` when a save fails.
+    `config.max_nonfinite_updates` steps in a row with a non-finite update (each such update
+    is skipped; no checkpoint of the streak is saved, so the newest one is the last good state) and `CheckpointSaveError` when a save fails.
     """
     with _catch_sigterm() as sigterm:
         return _train(config, Path(workdir), sigterm)
@@ -294,6 +294,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
         "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])})
+    model_config = model.config
+    del model  # a restored run must not keep the initial weights alive beside the restored ones
     if restored is not None:
         start, state, saved, arrays = restored
         meta = distributed.local_process_meta(saved)
@@ -367,7 +369,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                     with sharding.use_mesh(mesh):
                         return ppo_update(
                             state, samples,
-                            build_batch=lambda part: _global_batch(part, config, model.config,
+                            build_batch=lambda part: _global_batch(part, config, model_config,
                                                                    mesh),
                             ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
                             update_config=update_config, learner=learner,
@@ -398,8 +400,10 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
                 if not finite:
-                    logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a "
-                                    "row)", step, nonfinite_streak)
+                    logging.warning("step %d: non-finite loss or gradient in %d of %d updates, "
+                                    "those skipped (%d such steps in a row)", step,
+                                    update_metrics["updates"] - update_metrics["optimizer_steps"],
+                                    update_metrics["updates"], nonfinite_streak)
             metrics["update/nonfinite_streak"] = nonfinite_streak
             metrics["time/update"] = time.perf_counter() - t1
             metrics["policy_version"] = version
@@ -408,8 +412,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
             writer.write(step, metrics)
             bar.set_postfix(console.postfix(metrics))
             if nonfinite_streak >= config.max_nonfinite_updates:
-                raise NonFiniteUpdates(f"{nonfinite_streak} non-finite updates in a row at step "
-                                       f"{step}; the last good checkpoint is kept")
+                raise NonFiniteUpdates(f"{nonfinite_streak} steps with non-finite updates in a "
+                                       f"row at step {step}; the last good checkpoint is kept")
             preempted = distributed.any_process(sigterm.raised)
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):

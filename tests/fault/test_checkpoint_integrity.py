@@ -317,3 +317,15 @@ def test_damaged_arrays_fall_back_to_the_previous_checkpoint(tmp_path, caplog):
         step, back = _restore_with_routing(tmp_path)
     assert step == 1 and "checkpoint at step 2 is unreadable" in caplog.text
     _assert_routing_equal(back, 1)
+
+
+def test_arrays_that_do_not_fit_this_run_raise_and_set_nothing_aside(tmp_path):
+    from mars_jax import distributed
+    _save_with_routing(tmp_path, [1, 2])
+    checkpointer = Checkpointer(tmp_path, keep=5)
+    other_hosts = lambda meta: distributed.local_process_meta({**meta, "process_count": 2})
+    with pytest.raises(CheckpointMismatch, match="step 2 .*arrays do not fit this run: .*"
+                                                 "written by 2 processes"):
+        checkpointer.restore_latest(_state(0), arrays_target=other_hosts)
+    checkpointer.close()
+    assert _steps_on_disk(tmp_path) == [1, 2]
