@@ -55,7 +55,8 @@ def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
 
 def copy_weights(params: nnx.State, shardings: nnx.State) -> tuple[nnx.State, Transfer]:
     """`params` put into `shardings` (from :func:`rollout_shardings`), waited for, and what the
-    copy moved. The source arrays are left as they are (not donated)."""
+    copy moved. The source arrays are not donated; an array already in its destination
+    sharding is returned as is (not copied), so a later donation of the source reaches it too."""
     total, per_device = transfer_bytes(params, shardings)
     start = time.perf_counter()
     copied = jax.block_until_ready(jax.device_put(params, shardings))

@@ -1,8 +1,8 @@
 """The MarsRL training loop: rollouts -> agent-specific rewards -> group advantages -> update.
 
 Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the current
-parameters, train on the groups that completed, write metrics, checkpoint. Sampler and update
-share the same parameter arrays; the policy version is the number of steps whose update changed
+parameters, train on the groups that completed, write metrics, checkpoint. On one shared mesh
+sampler and update share the same parameter arrays; the policy version is the number of steps whose update changed
 the parameters (a step makes `learner.ppo_epochs * learner.mini_batches` optimizer updates,
 `mars_jax.rl.learner`).
 
@@ -391,7 +391,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
                         stream.weights_updated(weight_sync.rollout_model(graphdef, copied),
                                                version)
                         metrics.update({"sync/seconds": transfer.seconds,
-                                        "sync/bytes": transfer.bytes})
+                                        "sync/bytes": transfer.bytes,
+                                        "sync/bytes_per_device": transfer.bytes_per_device})
                     elif stream is not None:
                         stream.weights_updated(nnx.merge(graphdef, state.params), version)
                 elif stream is not None and not split:  # the same weights in the arrays the

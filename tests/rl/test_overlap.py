@@ -38,9 +38,9 @@ def test_split_mesh_at_staleness_0_trains_what_one_mesh_trains(tmp_path):
     shared = _run(tmp_path / "shared", "--config.rollout.staleness_bound=0")
     split = _run(tmp_path / "split", "--config.rollout.staleness_bound=0",
                  "--config.mesh.rollout.devices=4")
-    assert [r["sync/bytes"] > 0 for r in split] == [True] * 3
+    assert [0 < r["sync/bytes_per_device"] < r["sync/bytes"] for r in split] == [True] * 3
     for a, b in zip(shared, split, strict=True):
-        assert a.keys() | {"sync/bytes", "sync/seconds"} == b.keys()
+        assert a.keys() | {"sync/bytes", "sync/bytes_per_device", "sync/seconds"} == b.keys()
         for key in a:
             if key.startswith(SKIP) or a[key] is None:  # None: a role absent from the step
                 assert key.startswith(SKIP) or b[key] is None, key
