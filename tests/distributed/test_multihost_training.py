@@ -58,6 +58,10 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     [first] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert first["samples/solver"] == 4  # each host decoded its own problem (group of 4)
     assert first["policy_version"] == 1 and first["update/finite"] == 1
+    meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
+    data = [process["data"] for process in meta["processes"]]  # each host's own problem shard
+    assert [(d["shard_index"], d["shard_count"], d["next_index"]) for d in data] == [
+        (0, 2, 1), (1, 2, 1)]
     outputs = _run_job(tmp_path, total_steps=2)
     assert all("resumed from step 1" in output for output in outputs)
     assert _steps(tmp_path / "metrics.jsonl") == [1, 2]
