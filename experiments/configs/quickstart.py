@@ -23,7 +23,8 @@ def get_config():
     c = base_config()
     c.total_steps = 20
     c.tokenizer = "tiny"
-    # Data: the 100 one-digit additions, 90 to train on (RL and SFT), 10 held out.
+    # Data: the 100 one-digit additions, 90 to train on (RL; the warm start trains on the first
+    # 90 - sft.holdout_problems of them), 10 held out.
     c.data.name, c.data.split = "arith", "train"
     c.data.arith.update(dict(num_ops=(1, 1), max_operand=9, operators="+", sizes=(90, 10)))
     # In order, 6 a step: steps 16-20 revisit the problems of steps 1-5, so the summary's first

@@ -76,6 +76,8 @@ def generate_problems(
     arguments always give the same problems. `exclude` lists problem texts to avoid.
     Raises ValueError if the knobs allow fewer than `num` distinct problems.
     """
+    if not isinstance(num_ops, int) and len(num_ops) != 2:
+        raise ValueError(f"num_ops: an int or a (low, high) pair, got {num_ops!r}")
     low, high = (num_ops, num_ops) if isinstance(num_ops, int) else num_ops
     if not 1 <= low <= high:
         raise ValueError(f"num_ops must be >= 1 (a range low <= high), got {num_ops}")
@@ -103,7 +105,8 @@ def generate_problems(
 
 
 def load_split(split: str, *, sizes: tuple[int, int] | None = None, **knobs) -> list[dict]:
-    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from test.
+    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from the test split drawn
+    with the same `sizes` and knobs (not from one drawn with others).
 
     `knobs` (`num_ops`, `max_operand`, `operators`; defaults of `generate_problems`) set the
     difficulty; train and test are drawn with the same knobs. `sizes` (train, test) replaces
@@ -115,6 +118,8 @@ def load_split(split: str, *, sizes: tuple[int, int] | None = None, **knobs) -> 
     if unknown:
         raise ValueError(f"unknown arith knob(s) {sorted(unknown)}; valid: num_ops, max_operand, "
                          "operators, sizes")
+    if sizes is not None and (len(sizes) != len(SPLITS) or min(sizes) < 0):
+        raise ValueError(f"sizes: a ({', '.join(SPLITS)}) pair of counts >= 0, got {sizes!r}")
     size = dict(zip(SPLITS, sizes)) if sizes is not None else {k: n for k, (_, n) in SPLITS.items()}
     seed, num = SPLITS[split][0], size[split]
     exclude: frozenset[str] = frozenset()

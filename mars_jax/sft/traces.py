@@ -14,7 +14,8 @@ model), so a solution reaches the Verifier as one line. The Solver's (and Correc
 (a one-operation problem gets no thinking). A *flawed* solution has one slipped step (off by 1
 or 2) that carries on to a final value with a wrong units digit.
 
-Checking is easier than solving: the Verifier does not redo the arithmetic, it casts out tens.
+Checking is easier than solving for several steps (for one operation it is the same fact and a
+subtraction): the Verifier does not redo the arithmetic, it casts out tens.
 It takes the claim's units digit, subtracts it from the expression and reduces that on units
 digits (every value modulo 10: 100 facts an operation instead of one for each pair of running
 value and operand); the claim is right (up to a multiple of 10) when the digit reached is 0. The

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from ml_collections import ConfigDict
@@ -79,7 +80,11 @@ def ensure(config: ConfigDict) -> Path:
         return target / "model"
     console.note(f"warm start: {config.sft.steps} SFT steps on generated traces, cached in "
                  f"{target} (first run only)")
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    prefix = f"{target.name}.tmp.{socket.gethostname()}."
+    for stale in target.parent.glob(prefix + "*"):  # this host's builds killed part-way
+        if not _alive(stale.name.removeprefix(prefix)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.with_name(f"{prefix}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     summary = sft_job.run(sft_config(config), str(tmp))
     try:
@@ -89,5 +94,17 @@ def ensure(config: ConfigDict) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     console.note("warm start: held-out loss per reply token " + ", ".join(
-        f"{k.removeprefix('loss/')} {v:.3f}" for k, v in sorted(summary.items()) if "/" in k))
+        f"{k.removeprefix('loss/')} {v:.3f}" for k, v in sorted(summary.items())
+        if k.startswith("loss/")))
     return target / "model"
+
+
+def _alive(pid: str) -> bool:
+    """Whether process `pid` of this host runs (a build of it may be under way)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -79,6 +79,10 @@ def test_bad_knobs():
         arith.generate_problems(1, seed=0, operators="/")
     with pytest.raises(ValueError, match="distinct problems"):
         arith.generate_problems(500, seed=0, num_ops=1, max_operand=2, operators="+")
+    with pytest.raises(ValueError, match=r"num_ops: an int or a \(low, high\) pair"):
+        arith.generate_problems(1, seed=0, num_ops=(1,))
+    with pytest.raises(ValueError, match=r"sizes: a \(train, test\) pair"):
+        arith.load_split("test", sizes=(90,))
 
 
 def test_split_difficulty_from_config():

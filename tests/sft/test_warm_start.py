@@ -48,10 +48,16 @@ def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start.sft_job, "run", fake_sft)
     config = quickstart.get_config()
     config.warm_start.cache_dir = str(tmp_path / "cache")
+    prefix = f"{warm_start.fingerprint(config)}.tmp.{warm_start.socket.gethostname()}."
+    killed, running = (tmp_path / "cache" / f"{prefix}{pid}" for pid in (11, 22))
+    for build in (killed, running):
+        build.mkdir(parents=True)
+    monkeypatch.setattr(warm_start, "_alive", lambda pid: pid == "22")
     first = warm_start.ensure(config)
     assert first == tmp_path / "cache" / warm_start.fingerprint(config) / "model"
     assert (first / "config.json").exists()
     assert builds and builds[0] != str(first.parent)  # built elsewhere, then renamed into place
+    assert not killed.exists() and running.exists()  # a dead build is cleared, a live one kept
     assert warm_start.ensure(config) == first and len(builds) == 1
     config.sft.steps += 1
     assert warm_start.ensure(config) != first and len(builds) == 2
@@ -66,3 +72,12 @@ def test_fingerprint_follows_the_chat_template(monkeypatch):
 
     monkeypatch.setattr(warm_start.builders, "build_tokenizer", lambda c: Templated())
     assert warm_start.fingerprint(config) != base
+
+
+def test_alive_knows_this_process_and_a_finished_one():
+    import os
+    import subprocess
+    import sys
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert warm_start._alive(str(os.getpid())) and not warm_start._alive(finished)
