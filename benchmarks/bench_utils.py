@@ -50,16 +50,17 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup:
     return times
 
 
-def xla_matmul_rate(m: int, k: int, n: int, weight_bytes: int = 0, repeats: int = 5) -> float:
-    """FLOP/s of XLA (jitted, float32) `[m, k] @ [k, n]` products, best of `repeats`. With
+def xla_matmul_rate(m: int, k: int, n: int, weight_bytes: int = 0, repeats: int = 5,
+                    dtype: str = "float32") -> float:
+    """FLOP/s of XLA (jitted) `[m, k] @ [k, n]` products in `dtype`, best of `repeats`. With
     `weight_bytes`, each call multiplies by as many distinct `[k, n]` matrices as fill that many
     bytes, so the weights stream from memory instead of the cache (as in a decode step)."""
     import jax
     import jax.numpy as jnp
 
-    count = max(1, weight_bytes // (k * n * 4))
-    x = jnp.ones((m, k), jnp.float32)
-    w = [jax.random.normal(jax.random.key(i), (k, n), jnp.float32) for i in range(count)]
+    count = max(1, weight_bytes // (k * n * jnp.dtype(dtype).itemsize))
+    x = jnp.ones((m, k), dtype)
+    w = [jax.random.normal(jax.random.key(i), (k, n), dtype) for i in range(count)]
     run = jax.jit(lambda x, w: [x @ wi for wi in w])
     times = time_runs(lambda: jax.block_until_ready(run(x, w)), repeats)
     return 2 * m * k * n * count / min(times)
@@ -73,21 +74,43 @@ def torch_matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
     return 2 * m * k * n / min(time_runs(lambda: a @ b, repeats))
 
 
-def forward_flops(config, batch: int, length: int) -> float:
-    """Matmul FLOPs of one causal forward that computes only what it must: q/k/v/o projections,
-    the router and the top-k experts of every token, causal attention scores and values (each
-    query against the keys up to it) and the output projection."""
+def matmul_flops(config, tokens: int, keys_per_token: float) -> float:
+    """Matmul FLOPs of `tokens` tokens through the model, computing only what they must: q/k/v/o
+    projections, the router and the top-k experts of every token, attention scores and values
+    against `keys_per_token` keys each (a mean) and the output projection."""
     h, heads, kv, d = (config.hidden_size, config.num_attention_heads,
                        config.num_key_value_heads, config.head_dim)
     per_token = (h * d * (2 * heads + 2 * kv) + h * config.num_experts
                  + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size)
-    attention = 2 * heads * d * (length + 1) / 2  # q.k and p.v over the visible keys
+    attention = 2 * heads * d * keys_per_token  # q.k and p.v
     layers = config.num_hidden_layers * (per_token + attention)
-    return 2 * batch * length * (layers + h * config.vocab_size)
+    return 2 * tokens * (layers + h * config.vocab_size)
+
+
+def forward_flops(config, batch: int, length: int) -> float:
+    """`matmul_flops` of one causal forward of `batch` x `length` tokens (each query against the
+    keys up to it)."""
+    return matmul_flops(config, batch * length, (length + 1) / 2)
+
+
+def decode_flops(config, batch: int, context: float) -> float:
+    """`matmul_flops` of one decode step of `batch` rows, each attending to `context` keys."""
+    return matmul_flops(config, batch, context)
 
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def equal_tokens(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
+                 ) -> tuple[int, int]:
+    """(tokens equal position by position, tokens compared): per request, the positions of the
+    longer of the two outputs, a position one of them lacks counting as unequal."""
+    equal = compared = 0
+    for a, b in zip(outputs, reference, strict=True):
+        equal += sum(x == y for x, y in zip(a, b))
+        compared += max(len(a), len(b))
+    return equal, compared
 
 
 def _proc_status_mib(field: str) -> float:

@@ -14,7 +14,8 @@ prompts of `prompt-len` tokens for exactly `new-tokens` greedy tokens (no stop t
   torch          `model.generate(do_sample=False, min_new_tokens=N, max_new_tokens=N)`
   tunix          `tunix.generate.sampler.Sampler` (greedy) on tunix's Qwen3 model, float32
 Tokens/s = batch x new-tokens / wall time of one whole call (prefill + decode), median of
-`--repeats` calls after one warm-up (compile) call.
+`--repeats` calls after one warm-up (compile) call; each engine's tokens must be `batch` x
+`new-tokens` (printed: exact or WRONG).
 
 Each engine runs in its own fresh subprocess, one after another, so the machine is not shared
 between engines and each one's peak RSS is its own: `VmHWM` of that process at the end (the peak
@@ -23,14 +24,15 @@ peak minus the RSS just after the engine's imports, i.e. what loading and runnin
 Each engine also checks its logits on a 2 x 32 batch against HF's (max abs diff), and its greedy
 tokens are compared with torch's (fraction of equal tokens; float rounding can flip a near-tie).
 
-The decode floor is the rate at which the weights read by one decode step can stream from
+The decode floor is the rate at which the bytes read by one decode step can stream from
 memory: bandwidth / bytes-per-step x batch, with the bandwidth measured here (numpy sums over a
 1 GiB array, single thread and one thread per core, median of 5) and bytes-per-step = every
-parameter except the embedding table (one row per token is gathered), as the CPU decode reads all
-experts.
-The matmul-bound floor is the same with the rate at which XLA's own float32 `[batch, H] @ [H, 8192]`
-products stream uncached weights (measured here), which for small batches is far below the memory
-bandwidth.
+parameter except the embedding table (one row per token is gathered; the CPU decode reads all
+experts) + each row's KV cache at the mean context, batch x KV bytes per token x (prompt-len +
+new-tokens / 2), KV bytes per token = 2 x layers x KV heads x head_dim x the dtype's bytes.
+The matmul-bound floor is the same for the weights alone (KV reads not counted) at the rate at
+which XLA's own float32 `[batch, H] @ [H, 8192]` products stream uncached weights (measured here),
+which for small batches is far below the memory bandwidth.
 """
 from __future__ import annotations
 
@@ -245,6 +247,12 @@ def memory_bandwidth(threads: int, repeats: int = 5) -> float:
     return BANDWIDTH_BYTES / bench_utils.median(times)
 
 
+def kv_bytes_per_token(config, bytes_per_value: int) -> int:
+    """KV-cache bytes one position holds: keys and values of every layer's KV heads."""
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * bytes_per_value)
+
+
 def bytes_per_step(config, bytes_per_param: int) -> int:
     """Weights one decode step reads: every parameter but the embedding table."""
     import jax
@@ -302,20 +310,26 @@ def main() -> None:
     for n, bw in bandwidth.items():
         print(f"memory read bandwidth ({n} thread{'s' * (n > 1)}): {bw / 1e9:.1f} GB/s")
     best_bw = max(bandwidth.values())
-    step_bytes = {"float32": bytes_per_step(config, 4), "bfloat16": bytes_per_step(config, 2)}
-    for name, step in step_bytes.items():
-        print(f"decode floor {name}: {best_bw / 1e9:.1f} GB/s / {step / 1e6:.0f} MB per step x "
-              f"batch {args.batch} = {best_bw / step * args.batch:.0f} tokens/s")
+    context = args.prompt_len + args.new_tokens / 2
+    for name, size in (("float32", 4), ("bfloat16", 2)):
+        weights = bytes_per_step(config, size)
+        kv = args.batch * kv_bytes_per_token(config, size) * context
+        step = weights + kv
+        print(f"decode floor {name}: {best_bw / 1e9:.1f} GB/s / {step / 1e6:.0f} MB per step "
+              f"({weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of KV: {args.batch} rows "
+              f"x {context:.0f} positions, the mean context) x batch {args.batch} = "
+              f"{best_bw / step * args.batch:.0f} tokens/s")
 
     # What XLA:CPU's matmuls allow: the rate at which `[batch, H] @ [H, 8192]` products stream
     # weights that do not fit the cache (the shapes of a decode step's projections and experts).
     h = config.hidden_size
     gemm = bench_utils.xla_matmul_rate(args.batch, h, 8192, weight_bytes=256 << 20)
     gemm_bytes = 4 * gemm / (2 * args.batch)  # a 4-byte weight is read per 2 x batch FLOPs
-    step = step_bytes["float32"]
+    step = bytes_per_step(config, 4)
     print(f"XLA float32 [{args.batch}, {h}] @ [{h}, 8192] over 256 MB of weights: "
           f"{gemm / 1e9:.1f} GFLOP/s = {gemm_bytes / 1e9:.1f} GB/s of weights; matmul-bound "
-          f"float32 floor (all weights once per step): {gemm_bytes / step * args.batch:.0f} tokens/s")
+          f"float32 floor (all weights once per step, KV reads not counted): "
+          f"{gemm_bytes / step * args.batch:.0f} tokens/s")
 
     tokens = args.batch * args.new_tokens
     rates = {}
@@ -328,7 +342,8 @@ def main() -> None:
             rates[engine] = tokens / med
             print(f"  {engine:14s} median {med:7.3f} s  {rates[engine]:7.0f} tokens/s  "
                   f"peak RSS {r['peak_rss_mib']:6.0f} MiB (+model {r['peak_rss_mib'] - r['rss_after_imports_mib']:5.0f})  "
-                  f"logits diff vs HF {r['logits_diff']:.1e}  "
+                  f"logits diff vs HF {r['logits_diff']:.1e}  tokens "
+                  f"{'exact' if r['shape'] == [args.batch, args.new_tokens] else 'WRONG'}  "
                   f"runs [{', '.join(f'{t:.2f}' for t in r['times'])}]", flush=True)
         if "torch" in rates:
             reference = np.load(work / "tokens_torch.npy")

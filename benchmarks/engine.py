@@ -20,6 +20,8 @@ produces exactly those lengths (no stop token):
   hf        transformers' continuous batching (`ContinuousBatchingManager`, paged attention),
             `max_requests_per_batch=slots`, per-request `max_new_tokens`; on the first
             `hf-requests` requests (it is slow on CPU)
+  engine_hf with `hf`: the engine (the same one) on hf's workload, the first `hf-requests`
+            requests; engine / hf is computed on it
 The engine admits queued requests `admit-batch` at a time (one batched prefill, which also
 prefills the next queued prompts, `prefill-ahead` in the call; those later take freed slots one
 at a time without a prefill) and gathers the running rows into a smaller slot bucket once nothing
@@ -27,14 +29,18 @@ waits (as `generate` compacts).
 Tokens/s = requested tokens / wall time of the whole workload (prefill + decode), median of
 `repeats` passes after one warm-up pass of the same workload (compiles). The engine and
 `generate` (and tunix, also JAX) share one subprocess and alternate pass by pass (a shared
-machine's load changes hit them alike); HF runs alone in a fresh subprocess.
+machine's load changes hit them alike); HF runs alone in a fresh subprocess. Greedy tokens are
+compared with `generate`'s (engine, paged) and with HF's (engine_hf) position by position over
+the requested tokens only; the count compared is printed.
 The engine also prints its slot occupancy (tokens / (slots x decode steps); of computed rows:
 tokens / rows the decode chunks computed, after compaction), its prefill share of the wall
 time, and its KV-cache bytes per token and per slot.
 
-Machine bound: a decode step of `slots` rows reads every weight but the embedding once; the
-matmul-bound floor is `slots` x (the rate at which XLA's float32 `[slots, H] @ [H, 8192]` streams
-uncached weights) / bytes per step (as in `decode.py`), a ceiling on any engine's decode rate.
+Machine bound: a decode step of R rows reads every weight but the embedding once; the
+matmul-bound ceiling is R x (the rate at which XLA's `[R, H] @ [H, 8192]` in `--dtype` streams
+uncached weights) / weight bytes per step (KV reads not counted), a ceiling on the decode rate of
+a JAX engine computing in `--dtype` at up to R rows. Printed at R = `slots` and, with the paged
+engine, at R = `paged-slots` (the most rows it decodes).
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ import bench_utils
 import decode
 
 ENGINES = ("engine", "paged", "generate", "tunix", "hf")
+HF_WORKLOAD = ("hf", "engine_hf")  # runs on the first `--hf-requests` requests
 MAX_NEW = 512
 
 
@@ -128,7 +135,6 @@ def engine_run(model, args, paged: bool = False):
 def generate_run(model, args):
     from mars_jax.sampling import generate
 
-
     def run(prompts, lengths):
         tokens = []
         for start in range(0, len(prompts), args.slots):
@@ -170,7 +176,6 @@ def hf_run(path: Path, args):
     batching = transformers.ContinuousBatchingConfig(max_requests_per_batch=args.slots)
 
     def run(prompts, lengths):
-        prompts, lengths = prompts[:args.hf_requests], lengths[:args.hf_requests]
         results = {}
         with torch.inference_mode(), model.continuous_batching_context_manager(
                 generation_config=generation, continuous_batching_config=batching, block=True,
@@ -188,39 +193,51 @@ def hf_run(path: Path, args):
     return run
 
 
+def our_runs(path: Path, args) -> dict:
+    """Ours on one loaded model (the engine, on hf's workload too with `hf`), and tunix with
+    `--with-tunix`: a run per engine asked for."""
+    model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
+    builders = {"engine": lambda: engine_run(model, args),
+                "paged": lambda: engine_run(model, args, paged=True),
+                "generate": lambda: generate_run(model, args)}
+    runs = {name: build() for name, build in builders.items() if name in args.engines}
+    if "engine" in runs and "hf" in args.engines:
+        runs["engine_hf"] = runs["engine"]
+    if args.with_tunix:
+        runs["tunix"] = tunix_run(path, args)
+    return runs
+
+
 def run_engine(args) -> None:
-    """Child process: one peer engine, or ours ('mars_jax': the engine and `generate` on one
-    loaded model, runs alternating); a warm-up pass each, then `repeats` timed passes (median);
-    prints one JSON line with a result per engine."""
+    """Child process: one peer engine, or ours (`our_runs`, alternating pass by pass); a warm-up
+    pass each, then `repeats` timed passes (median), each run on its workload (`HF_WORKLOAD`:
+    the first `hf-requests` requests); writes each run's tokens; prints one JSON line with a
+    result per run."""
     work = args.workdir
-    prompts, lengths = np.load(work / "prompts.npy"), np.load(work / "lengths.npy")
     path = work / "checkpoint"
     if args.engine == "mars_jax":
-        model = decode.load_mars_jax(path, args.dtype == "bfloat16", "auto")
-        builders = {"engine": lambda: engine_run(model, args),
-                    "paged": lambda: engine_run(model, args, paged=True),
-                    "generate": lambda: generate_run(model, args)}
-        runs = {name: build() for name, build in builders.items() if name in args.engines}
-        if args.with_tunix:
-            runs["tunix"] = tunix_run(path, args)
+        runs = our_runs(path, args)
     else:
         runs = {args.engine: {"tunix": tunix_run, "hf": hf_run}[args.engine](path, args)}
-        if args.engine == "hf":
-            lengths = lengths[:args.hf_requests]
+    prompts, lengths = np.load(work / "prompts.npy"), np.load(work / "lengths.npy")
+    workloads = {name: (prompts[:n], lengths[:n]) for name in runs
+                 for n in [args.hf_requests if name in HF_WORKLOAD else len(lengths)]}
     results = {}
     for name, run in runs.items():
         start = time.perf_counter()
-        run(prompts, lengths)
+        run(*workloads[name])
+        requested = workloads[name][1]
         results[name] = {"warmup": time.perf_counter() - start, "walls": [],
-                         "tokens": int(sum(lengths))}
+                         "requests": len(requested), "tokens": int(sum(requested))}
     for _ in range(args.repeats):
         for name, run in runs.items():
             start = time.perf_counter()
-            tokens, info = run(prompts, lengths)
+            tokens, info = run(*workloads[name])
             results[name]["walls"].append(time.perf_counter() - start)
-            results[name].update(info, lengths_ok=[len(t) for t in tokens] == list(lengths))
-            np.save(work / f"tokens_{name}.npy",
-                    np.array([t + [-1] * (MAX_NEW - len(t)) for t in tokens]))
+            results[name].update(info, lengths_ok=[len(t) for t in tokens]
+                                 == list(workloads[name][1]))
+            (work / f"tokens_{name}.json").write_text(
+                json.dumps([list(map(int, t)) for t in tokens]))
     print(json.dumps(results))
 
 
@@ -241,6 +258,26 @@ def spawn(engine: str, work: Path, args) -> dict:
         return {}
 
 
+def print_bound(config, rows: int, dtype: str) -> None:
+    """Prints the matmul-bound decode ceiling at `rows` rows (module docstring), measured now."""
+    itemsize = 4 if dtype == "float32" else 2
+    step = decode.bytes_per_step(config, itemsize)
+    h = config.hidden_size
+    gemm = bench_utils.xla_matmul_rate(rows, h, 8192, weight_bytes=256 << 20, dtype=dtype)
+    weights_rate = itemsize * gemm / (2 * rows)  # a weight is read per 2 x rows FLOPs
+    print(f"machine bound: XLA {dtype} [{rows}, {h}] @ [{h}, 8192] streams "
+          f"{weights_rate / 1e9:.1f} GB/s of weights; {step / 1e6:.0f} MB of weights per step "
+          f"-> matmul-bound decode ceiling {weights_rate / step * rows:.0f} tokens/s at {rows} "
+          f"rows", flush=True)
+
+
+def print_equal_tokens(work: Path, name: str, base: str) -> None:
+    """Prints how many of `name`'s requested tokens equal `base`'s, position by position."""
+    ours, theirs = (json.loads((work / f"tokens_{n}.json").read_text()) for n in (name, base))
+    equal, compared = bench_utils.equal_tokens(ours, theirs)
+    print(f"  {name} tokens equal to {base}'s: {equal / compared:.1%} of {compared} tokens")
+
+
 def main() -> None:
     args = parse_args()
     if args.engine:
@@ -255,15 +292,11 @@ def main() -> None:
     print(f"{args.preset} preset, {args.dtype}: {args.requests} requests, prompt {args.prompt_len} "
           f"random tokens, output lengths log-normal (median 48, sigma 1, cap {MAX_NEW}): "
           f"mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}, "
-          f"total {lengths.sum()}; {args.slots} slots / rows; greedy, no stop token")
-    step = decode.bytes_per_step(config, 4 if args.dtype == "float32" else 2)
-    h = config.hidden_size
-    gemm = bench_utils.xla_matmul_rate(args.slots, h, 8192, weight_bytes=256 << 20)
-    weights_rate = 4 * gemm / (2 * args.slots)
-    print(f"machine bound: XLA float32 [{args.slots}, {h}] @ [{h}, 8192] streams "
-          f"{weights_rate / 1e9:.1f} GB/s of weights; {step / 1e6:.0f} MB per step -> "
-          f"matmul-bound decode floor {weights_rate / step * args.slots:.0f} tokens/s "
-          f"at {args.slots} rows")
+          f"total {lengths.sum()}; {args.slots} slots / rows; greedy, no stop token"
+          + f"; hf and engine_hf: the first {args.hf_requests} requests" * ("hf" in args.engines))
+    rows = [args.slots] + [args.paged_slots] * ("paged" in args.engines)
+    for r in dict.fromkeys(rows):
+        print_bound(config, r, args.dtype)
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -290,15 +323,15 @@ def main() -> None:
                              f"{r['prefills']} prefills in {r['prefill_calls']} calls, KV "
                              f"{r['kv_bytes_per_token']} B/token, "
                              f"{r['kv_bytes'] / 2**20:.1f} MiB in all")
-                print(f"  {engine:9s} {r['tokens']:6d} tokens in {wall:7.2f} s = "
+                print(f"  {engine:9s} {r['requests']:3d} requests, {r['tokens']:6d} tokens "
+                      f"in {wall:7.2f} s = "
                       f"{rates[engine]:6.1f} tokens/s (runs "
                       f"{', '.join(f'{w:.1f}' for w in r['walls'])} s; warm-up "
                       f"{r['warmup']:.1f} s; lengths {'exact' if r['lengths_ok'] else 'WRONG'})"
                       f"{extra}", flush=True)
-        for name in ("engine", "paged"):
-            if name in rates and "generate" in rates:
-                a, b = np.load(work / f"tokens_{name}.npy"), np.load(work / "tokens_generate.npy")
-                print(f"  {name} tokens equal to generate's: {np.mean(a == b):.1%}")
+        for name, base in (("engine", "generate"), ("paged", "generate"), ("engine_hf", "hf")):
+            if name in rates and base in rates:
+                print_equal_tokens(work, name, base)
     if "paged" in rates:
         pages = kv_pages(args.slots, args.prompt_len, args.page_size)
         print(f"  paged: {args.paged_slots} slots over {pages} pages of {args.page_size} "
@@ -307,9 +340,12 @@ def main() -> None:
         if "engine" in rates:
             ratio = rates["paged"] / rates["engine"]
             print(f"  ratio paged/engine (same KV memory) = {ratio:.2f}x")
-    for base in ("generate", "tunix", "hf"):
+    for base in ("generate", "tunix"):
         if "engine" in rates and base in rates:
             print(f"  ratio engine/{base} = {rates['engine'] / rates[base]:.2f}x")
+    if "engine_hf" in rates and "hf" in rates:
+        print(f"  ratio engine/hf on the same first {args.hf_requests} requests "
+              f"= {rates['engine_hf'] / rates['hf']:.2f}x")
 
 
 if __name__ == "__main__":

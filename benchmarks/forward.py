@@ -37,6 +37,7 @@ from flax import nnx
 import bench_utils
 from mars_jax.models import from_pretrained, get_preset
 
+ENGINES = ("mars_jax", "torch")
 LEARNING_RATE, WEIGHT_DECAY = 1e-4, 0.01
 
 
@@ -47,8 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--forward-len", type=int, default=512)
     parser.add_argument("--train-len", type=int, default=256)
-    parser.add_argument("--engines", default="mars_jax,torch",
-                        help="comma-separated subset of mars_jax,torch")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help=f"comma-separated subset of {','.join(ENGINES)}")
     parser.add_argument("--moe-impl", default="auto", choices=("auto", "dense", "sorted", "ragged"))
     parser.add_argument("--moe-block-size", type=int, default=None)
     parser.add_argument("--moe-dense-max-tokens", type=int, default=None)
@@ -56,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.batch, args.forward_len, args.train_len = 2, 128, 64
-    args.engines = args.engines.split(",")
+    args.engines = bench_utils.engines_list(parser, args.engines, ENGINES)
     return args
 
 

@@ -16,16 +16,16 @@ Random weights (`create_model`, bf16 weights and compute) of `preset` with `num-
   moe       one MoE block of `preset`, forward, per dispatch backend (dense, sorted with blocks
             of 128 and of 512 rows: fewer scan iterations, more padding, ragged) at
             256 and 16,384 tokens (a decode step's and a prefill's), to pick the GPU's default
-Tokens/s over the median of 3 timed calls after one warm-up (compile) call. MFU = matmul FLOPs
-the step must do (`bench_utils.forward_flops`; x3 for a train step) / time / the chip's bf16
-peak; achieved HBM bandwidth = bytes a decode step must read (every weight but the embedding,
-plus the KV cache up to the current position) / step time, against the chip's peak.
+Tokens/s over the median of `--repeats` (3) timed calls after one warm-up (compile) call. MFU =
+matmul FLOPs the step must do (`bench_utils.forward_flops`; x3 for a train step; per decode step
+`bench_utils.decode_flops` at the mean context) / time / the chip's bf16 peak; achieved HBM
+bandwidth = bytes a decode step must read (every weight but the embedding, plus the KV cache up
+to the current position) / step time, against the chip's peak.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ import bench_utils
 import engine as engine_bench
 
 PARTS = ("forward", "train", "decode", "engine", "moe")
+ENGINES = ("engine", "paged", "generate")
 MOE_TOKENS = (256, 16384)
 
 
@@ -54,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-hbm-tbs", type=float, default=4.8, help="HBM TB/s (H200)")
     args = parser.parse_args()
     args.parts = args.parts.split(",")
+    args.engines = bench_utils.engines_list(parser, args.engines, ENGINES)
     return args
 
 
@@ -134,7 +136,8 @@ def bench_decode(args) -> None:
     kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     step_bytes = weight_bytes(model) + batch * kv_token * (prompt_len + new / 2)
     bandwidth = step_bytes * new / seconds
-    flops = bench_utils.forward_flops(cfg, batch, 1) * new  # decode steps; prefill not counted
+    # decode steps at the mean context (attention is linear in it); prefill not counted
+    flops = bench_utils.decode_flops(cfg, batch, prompt_len + new / 2) * new
     print(f"  decode   {batch * new / seconds:10.0f} tokens/s  batch {batch}, {new} new tokens "
           f"(prefill included); HBM {bandwidth / 1e12:.2f} TB/s = "
           f"{bandwidth / (args.peak_hbm_tbs * 1e12):.0%} of {args.peak_hbm_tbs} TB/s; "
@@ -173,11 +176,8 @@ def bench_engine(args) -> None:
                                         page_size=64),
             "generate": run_generate}
     rates = {}
-    for name in args.engines.split(","):
-        runs[name]()
-        start = time.perf_counter()
-        runs[name]()
-        rates[name] = tokens / (time.perf_counter() - start)
+    for name in args.engines:
+        rates[name] = tokens / timed(runs[name], args.repeats)
         line = f"  {name:8s} {rates[name]:10.0f} tokens/s; {args.requests} requests"
         if name in engines:
             s = engines[name].stats

@@ -15,7 +15,7 @@
 #    longest limit;
 # 4. benchmarks/gpu.py engine: reserved slots vs a paged cache of the same KV memory over 4x
 #    the slots vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots,
-#    $REQUESTS long-tailed requests;
+#    $REQUESTS long-tailed requests, one timed call each (the step's time limit);
 # 5. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU).
 # (benchmarks/gpu.py forward + train, measured on the first H200: `--parts forward,train`.)
 # Every step has its own time limit; the output is also written to $OUT/gpu.log. Through the
@@ -75,7 +75,7 @@ timeout 285 python -m benchmarks.pipeline --min_span=512 \
 step "engine: reserved vs paged vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16)"
 timeout 110 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
   --parts engine --slots "$SLOTS" --paged-slots $((4 * SLOTS)) --requests "$REQUESTS" \
-  --engines engine,paged,generate || echo "engine: failed or timed out (rc $?)"
+  --engines engine,paged,generate --repeats 1 || echo "engine: failed or timed out (rc $?)"
 
 step "tests (engine exactness, HF parity)"
 timeout 70 python -m pytest -q -p no:cacheprovider tests/sampling/test_engine.py \

@@ -3,7 +3,7 @@ second at a generation-dominated, long-tailed setting.
 
   python -m benchmarks.pipeline [--updates=3] [--warmup=1] [--slots=16] [--median=256]
                                 [--sigma=1.0] [--cap=2048] [--group=4] [--problems=1]
-                                [--visible=32] [--min_span=128]
+                                [--fan_out=2] [--visible=32] [--min_span=128]
 
 Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float32, random
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
