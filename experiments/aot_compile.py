@@ -28,12 +28,14 @@ prints the bytes one weight copy from the training to the rollout submesh writes
 (`weight_sync.transfer_bytes`), e.g. for v5p-512 split 192:64 (3:1):
   python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b.py \
       --topology=v5p:8x8x4 --config.rollout.decode_engine=engine \
+      --config.rollout.scheduler=stream --config.rollout.segment_tokens=0 \
       --config.mesh.rollout.devices=192 --config.mesh.rollout.data=3 \
       --config.mesh.rollout.fsdp=-1 --config.learner.micro_batch_size=64
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
 FLOPs (`cost_analysis()`: per device, a loop body counted once) and whether it fits the chip;
 the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
-same width (compile time grows with depth: the layer loop is unrolled).
+same width (compile time grows with depth where the layer loop is unrolled: without
+`model.scan_layers`, and in the KV-cache programs).
 """
 from __future__ import annotations
 
@@ -63,15 +65,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding, weight_sync  # noqa: E402
+from mars_jax.config_validation import ConfigError, validate  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
 from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
+from mars_jax.rl.batching import pow2_at_least  # noqa: E402
 from mars_jax.rl.update import (TrainBatch, TrainState, make_optimizer,  # noqa: E402
                                 opt_state_shardings, token_logprobs, train_step)
 from mars_jax.rl.generator import engine_shape  # noqa: E402
 from mars_jax.sampling import engine, sampler  # noqa: E402
 from mars_jax.sampling.sampler import _batch_multiple as sharding_multiple  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "configs"))
+from common import base_config  # noqa: E402
 
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
 ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs", "update")
@@ -149,10 +156,6 @@ class Result:
                 + self.code_bytes)
 
 
-def _pow2(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
 def tpu_target(topology: str, num_slices: int = 1) -> Target:
     """Compile-only devices of a TPU topology such as 'v5p:4x4x4' (through libtpu)."""
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -192,33 +195,40 @@ def make_target(topology: str, num_slices: int = 1) -> Target:
     return tpu_target(topology, num_slices)
 
 
-def model_config(config: ConfigDict, num_layers: int = 0) -> Qwen3Config:
-    """The architecture of `config.model` (checkpoint's config.json if present, else preset)."""
+def model_config(config: ConfigDict, num_layers: int = 0, tpu: bool = True) -> Qwen3Config:
+    """The architecture of `config.model` (checkpoint's config.json if present, else preset);
+    for a `tpu` target MoE dispatch 'auto' becomes 'ragged', what it picks there (off TPU it
+    stays 'auto', which picks at trace time as on a GPU: this process does not run on TPU)."""
     overrides = builders.model_overrides(config)
     checkpoint = config.model.get("checkpoint")
     if checkpoint and Path(checkpoint, "config.json").is_file():
         cfg = Qwen3Config.from_json_file(Path(checkpoint, "config.json"), **overrides)
     else:
         cfg = get_preset(config.model.preset, **overrides)
-    if cfg.moe_impl == "auto":  # what 'auto' picks on TPU / GPU (this process runs on CPU)
+    if cfg.moe_impl == "auto" and tpu:
         cfg = cfg.replace(moe_impl="ragged")
     return cfg.replace(num_hidden_layers=num_layers) if num_layers else cfg
 
 
-def step_shapes(config: ConfigDict) -> Shapes:
+def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows (at most
-    `max_decode_rows`), the longest prompt and output budget, and one mini-batch
-    (`learner.mini_batches` per step) of training rows of prompt + output."""
-    r = config.rollout
+    `max_decode_rows`) in the sampler's batch bucket on `mesh`, the longest prompt and output
+    budget, and one mini-batch (`learner.mini_batches` per step) of training rows of prompt +
+    output, at least `learner.min_length` long and `learner.min_micro_batches` micro-batches."""
+    r, learner = config.rollout, config.learner
     rows = r.prompts_per_step * r.group_size
-    decode_batch = min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows
+    decode_batch = sampler._batch_bucket(
+        min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows,
+        sharding_multiple(mesh))
     prompt_len = sampler.prompt_bucket(r.max_prompt_tokens)
     new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
-    micro = config.learner.micro_batch_size
+    micro = learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
                   segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,
-                  num_micro=_pow2(-(-rows // (micro * config.learner.mini_batches)), 1),
-                  train_len=_pow2(r.max_prompt_tokens + max(r.max_new_tokens.values()), 32))
+                  num_micro=pow2_at_least(-(-rows // (micro * learner.mini_batches)),
+                                          learner.min_micro_batches),
+                  train_len=pow2_at_least(r.max_prompt_tokens + max(r.max_new_tokens.values()),
+                                          learner.min_length))
 
 
 def step_programs(config: ConfigDict) -> tuple[str, ...]:
@@ -245,7 +255,7 @@ class StepPrograms:
 
     def __init__(self, config: ConfigDict, cfg: Qwen3Config, mesh: Mesh):
         self.config, self.cfg, self.mesh = config, cfg, mesh
-        self.shapes = step_shapes(config)
+        self.shapes = step_shapes(config, mesh)
         abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
         self.graphdef, state = nnx.split(abstract_model)
         self.train_graphdef, _ = nnx.split(abstract_model, nnx.Param)
@@ -589,9 +599,10 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
     if unknown:
         raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {ALL_PROGRAMS}")
     target = make_target(topology, num_slices)
+    validate(config, base_config(), device_count=len(target.devices))
     train_mesh, rollout_mesh = sharding.make_meshes(config.mesh.to_dict(), target.devices)
     split = train_mesh is not rollout_mesh
-    cfg = model_config(config, num_layers)
+    cfg = model_config(config, num_layers, tpu=topology.split(":")[0] not in GPU_SPECS)
     train = StepPrograms(config, cfg, train_mesh)
     rollout = StepPrograms(config, cfg, rollout_mesh) if split else train
     kv_bytes = None
@@ -614,8 +625,12 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
 
 def main(argv):
     del argv
-    report = run(_CONFIG.value, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
-                 programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
+    try:
+        report = run(_CONFIG.value, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
+                     programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
     print(f"target  {report.target}; mesh {report.mesh}")
     if report.weight_copy_bytes:
         print(f"split   training mesh {report.mesh}, rollout mesh {report.rollout_mesh}; one "

@@ -72,7 +72,8 @@ def base_config() -> ConfigDict:
         # Zero-variance groups: dropped, or (False) kept in the batch with a zero loss mask.
         drop_zero_variance=True, normalize_std=True))
 
-    # 0 switches an optional loss term off (clip_c, behaviour_weight_cap, mastered_mask_prob, ...).
+    # 0 switches an optional loss term off (clip_c, behaviour_weight_cap, mastered_mask_prob, ...);
+    # target_entropy 0: no entropy gate, the mastered-token mask (if on) applies at every step.
     # pi_old: 'sampler' (the sampler's log-probabilities) | 'recompute' (one forward at the start
     # of the step; the sampler's then weight each token, min(pi_old / pi_sampler, cap)).
     # aggregation: 'seq-mean-token-mean' (the paper's Eq. 2) | 'token-mean' (DAPO) |

@@ -1,11 +1,11 @@
 r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, for a TPU v5p slice.
 
-  python experiments/run.py --workdir=gs://BUCKET/marsrl_30b \
+  python experiments/run.py --workdir=/mnt/shared/marsrl_30b \
       --config=experiments/configs/marsrl_qwen3_30b_a3b.py:ckpt=/data/Qwen3-30B-A3B-Thinking-2507
   # Check which programs fit the slice before paying for it (CPU machine, libtpu):
   python experiments/aot_compile.py --topology=v5p:8x8x4 \
       --config=experiments/configs/marsrl_qwen3_30b_a3b.py
-  # Few-minute CPU run of the same pipeline (bench-sized model, short lengths):
+  # Few-minute CPU run of the same pipeline (tiny model, short lengths):
   python experiments/run.py --workdir=/tmp/marsrl_30b_local \
       --config=experiments/configs/marsrl_qwen3_30b_a3b.py:runlocal
 
@@ -34,7 +34,8 @@ Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128,
     one row, 32k + 64k buckets    98,304 tokens x 98,304 B = 9.7 GB (allocated at full length),
                                   plus ~6 GB of decode-loop temporaries (AOT below): ~15.7 GB
     128 x 8 = 1,024 rows          16 TB: more than a v5p-128 (64 chips x 95 GiB = 6.5 TB) holds;
-                                  a v5p-512 (256 chips) holds it at 4 rows (~61 GiB) per chip
+                                  a v5p-512 (256 chips) holds it at 4 rows per chip (4 x 15.7
+                                  GB = 58.5 GiB; 60.6 GiB compiled, launch/README.md)
   attention: blockwise (flash), never a [T, S] score array; one 512 x 512 tile per kv head
     group, f32: 4 rows x 4 x 8 x 512 x 512 x 4 B = 134 MB live at a time in prefill
   update, one 131,072-token row per chip: layer inputs kept for the backward (remat)

@@ -63,6 +63,22 @@ def test_paper_shapes():
     assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (256, 1, 131072)
 
 
+def test_shapes_follow_the_sampler_bucket_and_the_learner_minimums():
+    config = marsrl_qwen3_30b_a3b.get_config()
+    config.rollout.prompts_per_step, config.rollout.group_size = 5, 8  # 40 rows: bucket 64
+    config.learner.min_micro_batches, config.learner.min_length = 4, 262144
+    shapes = aot_compile.step_shapes(config)
+    assert (shapes.decode_batch, shapes.num_micro, shapes.train_len) == (64, 4, 262144)
+
+
+@needs_libtpu
+def test_an_invalid_config_is_refused_before_compiling(tmp_path):
+    result = subprocess.run([sys.executable, "experiments/aot_compile.py", "--topology=v5e:2x2",
+                             *TINY, "--config.mesh.rollout.devices=2"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "rollout.scheduler='stream'" in result.stderr
+
+
 @needs_libtpu
 def test_tiny_step_programs_compile_for_a_small_tpu_slice(tmp_path):
     result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY)
@@ -195,6 +211,8 @@ def test_tiny_split_compiles_the_engine_on_the_rollout_submesh_and_the_update_on
     (replicated there: data=2)."""
     result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY,
                           "--config.rollout.decode_engine=engine",
+                          "--config.rollout.scheduler=stream",
+                          "--config.rollout.segment_tokens=0",
                           "--config.mesh.rollout.devices=2")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert report["mesh"]["data"] == 2 and report["rollout_mesh"]["data"] == 2
