@@ -88,7 +88,7 @@ def test_rollout_copy_equals_the_trainers_weights_after_each_update(meshes, trai
             assert x.sharding == s
         # Every byte lands on a rollout device; replicated parameters once per device.
         assert transfer.bytes >= sum(x.nbytes for x in jax.tree.leaves(state.params))
-        assert transfer.bytes_per_device <= transfer.bytes and transfer.seconds > 0
+        assert transfer.bytes_per_device <= transfer.bytes
         copies.append((copy, want))
         with sharding.use_mesh(train_mesh):
             state, metrics = train_step(state, batch, None, graphdef=graphdef,

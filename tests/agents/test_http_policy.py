@@ -141,13 +141,11 @@ def test_4xx_is_not_retried_but_429_is():
 
 
 def test_timeout_is_retried():
+    # A 1 s reply would be an answer if the 0.2 s timeout were ignored: "stuck" would not fail.
     with FakeServer({"slow": [("sleep", 1.0), "ok"], "stuck": [("sleep", 1.0)]}) as server:
-        start = time.monotonic()
         slow, stuck = policy(server.url, timeout_s=0.2, max_retries=1).complete([req("slow"), req("stuck")])
-        elapsed = time.monotonic() - start
     assert (slow.text, slow.finish_reason) == ("echo slow", "stop")
     assert stuck.finish_reason == "error" and server.attempts("stuck") == 2
-    assert elapsed < 1.0
 
 
 def test_connection_refused_gives_an_error_completion():

@@ -128,6 +128,7 @@ def test_tiny_engine_programs_write_the_sharded_slot_state_in_place(tmp_path):
     assert r["engine_shrink"]["output_bytes"] <= 0.55 * expand["output_bytes"]
 
 
+@needs_libtpu
 @pytest.mark.parametrize("mesh, pools, per_device", [
     (("--config.mesh.data=1", "--config.mesh.tensor=-1"), 1, 2),  # the 2 KV heads split
     (("--config.mesh.data=-1",), 4, 4),                            # a pool per chip
@@ -154,6 +155,7 @@ def test_tiny_paged_engine_programs_keep_a_pool_per_batch_shard(tmp_path, mesh, 
         assert r["temp_bytes"] < kv["per_device"] / 4, r["program"]
 
 
+@needs_libtpu
 def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
     """One layer of Qwen3-30B-A3B (head_dim 128, 32 query / 4 KV heads) on v5p:2x2x1, 8 slots
     over 64 pages of 64 positions: 'auto' picks the Pallas TPU paged-attention kernel, which

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mars_jax.rewards import grader, normalize
+from mars_jax.rewards import grader
 from mars_jax.rewards.text import strip_thinking
 
 
@@ -149,25 +149,3 @@ def test_bad_arguments_raise():
         grader.is_equivalent(None, "1")
 
 
-@pytest.mark.parametrize(
-    "text, costly",
-    [
-        ("2^{10}", False),
-        ("10^{100}", False),
-        ("(3^5)^{7}", False),  # not a tower: (3^5)^7 = 3^35
-        ("e^{x^2}", False),
-        ("2^{2^{5}}", False),  # 2^32
-        ("9^{9^{9}}", True),
-        ("10^{20000}", True),
-        ("2000!", False),
-        ("2001!", True),
-        ("{" * 65 + "}" * 65, True),
-        ("a" * 20_001, True),
-        ("(" * 65 + "1" + ")" * 65, True),
-        ("[0, 1) \\cup (2, 3]", False),
-        ("1+" * 256 + "1", False),
-        ("1+" * 257 + "1", True),  # math-verify would read this as "1"
-    ],
-)
-def test_cost_precheck(text, costly):
-    assert (normalize.cost_reason(text) is not None) is costly

@@ -20,7 +20,14 @@ from mars_jax.data.paths import default_manual_dir
 from mars_jax.rewards import grader
 
 RESPONSE_HARNESSES = {"openr1_accuracy_reward", "rllm_reward_math"}
-MIN_AGREEMENT = 0.96
+# The cases we disagree with, each read by hand: golds of several boxes or solution sets, which
+# we grade by their last box (gc-0177, gc-0262, gc-0263, gc-0264); rounded decimals inside a
+# matrix or interval (gc-0127, gc-0133); an inequality for an interval (gc-0179); f(y) for f(x)
+# (gc-0245); and two harnesses' own conventions we do not follow: spaces inside math delimiters
+# fail (gc-0028, gc-0029), lists are ordered (gc-0321, gc-0327). A new miss, or a new match,
+# fails: update this set deliberately.
+KNOWN_MISSES = {"gc-0028", "gc-0029", "gc-0127", "gc-0133", "gc-0177", "gc-0179", "gc-0245",
+                "gc-0262", "gc-0263", "gc-0264", "gc-0321", "gc-0327"}
 TIMEOUT_S = 5.0
 
 
@@ -52,13 +59,14 @@ def test_agreement_with_external_cases(cases):
     grader.warm_up()
     verdicts = _verdicts(cases)
     total, agree = collections.Counter(), collections.Counter()
-    misses = []
+    misses, missed = [], set()
     for case, verdict in zip(cases, verdicts):
         source = case["source"].split("@")[0]
         total[source] += 1
         if verdict == case["expected"]:
             agree[source] += 1
         else:
+            missed.add(case["id"])
             misses.append(f"{case['id']} expected={case['expected']} [{case['harness']}] "
                           f"gold={case['gold'][:60]!r} pred={case['pred'][-80:]!r}")
     print(f"\n{'source':28s} {'agree':>7s} {'n':>4s}")
@@ -68,4 +76,5 @@ def test_agreement_with_external_cases(cases):
     print(f"{'overall':28s} {sum(agree.values()):7d} {len(cases):4d}  ({100 * overall:.1f}%)")
     print("misses:\n  " + "\n  ".join(misses))
     print(f"worker outcomes: {grader.worker_stats()}")
-    assert overall >= MIN_AGREEMENT, f"agreement {overall:.3f} < {MIN_AGREEMENT}"
+    assert missed == KNOWN_MISSES, (f"new misses {sorted(missed - KNOWN_MISSES)}, new matches "
+                                    f"{sorted(KNOWN_MISSES - missed)}")

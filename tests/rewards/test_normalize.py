@@ -16,9 +16,23 @@ from mars_jax.rewards import normalize
         ("a 2001 !", True),
         ("x1999!", False),
         ("2001", False),
+        ("2^{10}", False),
+        ("10^{100}", False),
+        ("(3^5)^{7}", False),  # not a tower: (3^5)^7 = 3^35
+        ("e^{x^2}", False),
+        ("2^{2^{5}}", False),  # 2^32
+        ("9^{9^{9}}", True),
+        ("10^{20000}", True),
+        ("2000!", False),
+        ("{" * 65 + "}" * 65, True),
+        ("a" * 20_001, True),
+        ("(" * 65 + "1" + ")" * 65, True),
+        ("[0, 1) \\cup (2, 3]", False),
+        ("1+" * 256 + "1", False),
+        ("1+" * 257 + "1", True),  # math-verify would read this as "1"
     ],
 )
-def test_cost_reason_finds_powers_and_factorials(text, flagged):
+def test_cost_reason_flags_huge_powers_factorials_and_shapes(text, flagged):
     assert (normalize.cost_reason(text) is not None) is flagged
 
 

@@ -13,8 +13,9 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, mini_batch_indices, ppo_update
 from mars_jax.rl.losses import LossConfig, policy_loss
-from mars_jax.rl.update import (UpdateConfig, batch_gradients, cut_lengths, init_train_state,
-                                make_optimizer, policy_logprobs, token_logprobs)
+from mars_jax.rl.update import (UpdateConfig, _length_branch, batch_gradients, cut_lengths,
+                                init_train_state, make_optimizer, policy_logprobs,
+                                token_logprobs)
 from mars_jax.sampling import generate
 
 
@@ -128,11 +129,21 @@ def test_fine_cuts_leave_the_gradient_unchanged(tiny):
 
 
 def test_micro_batches_branch_on_their_length(tiny):
-    """A micro-batch runs one branch of a conditional: zero (no loss tokens: the padding
-    micro-batches) or the forward/backward cut to a length that holds its rows (16 or 32 here;
-    the gradient test above checks the cut changes nothing)."""
+    """A micro-batch runs one branch of a conditional: zero (no loss tokens: out of the loss,
+    or the padding micro-batches) or the forward/backward cut to the shortest length that holds
+    its rows (16 or 32 of a 32-wide batch; the gradient test above checks the cut changes
+    nothing)."""
     _, graphdef, params = tiny
-    batch = make_batch(_samples(), micro_batch_size=1)  # 8 micro-batches, 3 without tokens
+    rows = [(4, 6, True), (9, 10, True), (3, 4, False), (2, 14, True), (10, 7, True)]
+    samples = [TrainSample(list(range(1, p + 1)), list(range(1, r + 1)), [-1.0] * r, 1.0,
+                           in_loss=in_loss) for p, r, in_loss in rows]
+    batch = make_batch(samples, micro_batch_size=1)  # 8 micro-batches: 3 of padding
+    cuts = cut_lengths(batch.tokens.shape[-1], UpdateConfig().length_halvings)
+    assert cuts == (16, 32)
+    branches = [int(_length_branch(jax.tree.map(lambda x: x[i], batch), cuts)) for i in range(8)]
+    # By hand: 10 tokens fit 16 (branch 1), 19 need 32 (2), out of the loss (0), 16 fit 16 (1),
+    # 17 need 32 (2), padding (0, 0, 0).
+    assert branches == [1, 2, 0, 1, 2, 0, 0, 0]
     jaxpr = jax.make_jaxpr(lambda p, b: batch_gradients(p, b, None, graphdef=graphdef,
                                                         config=UpdateConfig())[0])(params, batch)
     assert "cond[" in str(jaxpr)
