@@ -115,10 +115,9 @@ class Checkpointer:
         meta (e.g. written by another number of hosts)."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                saved = self._saved_layout(step)
-            except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
-                self._skip(step, e)
+            saved, error = _agreed(lambda: self._saved_layout(step))
+            if error is not None:
+                self._skip(step, error)
                 continue
             differences = _layout_differences(saved, target)
             if differences:
@@ -126,12 +125,10 @@ class Checkpointer:
                     f"checkpoint at step {step} in {self.directory} does not fit the state to "
                     f"restore: {'; '.join(differences)}; restore with the model and optimizer "
                     "settings it was saved with, or use another directory to start afresh")
-            try:
-                return self._restore(step, target, arrays_target)
-            except CheckpointMismatch:
-                raise
-            except Exception as e:  # noqa: BLE001
-                self._skip(step, e)
+            restored, error = _agreed(lambda: self._restore(step, target, arrays_target))
+            if error is None:
+                return restored
+            self._skip(step, error)
         return None
 
     def _step_dir(self, step: int) -> Path:
@@ -194,6 +191,27 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def _agreed(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """(`read()`, None), or (None, the error) when it failed on this or another process: every
+    process gets the same outcome, so all skip a checkpoint together. A `CheckpointMismatch` on
+    any process is raised on every one."""
+    value, error = None, None
+    try:
+        value = read()
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
+        error = e
+    if jax.process_count() > 1:
+        from mars_jax.distributed import any_process
+        if any_process(isinstance(error, CheckpointMismatch)):
+            raise error if isinstance(error, CheckpointMismatch) else CheckpointMismatch(
+                "another process's checkpoint does not fit its state (see its error)")
+        if any_process(error is not None) and error is None:
+            value, error = None, CorruptCheckpoint("unreadable on another process")
+    elif isinstance(error, CheckpointMismatch):
+        raise error
+    return value, error
 
 
 def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:

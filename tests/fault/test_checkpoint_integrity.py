@@ -329,3 +329,16 @@ def test_arrays_that_do_not_fit_this_run_raise_and_set_nothing_aside(tmp_path):
         checkpointer.restore_latest(_state(0), arrays_target=other_hosts)
     checkpointer.close()
     assert _steps_on_disk(tmp_path) == [1, 2]
+
+
+def test_processes_agree_to_skip_a_checkpoint_one_of_them_cannot_read(monkeypatch):
+    from mars_jax import checkpoint, distributed
+    monkeypatch.setattr(checkpoint.jax, "process_count", lambda: 2)
+    answers = iter([False, True])  # no process has a mismatch; another one failed to read
+    monkeypatch.setattr(distributed, "any_process", lambda flag: next(answers))
+    value, error = checkpoint._agreed(lambda: "read here")
+    assert value is None and isinstance(error, checkpoint.CorruptCheckpoint)
+    monkeypatch.setattr(distributed, "any_process", lambda flag: bool(flag))  # only this one
+    assert checkpoint._agreed(lambda: "read here") == ("read here", None)
+    with pytest.raises(CheckpointMismatch, match="layout"):
+        checkpoint._agreed(lambda: (_ for _ in ()).throw(CheckpointMismatch("layout")))
