@@ -115,6 +115,13 @@ class Qwen3Config:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ValueError(f"config.json: missing required fields {missing}")
+        sizes = (*required, "num_key_value_heads", "head_dim", "moe_intermediate_size",
+                 "num_experts", "num_local_experts", "num_experts_per_tok")
+        wrong = {k: hf[k] for k in sizes
+                 if hf.get(k) is not None and (isinstance(hf[k], bool) or not isinstance(hf[k], int)
+                                               or hf[k] < 0)}
+        if wrong:
+            raise ValueError(f"config.json: sizes must be whole numbers >= 0, got {wrong}")
         _check_full_attention(hf, model_type)
         rope = _rope_parameters(hf)
         default = HF_DEFAULTS[model_type]

@@ -107,3 +107,10 @@ def test_a_window_no_layer_uses_is_accepted(model_type, fields):
     hf_dict, ref = _both(model_type, **fields)
     assert not _slides(ref)
     Qwen3Config.from_hf_dict(hf_dict)
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", "2"), ("hidden_size", 128.0),
+                                          ("num_key_value_heads", True), ("head_dim", -1)])
+def test_sizes_that_are_not_whole_numbers_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"sizes must be whole numbers >= 0, got .*'{field}'"):
+        Qwen3Config.from_hf_dict(dict(REQUIRED, model_type="qwen3", **{field: value}))
