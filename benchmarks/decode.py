@@ -247,12 +247,6 @@ def memory_bandwidth(threads: int, repeats: int = 5) -> float:
     return BANDWIDTH_BYTES / bench_utils.median(times)
 
 
-def kv_bytes_per_token(config, bytes_per_value: int) -> int:
-    """KV-cache bytes one position holds: keys and values of every layer's KV heads."""
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-            * bytes_per_value)
-
-
 def bytes_per_step(config, bytes_per_param: int) -> int:
     """Weights one decode step reads: every parameter but the embedding table."""
     import jax
@@ -298,6 +292,7 @@ def main() -> None:
         run_engine(args)
         return
     from mars_jax.models import Qwen3Config, get_preset
+    from mars_jax.sampling.engine import kv_bytes_per_token
 
     config = (Qwen3Config.from_json_file(args.checkpoint / "config.json") if args.checkpoint
               else get_preset("bench"))
@@ -313,7 +308,7 @@ def main() -> None:
     context = args.prompt_len + args.new_tokens / 2
     for name, size in (("float32", 4), ("bfloat16", 2)):
         weights = bytes_per_step(config, size)
-        kv = args.batch * kv_bytes_per_token(config, size) * context
+        kv = args.batch * kv_bytes_per_token(config.replace(dtype=name)) * context
         step = weights + kv
         print(f"decode floor {name}: {best_bw / 1e9:.1f} GB/s / {step / 1e6:.0f} MB per step "
               f"({weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of KV: {args.batch} rows "

@@ -124,6 +124,7 @@ def bench_train(args) -> None:
 
 def bench_decode(args) -> None:
     from mars_jax.sampling import generate
+    from mars_jax.sampling.engine import kv_bytes_per_token
 
     model = build(args)
     batch, prompt_len, new = 64, 256, 256
@@ -133,8 +134,7 @@ def bench_decode(args) -> None:
                            compact_every=None)
     seconds = timed(run, args.repeats)
     cfg = model.config
-    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    step_bytes = weight_bytes(model) + batch * kv_token * (prompt_len + new / 2)
+    step_bytes = weight_bytes(model) + batch * kv_bytes_per_token(cfg) * (prompt_len + new / 2)
     bandwidth = step_bytes * new / seconds
     # decode steps at the mean context (attention is linear in it); prefill not counted
     flops = bench_utils.decode_flops(cfg, batch, prompt_len + new / 2) * new
