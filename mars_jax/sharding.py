@@ -303,11 +303,10 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) ->
     def one(path, variable):
         shape = variable.get_value().shape
         names = variable.get_metadata().get("logical_axes") or (None,) * len(shape)
-        wanted = logical_to_spec(names, rules)
-        fitted = _fit(wanted, shape, mesh)
-        _warn_dropped(jax.tree_util.keystr(path, simple=True, separator="."), shape, wanted,
-                      fitted, mesh)
-        return variable.replace(NamedSharding(mesh, fitted))
+        sharding = named_sharding(mesh, names, shape, rules)
+        _warn_dropped(jax.tree_util.keystr(path, simple=True, separator="."), shape,
+                      logical_to_spec(names, rules), sharding.spec, mesh)
+        return variable.replace(sharding)
 
     return jax.tree_util.tree_map_with_path(one, state,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
