@@ -93,8 +93,9 @@ def load(
 
     Builds the TFDS dataset on first use (seconds). With `skip_malformed`, malformed JSONL rows
     are skipped and counted (`ProblemSource.skipped`) instead of raising
-    `jsonl.MalformedRowError`; without it, a build that skipped rows raises ValueError. `arith` ignores the directories and takes its
-    difficulty from `arith_knobs` (see `arith.load_split`).
+    `jsonl.MalformedRowError`; without it, a build that skipped rows raises ValueError. `arith`
+    ignores the directories and takes its difficulty from `arith_knobs` (see
+    `arith.load_split`).
     """
     _check_name_split(name, split)
     if name == "arith":

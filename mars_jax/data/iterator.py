@@ -18,8 +18,9 @@ class ProblemIterator(Iterator[dict]):
     `num_epochs=None` repeats forever. `get_state()` is a JSON-serializable dict to
     store in a checkpoint; `set_state` on an iterator built with the same arguments
     continues with exactly the records the saved one would have produced. The state carries the
-    source's length and a fingerprint of up to `FINGERPRINT_RECORDS` of its records, so a
-    source that changed (e.g. other generator settings) is caught on resume.
+    source's length and a fingerprint of up to `FINGERPRINT_RECORDS` evenly spaced records, so
+    a resume onto a source of another length, or one that differs in a fingerprinted record
+    (other generator settings change nearly all of them), raises.
     """
 
     def __init__(

@@ -2,8 +2,8 @@
 
 Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the current
 parameters, train on the groups that completed, write metrics, checkpoint. On one shared mesh
-sampler and update share the same parameter arrays; the policy version is the number of steps whose update changed
-the parameters (a step makes `learner.ppo_epochs * learner.mini_batches` optimizer updates,
+sampler and update share the same parameter arrays; the policy version is the number of steps
+whose update changed the parameters (a step makes `learner.ppo_epochs * learner.mini_batches` optimizer updates,
 `mars_jax.rl.learner`).
 
 With `rollout.scheduler='stream'` a step is one `StreamingRollouts.collect` (one engine across
@@ -264,7 +264,8 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
 
     Raises `Preempted` after SIGTERM (final checkpoint saved), `NonFiniteUpdates` after
     `config.max_nonfinite_updates` steps in a row with a non-finite update (each such update
-    is skipped; no checkpoint of the streak is saved, so the newest one is the last good state) and `CheckpointSaveError` when a save fails.
+    is skipped; no checkpoint of the streak is saved, so the newest one is the last good state)
+    and `CheckpointSaveError` when a save fails.
     """
     with _catch_sigterm() as sigterm:
         return _train(config, Path(workdir), sigterm)

@@ -1045,7 +1045,7 @@ class Engine:
         """A free slot for queued `request` (reserved slots: the first); paged, the first whose
         pool holds what it fills by the end of its first chunk beside the pages the pool's
         running requests take for their next chunk (so admitting it preempts nobody before that
-chunk), or None."""
+        chunk), or None."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self._pool is None:
             return free[0] if free else None

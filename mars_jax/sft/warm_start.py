@@ -5,9 +5,10 @@ trains from the run's tokenizer, seed, prompt style, `data`, `model` and `sft` s
 optimizer fields of `warm_start` (`sft_config`). It lives in
 `warm_start.cache_dir/<fingerprint>/model`; the fingerprint hashes the fields of that SFT config
 that change its weights, the tokenizer's chat template and the source files of the code that
-generates the traces and trains on them (`SOURCES`), so a change to any of them builds a new one. A build is written to a
-temporary directory and renamed into place once complete: an interrupted build leaves nothing a
-later run reads. Every process of a multi-process job builds (or finds) its own copy.
+generates the traces and trains on them (`SOURCES`), so a change to any of them builds a new
+one. A build is written to a temporary directory and renamed into place once complete: an
+interrupted build leaves nothing a later run reads (a later build on that host removes it once
+its process is gone). Every process of a multi-process job builds (or finds) its own copy.
 """
 from __future__ import annotations
 
