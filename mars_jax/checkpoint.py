@@ -11,9 +11,11 @@ Integrity rules:
     re-read from disk, so it never points at the failed step.
   * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
     position-weighted sum of the bits of every array, computed on device). Restore walks back
-    from the newest step and skips, with a warning, any checkpoint that fails to read or whose
-    fingerprint does not match (truncated or corrupted files); a skipped checkpoint is moved to
-    `<directory>.unreadable/` so that the resumed run can save that step again.
+    from the newest step and skips, with a warning, any checkpoint that fails to read, or whose
+    fingerprint does not match (truncated or corrupted files), on 1 + len(`READ_RETRY_WAITS`)
+    attempts (so a transient storage error does not cost the newest checkpoint); a skipped
+    checkpoint is moved to `<directory>.unreadable/` so that the resumed run can save that step
+    again.
   * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
     paths, shapes, dtypes of the state) with the state to restore into, and raises
     `CheckpointMismatch` naming the step and the differences when they differ; such a
@@ -25,6 +27,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,6 +39,7 @@ import orbax.checkpoint as ocp
 
 FINGERPRINT_KEY = "state_fingerprint"
 ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
+READ_RETRY_WAITS = (1.0, 4.0)  # seconds before each further attempt to read a checkpoint
 
 
 class Restored(NamedTuple):
@@ -197,11 +201,7 @@ def _agreed(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
     """(`read()`, None), or (None, the error) when it failed on this or another process: every
     process gets the same outcome, so all skip a checkpoint together. A `CheckpointMismatch` on
     any process is raised on every one."""
-    value, error = None, None
-    try:
-        value = read()
-    except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
-        error = e
+    value, error = _read_with_retries(read)
     if jax.process_count() > 1:
         from mars_jax.distributed import any_process
         if any_process(isinstance(error, CheckpointMismatch)):
@@ -212,6 +212,21 @@ def _agreed(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
     elif isinstance(error, CheckpointMismatch):
         raise error
     return value, error
+
+
+def _read_with_retries(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """(`read()`, None), or (None, the last error) when every attempt failed; waits
+    `READ_RETRY_WAITS` between attempts. A `CheckpointMismatch` is returned at once."""
+    for wait in (*READ_RETRY_WAITS, None):
+        try:
+            return read(), None
+        except CheckpointMismatch as e:
+            return None, e
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
+            if wait is None:
+                return None, e
+            logging.warning("reading a checkpoint failed (%s); trying again in %g s", e, wait)
+            time.sleep(wait)
 
 
 def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:

@@ -21,6 +21,12 @@ from mars_jax.checkpoint import CheckpointMismatch, Checkpointer, CheckpointSave
 from tests.fault import harness
 
 
+@pytest.fixture(autouse=True)
+def _no_retry_waits(monkeypatch):
+    from mars_jax import checkpoint
+    monkeypatch.setattr(checkpoint, "READ_RETRY_WAITS", (0.0, 0.0))
+
+
 def _state(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {"w": jnp.asarray(rng.standard_normal((256, 64), dtype=np.float32)),
@@ -342,3 +348,22 @@ def test_processes_agree_to_skip_a_checkpoint_one_of_them_cannot_read(monkeypatc
     assert checkpoint._agreed(lambda: "read here") == ("read here", None)
     with pytest.raises(CheckpointMismatch, match="layout"):
         checkpoint._agreed(lambda: (_ for _ in ()).throw(CheckpointMismatch("layout")))
+
+
+def test_a_read_that_fails_once_restores_the_newest_checkpoint(tmp_path, monkeypatch, caplog):
+    """A transient storage error (the first read of step 3 fails) costs no checkpoint."""
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [2, 3])
+    failures = iter([OSError("connection reset")])
+    real_restore = ocp.CheckpointManager.restore
+
+    def flaky_restore(self, step, *args, **kwargs):
+        for error in failures:
+            raise error
+        return real_restore(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", flaky_restore)
+    with caplog.at_level(logging.WARNING):
+        _assert_restores(directory, 3).close()
+    assert "connection reset" in caplog.text and "unreadable" not in caplog.text
+    assert not (tmp_path / "checkpoints.unreadable").exists()
