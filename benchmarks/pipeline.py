@@ -8,8 +8,8 @@ second at a generation-dominated, long-tailed setting.
 Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float32, random
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
 update (times net of tracing, lowering and XLA compilation, which the warm-up updates cannot
-all absorb: batch shapes vary). Output lengths are log-normal (median `--median`, `--sigma`, cut at `--cap`), drawn per
-rollout from its sequence seed and forced on the engine (`pipeline_workload.ForcedLengths`), so
+all absorb: batch shapes vary). Output lengths are log-normal (median `--median`, `--sigma`,
+cut at `--cap`), drawn per rollout from its sequence seed and forced on the engine (`pipeline_workload.ForcedLengths`), so
 both modes decode the same lengths; grades are drawn at seeded rates (`SeededGrades`). As in
 long-CoT RL, an output is mostly thought: the next stage's prompt embeds only its last
 `--visible` characters (`SeededGrades.visible`; 0: all of it). The
@@ -103,8 +103,9 @@ def run(mode: str, args, samples_per_update: int) -> dict:
                 staleness=max(r["staleness"] for r in rows))
 
 
-COMPILE_SECONDS = [0.0]  # tracing, lowering and XLA compilation so far; subtracted from the phase
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",  # it fell in
+# Tracing, lowering and XLA compilation so far; subtracted from the phase it fell in.
+COMPILE_SECONDS = [0.0]
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 

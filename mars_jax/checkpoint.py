@@ -13,7 +13,7 @@ Integrity rules:
     position-weighted sum of the bits of every array, computed on device). Restore walks back
     from the newest step and skips, with a warning, any checkpoint that fails to read, or whose
     fingerprint does not match (truncated or corrupted files), on 1 + len(`READ_RETRY_WAITS`)
-    attempts (so a transient storage error does not cost the newest checkpoint); a skipped
+    attempts (a storage error that clears within those waits costs no checkpoint); a skipped
     checkpoint is moved to `<directory>.unreadable/` so that the resumed run can save that step
     again.
   * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
@@ -198,9 +198,9 @@ class Checkpointer:
 
 
 def _agreed(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
-    """(`read()`, None), or (None, the error) when it failed on this or another process: every
-    process gets the same outcome, so all skip a checkpoint together. A `CheckpointMismatch` on
-    any process is raised on every one."""
+    """(`read()`, None), or (None, the error) when it failed (`_read_with_retries`) on this or
+    another process: every process gets the same outcome, so all skip a checkpoint together. A
+    `CheckpointMismatch` on any process is raised on every one."""
     value, error = _read_with_retries(read)
     if jax.process_count() > 1:
         from mars_jax.distributed import any_process

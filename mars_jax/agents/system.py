@@ -20,10 +20,10 @@ Rules (per problem), those of the released MarsRL loop (`vc_reasoning_system.py`
     thinking) is requested again, up to `max_retries` more times; if still unusable, the
     loop stops (`failure` says why): a Solver's problem is marked failed (no answer), a
     Corrector's returns the `fallback` candidate among those it has. A Verifier output
-    that is truncated, errored or whose Correctness is unparseable is likewise retried; retries are not
-    verifications. If all retries are unusable, it counts as a verification that
-    did not pass (verdict None: the streak resets, there is no report to correct
-    from) and the same candidate is verified again in the next iteration.
+    that is truncated, errored or whose Correctness is unparseable is likewise retried;
+    retries are not verifications. If all retries are unusable, it counts as a
+    verification that did not pass (verdict None: the streak resets, there is no report
+    to correct from) and the same candidate is verified again in the next iteration.
 
 Rounds: `run_system` advances every problem in flight together. Each round makes
 exactly one policy call that carries the next request of every unfinished

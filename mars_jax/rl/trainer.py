@@ -3,8 +3,8 @@
 Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the current
 parameters, train on the groups that completed, write metrics, checkpoint. On one shared mesh
 sampler and update share the same parameter arrays; the policy version is the number of steps
-whose update changed the parameters (a step makes `learner.ppo_epochs * learner.mini_batches` optimizer updates,
-`mars_jax.rl.learner`).
+whose update changed the parameters (a step makes `learner.ppo_epochs * learner.mini_batches`
+optimizer updates, `mars_jax.rl.learner`).
 
 With `rollout.scheduler='stream'` a step is one `StreamingRollouts.collect` (one engine across
 steps, `mars_jax.rl.streaming`). With `mesh.rollout.devices > 0` the engine runs on its own
