@@ -12,8 +12,9 @@ Integrity rules:
   * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
     position-weighted sum of the bits of every array, computed on device). Restore walks back
     from the newest step and skips, with a warning, any checkpoint that fails to read, or whose
-    fingerprint does not match (truncated or corrupted files), on 1 + len(`READ_RETRY_WAITS`)
-    attempts (a storage error that clears within those waits costs no checkpoint); a skipped
+    fingerprint does not match (truncated or corrupted files). A failed read is tried
+    1 + len(`READ_RETRY_WAITS`) times (a storage error that clears within those waits costs no
+    checkpoint); a fingerprint mismatch, a whole read of other bits, is not retried. A skipped
     checkpoint is moved to `<directory>.unreadable/` so that the resumed run can save that step
     again.
   * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
@@ -216,11 +217,12 @@ def _agreed(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
 
 def _read_with_retries(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
     """(`read()`, None), or (None, the last error) when every attempt failed; waits
-    `READ_RETRY_WAITS` between attempts. A `CheckpointMismatch` is returned at once."""
+    `READ_RETRY_WAITS` between attempts. A `CheckpointMismatch` or `CorruptCheckpoint` (the
+    read completed; the bits differ from the ones saved) is returned at once."""
     for wait in (*READ_RETRY_WAITS, None):
         try:
             return read(), None
-        except CheckpointMismatch as e:
+        except (CheckpointMismatch, CorruptCheckpoint) as e:
             return None, e
         except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
             if wait is None:

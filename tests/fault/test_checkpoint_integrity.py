@@ -367,3 +367,23 @@ def test_a_read_that_fails_once_restores_the_newest_checkpoint(tmp_path, monkeyp
         _assert_restores(directory, 3).close()
     assert "connection reset" in caplog.text and "unreadable" not in caplog.text
     assert not (tmp_path / "checkpoints.unreadable").exists()
+
+
+def test_a_checkpoint_whose_fingerprint_differs_is_read_once(tmp_path, monkeypatch):
+    """Bits that differ from the ones saved are damage, not a storage hiccup: no second read."""
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [2, 3])
+    data = _largest_file(directory / "3")
+    content = bytearray(data.read_bytes())
+    content[100:116] = bytes(b ^ 0xFF for b in content[100:116])
+    data.write_bytes(bytes(content))
+    reads = []
+    real_restore = ocp.CheckpointManager.restore
+
+    def counted_restore(self, step, *args, **kwargs):
+        reads.append(step)
+        return real_restore(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", counted_restore)
+    _assert_restores(directory, 2).close()
+    assert reads == [3, 2]
