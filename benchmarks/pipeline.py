@@ -9,8 +9,9 @@ Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
 update (times net of tracing, lowering and XLA compilation, which the warm-up updates cannot
 all absorb: batch shapes vary). Output lengths are log-normal (median `--median`, `--sigma`,
-cut at `--cap`), drawn per rollout from its sequence seed and forced on the engine (`pipeline_workload.ForcedLengths`), so
-both modes decode the same lengths; grades are drawn at seeded rates (`SeededGrades`). As in
+cut at `--cap`), drawn per rollout from its sequence seed and forced on the engine
+(`pipeline_workload.ForcedLengths`), so both modes decode the same lengths; grades are drawn
+at seeded rates (`SeededGrades`). As in
 long-CoT RL, an output is mostly thought: the next stage's prompt embeds only its last
 `--visible` characters (`SeededGrades.visible`; 0: all of it). The
 sequential mode decodes `--problems` problems stage by stage with barriers and trains only when

@@ -53,17 +53,23 @@ def _largest_file(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
+def _flip_bytes(data: Path, at: int = 100) -> None:
+    """Inverts the 16 bytes of `data` from offset `at`; the file keeps its length."""
+    content = bytearray(data.read_bytes())
+    content[at:at + 16] = bytes(b ^ 0xFF for b in content[at:at + 16])
+    data.write_bytes(bytes(content))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_bytes"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, damage):
     directory = tmp_path / "checkpoints"
     _save_steps(directory, [1, 2, 3])
-    data = _largest_file(directory / "3")
-    content = bytearray(data.read_bytes())
     if damage == "truncate":
-        content = content[:len(content) // 2]
+        data = _largest_file(directory / "3")
+        content = data.read_bytes()
+        data.write_bytes(content[:len(content) // 2])
     else:  # same length: only the stored fingerprint can tell
-        content[100:116] = bytes(b ^ 0xFF for b in content[100:116])
-    data.write_bytes(bytes(content))
+        _flip_bytes(_largest_file(directory / "3"))
 
     with caplog.at_level(logging.WARNING):
         checkpointer = _assert_restores(directory, 2)
@@ -315,10 +321,7 @@ def test_per_host_arrays_round_trip(tmp_path):
 def test_damaged_arrays_fall_back_to_the_previous_checkpoint(tmp_path, caplog):
     _save_with_routing(tmp_path, [1, 2])
     for data in (tmp_path / "2" / "arrays").glob("ocdbt.process_*/d/*"):
-        content = bytearray(data.read_bytes())  # same length: decoding or the fingerprint fails
-        middle = len(content) // 2
-        content[middle - 8:middle + 8] = bytes(b ^ 0xFF for b in content[middle - 8:middle + 8])
-        data.write_bytes(bytes(content))
+        _flip_bytes(data, at=data.stat().st_size // 2 - 8)  # decoding or the fingerprint fails
     with caplog.at_level(logging.WARNING):
         step, back = _restore_with_routing(tmp_path)
     assert step == 1 and "checkpoint at step 2 is unreadable" in caplog.text
@@ -373,10 +376,7 @@ def test_a_checkpoint_whose_fingerprint_differs_is_read_once(tmp_path, monkeypat
     """Bits that differ from the ones saved are damage, not a storage hiccup: no second read."""
     directory = tmp_path / "checkpoints"
     _save_steps(directory, [2, 3])
-    data = _largest_file(directory / "3")
-    content = bytearray(data.read_bytes())
-    content[100:116] = bytes(b ^ 0xFF for b in content[100:116])
-    data.write_bytes(bytes(content))
+    _flip_bytes(_largest_file(directory / "3"))
     reads = []
     real_restore = ocp.CheckpointManager.restore
 
