@@ -5,11 +5,12 @@ r"""TPU-VM launcher: create a slice, copy this repository to every worker, insta
          --workdir=/mnt/shared/marsrl_30b
 
 Actions: create, copy, setup, run, delete, or all (create, copy, setup, run). `copy` sends the
-working tree to ~/mars_jax and the problem data (`$MARS_JAX_DATA_DIR`, else ../shared/data) to
-~/shared/data, where the workers' code finds it. Arguments after `--`
-go to `experiments/run.py`, which runs on every worker at once with `--distributed=on` (jax finds
-the other workers itself). `--dry_run` prints the commands instead of running them. The workdir
-must be one directory every worker sees (e.g. a gcsfuse or Filestore mount).
+working tree to ~/mars_jax and the problem data (the default of `mars_jax.data.paths`:
+`$MARS_JAX_DATA_DIR`, else ../shared/data) to ~/shared/data, where the workers' code finds it.
+Arguments after `--` go to `experiments/run.py`, which runs on every worker at once with
+`--distributed=on` (jax finds the other workers itself). `--dry_run` prints the commands instead of
+running them. The workdir must be one directory every worker sees (e.g. a gcsfuse or Filestore
+mount).
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from pathlib import Path
 
 from absl import app, flags
 
+from mars_jax.data.paths import default_manual_dir
+
 REPO = Path(__file__).resolve().parents[1]
 ACTIONS = ("create", "copy", "setup", "run", "delete", "all")
 REMOTE_DIR = "mars_jax"
-REMOTE_DATA_DIR = "shared/data"  # <REMOTE_DIR>/../shared/data: data.paths' default
+REMOTE_DATA_DIR = "shared/data"  # <REMOTE_DIR>/../shared/data: default_manual_dir() there
 ARCHIVE = "/tmp/mars_jax_src.tgz"
 DATA_ARCHIVE = "/tmp/mars_jax_data.tgz"
 
@@ -65,8 +68,11 @@ class Slice:
 
     def copy(self, repo: Path = REPO, data: str | None = None) -> list[list[str]]:
         """Archive the working tree (no .git, caches or build outputs) and the problem data
-        (default: $MARS_JAX_DATA_DIR, else <repo>/../shared/data), and unpack them everywhere."""
-        data = data or os.environ.get("MARS_JAX_DATA_DIR") or str(repo.parent / "shared" / "data")
+        (default: `mars_jax.data.paths.default_manual_dir()`), and unpack them everywhere."""
+        try:
+            data = data or default_manual_dir()
+        except FileNotFoundError as e:
+            raise ValueError(f"copy: {e}") from e
         if not os.path.isdir(data):
             raise ValueError(f"copy: no problem data at {data} (set MARS_JAX_DATA_DIR)")
         unpack = " && ".join(

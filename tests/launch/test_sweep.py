@@ -83,6 +83,9 @@ def test_tpu_vm_commands(monkeypatch):
             tpu.commands(action)
     with pytest.raises(ValueError, match="action: 'start'"):
         tpu.commands("start")
+    monkeypatch.setenv("MARS_JAX_DATA_DIR", "/nonexistent/data")
+    with pytest.raises(ValueError, match="copy: no problem data at /nonexistent/data"):
+        tpu.commands("copy")
 
 
 def test_xm_launch_seeds_without_a_grid_is_refused():
