@@ -336,7 +336,8 @@ def main() -> None:
             med = bench_utils.median(r["times"])
             rates[engine] = tokens / med
             print(f"  {engine:14s} median {med:7.3f} s  {rates[engine]:7.0f} tokens/s  "
-                  f"peak RSS {r['peak_rss_mib']:6.0f} MiB (+model {r['peak_rss_mib'] - r['rss_after_imports_mib']:5.0f})  "
+                  f"peak RSS {r['peak_rss_mib']:6.0f} MiB "
+                  f"(+model {r['peak_rss_mib'] - r['rss_after_imports_mib']:5.0f})  "
                   f"logits diff vs HF {r['logits_diff']:.1e}  tokens "
                   f"{'exact' if r['shape'] == [args.batch, args.new_tokens] else 'WRONG'}  "
                   f"runs [{', '.join(f'{t:.2f}' for t in r['times'])}]", flush=True)

@@ -19,8 +19,9 @@ every trajectory is done; the pipeline streams and updates on as many samples as
 batch had on average. Prints per mode the time split into rollout and
 update, slot occupancy and staleness, and the ratio; the first `--warmup` updates of each mode
 (compilation) are not counted. `--min_span` is the engine's shortest decode span (a larger one
-compiles fewer decode programs: on a GPU, XLA compilation dominates a short run). The bound printed beside it: sequential time per sample over the
-pipeline's update time per sample (one mesh: the update cannot overlap decoding).
+compiles fewer decode programs: on a GPU, XLA compilation dominates a short run). The bound printed
+beside it: sequential time per sample over the pipeline's update time per sample (one mesh: the
+update cannot overlap decoding).
 """
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         rolled, compiled_rollout = time.perf_counter(), COMPILE_SECONDS[0]
         samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
-            part, micro_batch_size=4, min_length=128, by_length=True), ref_params=None, graphdef=graphdef,
-            optimizer=optimizer, update_config=UPDATE, learner=learner,
+            part, micro_batch_size=4, min_length=128, by_length=True), ref_params=None,
+            graphdef=graphdef, optimizer=optimizer, update_config=UPDATE, learner=learner,
             rng=np.random.default_rng(version))
         jax.block_until_ready(state.params)
         updated = time.perf_counter()
@@ -100,7 +101,8 @@ def run(mode: str, args, samples_per_update: int) -> dict:
     seconds = total("rollout") + total("update")
     return dict(samples_per_s=total("samples") / seconds, samples=total("samples"),
                 rollout_s=total("rollout"), update_s=total("update"), seconds=seconds,
-                tokens=total("tokens"), compile_s=total("compile"), occupancy=statistics.mean(r["occupancy"] for r in rows),
+                tokens=total("tokens"), compile_s=total("compile"),
+                occupancy=statistics.mean(r["occupancy"] for r in rows),
                 staleness=max(r["staleness"] for r in rows))
 
 
