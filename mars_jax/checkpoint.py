@@ -21,6 +21,8 @@ Integrity rules:
     paths, shapes, dtypes of the state) with the state to restore into, and raises
     `CheckpointMismatch` naming the step and the differences when they differ; such a
     checkpoint is left in place, never skipped.
+  * A directory with no step directories but one step's files at its top (a step directory
+    copied to the wrong level) raises `ValueError` instead of restoring nothing.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import orbax.checkpoint as ocp
 FINGERPRINT_KEY = "state_fingerprint"
 ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
 READ_RETRY_WAITS = (1.0, 4.0)  # seconds before each further attempt to read a checkpoint
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # what orbax writes into every step directory
 
 
 class Restored(NamedTuple):
@@ -117,9 +120,16 @@ class Checkpointer:
         checkpoint's arrays item from its meta; without it, arrays are not read. Raises
         `CheckpointMismatch` when the newest readable checkpoint's state has another layout
         (tree paths, shapes, dtypes) than `abstract_state`, or `arrays_target` raises for its
-        meta (e.g. written by another number of hosts)."""
+        meta (e.g. written by another number of hosts), and `ValueError` for one checkpoint's
+        files copied to the top of the directory."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps and os.path.exists(os.path.join(self.directory, STEP_METADATA_FILE)):
+            raise ValueError(
+                f"{self.directory} holds one checkpoint's files ({STEP_METADATA_FILE}) but no "
+                f"step directory: move them into {self.directory}/<its step>/ to resume from "
+                "it, or remove them to start afresh")
+        for step in steps:
             saved, error = _agreed(lambda: self._saved_layout(step))
             if error is not None:
                 self._skip(step, error)

@@ -201,6 +201,18 @@ def test_restore_latest_of_an_empty_directory_is_none(tmp_path, exists):
     checkpointer.close()
 
 
+def test_a_checkpoint_copied_without_its_step_directory_raises(tmp_path):
+    """One step's files at the top of the directory (e.g. `cp -r run/checkpoints/3 new/checkpoints`
+    when `new/checkpoints` does not exist) are refused instead of starting afresh beside them."""
+    _save_steps(tmp_path / "saved", [3])
+    shutil.copytree(tmp_path / "saved" / "3", tmp_path / "checkpoints")
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=2)
+    with pytest.raises(ValueError, match=r"holds one checkpoint's files .*move them into "
+                                         r".*checkpoints/<its step>/"):
+        checkpointer.restore_latest(_state(0))
+    checkpointer.close()
+
+
 def test_restore_latest_when_every_checkpoint_is_damaged_is_none(tmp_path, caplog):
     directory = tmp_path / "checkpoints"
     _save_steps(directory, [1, 2])
