@@ -29,7 +29,8 @@ runs and problems jointly. Verifier metrics pool the row's verifications (positi
 actually wrong solution); the first verification's balanced accuracy, and its gain over the
 base, get intervals by the same draws (confusion counts summed over the drawn runs x problems).
 
-Writes to `--out`: `tables.md` (the main table, the Verifier / outcome table, the targets as
+Writes to `--out`: `tables.md` (the main table, MarsRL minus MarsRL-S and minus MarsRL-VC
+(paired differences, when those rows exist), the Verifier / outcome table, the targets as
 met / not met with their numbers, the selection-policy table when MarsRL runs of several
 selections exist), `summary.json` and the plots `rewards.png`, `verifier.png` (accuracy,
 balanced accuracy, recall, pass rate), `training_lengths.png`, `held_out_probe.png` (over
@@ -291,9 +292,10 @@ def _fmt(i: dict, signed: bool = False) -> str:
     return f"{f(i['estimate'])} [{f(i['low'])}, {f(i['high'])}]{undefined}"
 
 
-def tables(summaries: dict, labels: dict, steps: dict, differences: dict, targets: list[dict],
-           header: str) -> str:
-    """Markdown: main table, Verifier / outcome table, targets, selection-policy table."""
+def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablations: dict,
+           targets: list[dict], header: str) -> str:
+    """Markdown: main table, MarsRL minus each ablation, Verifier / outcome table, targets,
+    selection-policy table."""
     pct = lambda x: f"{100 * x:.1f}"
     main_rows = [r for r in summaries if r[1] in (None, "default")]
     rows = [header, "", "95% intervals: percentile bootstrap over problems (and over seeds where "
@@ -307,6 +309,12 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, target
         rows.append(f"| {labels[row]} | {s['runs']} | {steps[row]} | {_fmt(s['solver_avg_at_k'])} "
                     f"| {_fmt(s['system_avg_at_k'])} | {_fmt(s['system_minus_solver'], True)} | "
                     f"{vs_base['solver']} | {vs_base['system']} |")
+    if ablations:
+        rows += ["", "MarsRL minus each ablation (the paper's Table 2), paired over problems:", "",
+                 "| MarsRL minus | Solver avg@k | System avg@k |", "|---|---|---|"]
+        for row, d in ablations.items():
+            rows.append(f"| {labels[row]} | {_fmt(d['solver'], True)} | "
+                        f"{_fmt(d['system'], True)} |")
     rows += ["", "Verifier: positive = an actually wrong solution (a Wrong verdict on it is a true "
              "positive); 1st = the first verification of each run (the Solver's candidate), all = "
              "every verification. Corrector: share of the wrong candidates it revised into right "
@@ -495,16 +503,22 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         steps[row] = ", ".join(str(s) if s is not None else "?"
                                for s in sorted(set(run_steps), key=lambda s: (s is None, s)))
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
-    differences = {row: {part: eval_stats.bootstrap_difference(
-        scores[row][part], scores[("base", None)][part], **draws).to_json()
-        for part in ("solver", "system")} for row in grouped if row != ("base", None)}
+    def paired(row, other):
+        return {part: eval_stats.bootstrap_difference(scores[row][part], scores[other][part],
+                                                      **draws).to_json()
+                for part in ("solver", "system")}
+
+    differences = {row: paired(row, ("base", None)) for row in grouped if row != ("base", None)}
+    marsrl = ("marsrl", "default")
+    ablations = {row: paired(marsrl, row) for row in (("marsrl_s", "default"),
+                 ("marsrl_vc", "default")) if marsrl in grouped and row in grouped}
     targets = check_targets(summaries, scores, settings)
     config = settings.eval_config("base", Path(""))
     e = config.eval
     header = (f"Held-out `{e.dataset}` {e.split}, {len(problems)} problems, avg@{k}, "
               f"T={e.temperature}, top_p={e.top_p}, k_accept={e.k_accept}, "
               f"max_iterations={e.max_iterations} (`{settings.config_module}`'s eval section).")
-    text = tables(summaries, labels, steps, differences, targets, header)
+    text = tables(summaries, labels, steps, differences, ablations, targets, header)
     main_rows = [r for r in grouped if r[1] in (None, "default")]
     plot_avg_at_k(summaries, labels, main_rows, out / "system_vs_solver.png",
                   "Solver vs System avg@k")
@@ -523,6 +537,7 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
                  for row, s in summaries.items()},
         "solver_vs_base": {key(row): d["solver"] for row, d in differences.items()},
         "system_vs_base": {key(row): d["system"] for row, d in differences.items()},
+        "marsrl_minus": {key(row): d for row, d in ablations.items()},
         "targets": targets,
         "bootstrap": {"resamples": settings.resamples, "seed": settings.bootstrap_seed,
                       "level": eval_stats.LEVEL, "scheme": "percentile; seeds x problems "

@@ -88,6 +88,12 @@ def test_report_tables_and_targets_from_records(study):
     # Paired: the Solver gains problems 24-29 (+10 points) in every MarsRL run.
     assert summary["solver_vs_base"]["marsrl"]["estimate"] == pytest.approx(0.1)
     assert "| +10.0 [" in text
+    # MarsRL minus each ablation, paired: MarsRL-S 50% / 61.7%, MarsRL-VC 40% / 50%.
+    minus = summary["marsrl_minus"]
+    assert minus["marsrl_s"]["system"]["estimate"] == pytest.approx(0.65 - 37 / 60)
+    assert minus["marsrl_vc"]["solver"]["estimate"] == pytest.approx(0.1)
+    assert minus["marsrl_vc"]["system"]["estimate"] == pytest.approx(0.15)
+    assert "| MarsRL-VC | +10.0 [" in text and "| +15.0 [" in text
     assert rows["marsrl_random"]["system_avg_at_k"]["estimate"] == pytest.approx(0.2)
     # The seed-0 / seed-1 spread (70% vs 60%) is inside MarsRL's interval.
     interval = rows["marsrl"]["system_avg_at_k"]
