@@ -230,6 +230,7 @@ def row_summary(runs: Sequence[list[dict]], scores: dict[str, np.ndarray],
             eval_stats.verification_pairs(pooled, first_only=False)).to_json(),
         "corrector": eval_stats.correction_rates(pooled),
         **eval_stats.outcome_rates(pooled),
+        "solver_to_system": eval_stats.solver_to_system(pooled),
         "mean_iterations": float(np.mean([r["iterations"] for r in pooled])),
         "mean_tokens": eval_stats.mean_tokens(pooled),
     }
@@ -286,6 +287,9 @@ def check_targets(summaries: dict, scores: dict, settings: Settings) -> list[dic
     return out
 
 
+SOLVER_TO_SYSTEM = ("kept", "lost", "fixed", "unfixed")
+
+
 def _fmt(i: dict, signed: bool = False) -> str:
     f = (lambda x: f"{100 * x:+.1f}") if signed else (lambda x: f"{100 * x:.1f}")
     undefined = f" ({i['undefined']} resamples undefined)" if i.get("undefined") else ""
@@ -318,11 +322,14 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablati
     rows += ["", "Verifier: positive = an actually wrong solution (a Wrong verdict on it is a true "
              "positive); 1st = the first verification of each run (the Solver's candidate), all = "
              "every verification. Corrector: share of the wrong candidates it revised into right "
-             "ones / of the right ones it broke.", "",
+             "ones / of the right ones it broke. Solver -> System: share of runs whose Solver "
+             "answer was right and kept / right and lost / wrong and fixed / wrong and not fixed.",
+             "",
              "| Model | accepted | fallback | failed | mean iterations | Verifier acc 1st / all | "
              "balanced acc 1st / all | recall 1st / all | precision 1st / all | "
-             "Corrector fixed / broke | tokens S / V / C |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Corrector fixed / broke | Solver -> System kept / lost / fixed / unfixed | "
+             "tokens S / V / C |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in main_rows:
         s = summaries[row]
         both = lambda key: f"{pct(s['verifier_first'][key])} / {pct(s['verifier_all'][key])}"
@@ -333,6 +340,7 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablati
                     f"{pct(s['failed_rate'])} | {s['mean_iterations']:.2f} | {both('accuracy')} | "
                     f"{balanced} | {both('recall')} | {both('precision')} | "
                     f"{pct(s['corrector']['fixed'])} / {pct(s['corrector']['broken'])} | "
+                    f"{' / '.join(pct(s['solver_to_system'][k]) for k in SOLVER_TO_SYSTEM)} | "
                     f"{tokens} |")
     rows += ["", "| Target | met | numbers |", "|---|---|---|"]
     for t in targets:

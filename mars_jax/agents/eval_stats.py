@@ -23,6 +23,7 @@ solutions and against the true-negative rate on correct ones, and is not a posit
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -264,6 +265,16 @@ def correction_rates(records: Iterable[Record]) -> dict[str, float]:
     return {"fixed": _ratio(sum(wrong), len(wrong)),
             "broken": _ratio(len(right) - sum(right), len(right)),
             "corrections": len(before_after)}
+
+
+def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
+    """Share of runs by what the V-C loop did to the Solver's answer: `kept` (right, stays
+    right), `lost` (right, returned wrong), `fixed` (wrong, returned right), `unfixed` (wrong,
+    returned wrong). They sum to 1; System avg = kept + fixed, Solver avg = kept + lost."""
+    pairs = Counter((bool(r["solver_correct"]), bool(r["correct"])) for r in records)
+    names = {"kept": (True, True), "lost": (True, False), "fixed": (False, True),
+             "unfixed": (False, False)}
+    return {name: _ratio(pairs[pair], len(records)) for name, pair in names.items()}
 
 
 def outcome_rates(records: Sequence[Record]) -> dict[str, float]:

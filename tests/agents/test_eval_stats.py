@@ -211,6 +211,9 @@ def test_record_statistics_by_hand():
     assert eval_stats.outcome_rates(records) == {
         "accepted_rate": 0.25, "fallback_rate": 0.5, "failed_rate": 0.25}
     assert eval_stats.mean_tokens(records) == {"solver": 1.5, "verifier": 2.5, "corrector": 3.5}
+    # (Solver, System): p0 wrong -> right, p1 right -> right, q0 and q1 wrong -> wrong.
+    assert eval_stats.solver_to_system(records) == {
+        "kept": 0.25, "lost": 0.0, "fixed": 0.25, "unfixed": 0.5}
     matrix = eval_stats.score_matrix([records, records[::-1]], "correct")
     np.testing.assert_array_equal(matrix, [[1.0, 0.0], [1.0, 0.0]])  # aligned by problem id
     with pytest.raises(ValueError, match="other problems"):
