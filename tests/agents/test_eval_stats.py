@@ -244,6 +244,8 @@ def test_statistics_of_real_evaluation_records():
     assert system.mean() == summary["system_avg_at_k"]
     assert solver.mean() == summary["solver_avg_at_k"]
     assert eval_stats.outcome_rates(records)["accepted_rate"] == summary["accepted_rate"]
+    assert eval_stats.solver_to_system(records) == {  # A's runs kept, B's fixed
+        "kept": 0.5, "lost": 0.0, "fixed": 0.5, "unfixed": 0.0}
     assert eval_stats.mean_tokens(records) == summary["mean_tokens"]
     corrections = eval_stats.correction_rates(records)  # B's two runs: 2 -> 7, both fixed
     assert (corrections["fixed"], corrections["corrections"]) == (1.0, 2)
