@@ -323,11 +323,12 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablati
              "positive); 1st = the first verification of each run (the Solver's candidate), all = "
              "every verification. Corrector: share of the wrong candidates it revised into right "
              "ones / of the right ones it broke. Solver -> System: share of runs whose Solver "
-             "answer was right and kept / right and lost / wrong and fixed / wrong and not fixed.",
+             "answer was right and kept / right and lost / wrong and fixed / wrong and not fixed (of which "
+             "no candidate was right).",
              "",
              "| Model | accepted | fallback | failed | mean iterations | Verifier acc 1st / all | "
              "balanced acc 1st / all | recall 1st / all | precision 1st / all | "
-             "Corrector fixed / broke | Solver -> System kept / lost / fixed / unfixed | "
+             "Corrector fixed / broke | Solver -> System kept / lost / fixed / unfixed (never right) | "
              "tokens S / V / C |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in main_rows:
@@ -340,7 +341,8 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablati
                     f"{pct(s['failed_rate'])} | {s['mean_iterations']:.2f} | {both('accuracy')} | "
                     f"{balanced} | {both('recall')} | {both('precision')} | "
                     f"{pct(s['corrector']['fixed'])} / {pct(s['corrector']['broken'])} | "
-                    f"{' / '.join(pct(s['solver_to_system'][k]) for k in SOLVER_TO_SYSTEM)} | "
+                    f"{' / '.join(pct(s['solver_to_system'][k]) for k in SOLVER_TO_SYSTEM)} "
+                    f"({pct(s['solver_to_system']['never_right'])}) | "
                     f"{tokens} |")
     rows += ["", "| Target | met | numbers |", "|---|---|---|"]
     for t in targets:

@@ -270,11 +270,16 @@ def correction_rates(records: Iterable[Record]) -> dict[str, float]:
 def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
     """Share of runs by what the V-C loop did to the Solver's answer: `kept` (right, stays
     right), `lost` (right, returned wrong), `fixed` (wrong, returned right), `unfixed` (wrong,
-    returned wrong). They sum to 1; System avg = kept + fixed, Solver avg = kept + lost."""
+    returned wrong). They sum to 1; System avg = kept + fixed, Solver avg = kept + lost.
+    `never_right`: the part of `unfixed` in which no candidate was right (the rest of `unfixed`
+    wrote a right candidate and returned another)."""
     pairs = Counter((bool(r["solver_correct"]), bool(r["correct"])) for r in records)
     names = {"kept": (True, True), "lost": (True, False), "fixed": (False, True),
              "unfixed": (False, False)}
-    return {name: _ratio(pairs[pair], len(records)) for name, pair in names.items()}
+    never_right = sum(not r["solver_correct"] and not r["correct"] and
+                      not any(c["correct"] for c in r["candidates"]) for r in records)
+    return {**{name: _ratio(pairs[pair], len(records)) for name, pair in names.items()},
+            "never_right": _ratio(never_right, len(records))}
 
 
 def outcome_rates(records: Sequence[Record]) -> dict[str, float]:

@@ -211,9 +211,12 @@ def test_record_statistics_by_hand():
     assert eval_stats.outcome_rates(records) == {
         "accepted_rate": 0.25, "fallback_rate": 0.5, "failed_rate": 0.25}
     assert eval_stats.mean_tokens(records) == {"solver": 1.5, "verifier": 2.5, "corrector": 3.5}
-    # (Solver, System): p0 wrong -> right, p1 right -> right, q0 and q1 wrong -> wrong.
+    # (Solver, System): p0 wrong -> right, p1 right -> right, q0 and q1 wrong -> wrong, and
+    # neither q run has a right candidate.
     assert eval_stats.solver_to_system(records) == {
-        "kept": 0.25, "lost": 0.0, "fixed": 0.25, "unfixed": 0.5}
+        "kept": 0.25, "lost": 0.0, "fixed": 0.25, "unfixed": 0.5, "never_right": 0.5}
+    dropped = _record("r", 0, False, False, "fallback", [(False, [False]), (True, [False])])
+    assert eval_stats.solver_to_system([dropped])["never_right"] == 0.0  # a right one, dropped
     matrix = eval_stats.score_matrix([records, records[::-1]], "correct")
     np.testing.assert_array_equal(matrix, [[1.0, 0.0], [1.0, 0.0]])  # aligned by problem id
     with pytest.raises(ValueError, match="other problems"):
@@ -245,7 +248,7 @@ def test_statistics_of_real_evaluation_records():
     assert solver.mean() == summary["solver_avg_at_k"]
     assert eval_stats.outcome_rates(records)["accepted_rate"] == summary["accepted_rate"]
     assert eval_stats.solver_to_system(records) == {  # A's runs kept, B's fixed
-        "kept": 0.5, "lost": 0.0, "fixed": 0.5, "unfixed": 0.0}
+        "kept": 0.5, "lost": 0.0, "fixed": 0.5, "unfixed": 0.0, "never_right": 0.0}
     assert eval_stats.mean_tokens(records) == summary["mean_tokens"]
     corrections = eval_stats.correction_rates(records)  # B's two runs: 2 -> 7, both fixed
     assert (corrections["fixed"], corrections["corrections"]) == (1.0, 2)

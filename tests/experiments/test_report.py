@@ -108,10 +108,11 @@ def test_report_tables_and_targets_from_records(study):
     corrector = rows["base"]["corrector"]
     assert (corrector["broken"], corrector["corrections"]) == (1.0, 12)
     assert rows["marsrl"]["corrector"]["fixed"] == 1.0
-    # Base: Solver right on 0-23, System on 0-17 -> 30% kept, 10% lost, 0 fixed, 60% unfixed.
+    # Base: Solver right on 0-23, System on 0-17 -> 30% kept, 10% lost, 0 fixed, 60% unfixed,
+    # none of which ever had a right candidate.
     assert rows["base"]["solver_to_system"] == pytest.approx(
-        {"kept": 0.3, "lost": 0.1, "fixed": 0.0, "unfixed": 0.6})
-    assert "| 30.0 / 10.0 / 0.0 / 60.0 |" in text
+        {"kept": 0.3, "lost": 0.1, "fixed": 0.0, "unfixed": 0.6, "never_right": 0.6})
+    assert "| 30.0 / 10.0 / 0.0 / 60.0 (60.0) |" in text
     targets = {t["target"].split(",")[0]: t for t in summary["targets"]}
     assert [t["met"] for t in summary["targets"]] == [True, False, True, True]
     assert "+35.0" in targets["MarsRL System >= base System + 10 points"]["detail"]
