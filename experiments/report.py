@@ -323,13 +323,12 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablati
              "positive); 1st = the first verification of each run (the Solver's candidate), all = "
              "every verification. Corrector: share of the wrong candidates it revised into right "
              "ones / of the right ones it broke. Solver -> System: share of runs whose Solver "
-             "answer was right and kept / right and lost / wrong and fixed / wrong and not fixed (of which "
-             "no candidate was right).",
-             "",
+             "answer was right and kept / right and lost / wrong and fixed / wrong and not fixed "
+             "(of which no candidate was right).", "",
              "| Model | accepted | fallback | failed | mean iterations | Verifier acc 1st / all | "
              "balanced acc 1st / all | recall 1st / all | precision 1st / all | "
-             "Corrector fixed / broke | Solver -> System kept / lost / fixed / unfixed (never right) | "
-             "tokens S / V / C |",
+             "Corrector fixed / broke | Solver -> System kept / lost / fixed / unfixed "
+             "(never right) | tokens S / V / C |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in main_rows:
         s = summaries[row]
@@ -513,6 +512,7 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         steps[row] = ", ".join(str(s) if s is not None else "?"
                                for s in sorted(set(run_steps), key=lambda s: (s is None, s)))
     draws = dict(resamples=settings.resamples, seed=settings.bootstrap_seed)
+
     def paired(row, other):
         return {part: eval_stats.bootstrap_difference(scores[row][part], scores[other][part],
                                                       **draws).to_json()
