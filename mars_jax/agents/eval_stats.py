@@ -270,8 +270,8 @@ def correction_rates(records: Iterable[Record]) -> dict[str, float]:
 def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
     """Share of runs by what the V-C loop did to the Solver's answer: `kept` (right, stays
     right), `lost` (right, returned wrong), `fixed` (wrong, returned right), `unfixed` (wrong,
-    returned wrong). Over a non-empty list they sum to 1, System avg = kept + fixed and Solver
-    avg = kept + lost (empty: NaN).
+    returned wrong). Over a non-empty list they sum to 1, kept + fixed is the share of runs
+    returned right and kept + lost the share whose Solver was right (empty: NaN).
     `never_right`: the part of `unfixed` in which no candidate was right (the rest of `unfixed`
     wrote a right candidate and returned another)."""
     pairs = Counter((bool(r["solver_correct"]), bool(r["correct"])) for r in records)
