@@ -32,7 +32,8 @@ prints the bytes one weight copy from the training to the rollout submesh writes
       --config.mesh.rollout.devices=192 --config.mesh.rollout.data=3 \
       --config.mesh.rollout.fsdp=-1 --config.learner.micro_batch_size=64
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
-FLOPs (`cost_analysis()`: per device, a loop body counted once) and whether it fits the chip;
+FLOPs and bytes accessed (XLA's `cost_analysis()`: per device, a loop body counted once) and
+whether it fits the chip;
 the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
 same width (compile time grows with depth where the layer loop is unrolled: without
 `model.scan_layers`, and in the KV-cache programs).
@@ -147,6 +148,7 @@ class Result:
     temp_bytes: int = 0
     code_bytes: int = 0
     flops: float | None = None  # None: the backend gives no cost analysis (deviceless GPU)
+    bytes_accessed: float | None = None  # XLA's estimate: every op's operands and results
     compile_s: float = 0.0
     error: str = ""
 
@@ -543,6 +545,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
                     alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
                     code_bytes=memory.generated_code_size_in_bytes,
                     flops=(cost or {}).get("flops"),
+                    bytes_accessed=(cost or {}).get("bytes accessed"),
                     compile_s=time.perf_counter() - start)
     result.fits = result.total_bytes <= hbm_bytes
     return result
@@ -551,17 +554,18 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
 def format_table(results: Sequence[Result], hbm_bytes: int) -> str:
     gib = lambda n: f"{n / GiB:8.2f}"
     lines = [f"{'program':14} {'mesh':7} {'args':>8} {'outputs':>8} {'alias':>8} {'temps':>8} "
-             f"{'total':>8} {'HBM':>8} {'TFLOPs':>9} {'fits':>4} {'compile':>8}   "
+             f"{'total':>8} {'HBM':>8} {'TFLOPs':>9} {'GB acc.':>8} {'fits':>4} {'compile':>8}   "
              "(GiB per device)"]
     for r in results:
         if r.error:
             lines.append(f"{r.program:14} {r.mesh:7} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
-                         f"{gib(hbm_bytes)} {'-':>9} {'no':>4} {r.compile_s:7.0f}s   {r.error}")
+                         f"{gib(hbm_bytes)} {'-':>9} {'-':>8} {'no':>4} {r.compile_s:7.0f}s   {r.error}")
             continue
         tflops = "-" if r.flops is None else f"{r.flops / 1e12:.3f}"
+        accessed = "-" if r.bytes_accessed is None else f"{r.bytes_accessed / 1e9:.2f}"
         lines.append(f"{r.program:14} {r.mesh:7} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
                      f"{gib(r.alias_bytes)} {gib(r.temp_bytes)} {gib(r.total_bytes)} "
-                     f"{gib(hbm_bytes)} {tflops:>9} {'yes' if r.fits else 'no':>4} "
+                     f"{gib(hbm_bytes)} {tflops:>9} {accessed:>8} {'yes' if r.fits else 'no':>4} "
                      f"{r.compile_s:7.0f}s")
     return "\n".join(lines)
 

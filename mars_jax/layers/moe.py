@@ -18,9 +18,12 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
   capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
            dropped. Chosen whenever `capacity_factor` is set.
 
-Under a mesh, `sorted` and `ragged` run on each batch shard's own tokens (`jax.shard_map` over the
-mesh axes that split the batch, expert weights gathered as FSDP gathers any weight): a sort over
-the global token axis could not be partitioned and would replicate every token on every chip.
+Under a mesh (`_sharded`), `sorted` and `ragged` run on each batch shard's own tokens
+(`jax.shard_map` over the mesh axes that split the batch, expert weights gathered over them as
+FSDP gathers any weight): a sort over the global token axis could not be partitioned and would
+replicate every token on every chip. Every backend runs tensor-parallel over the mesh axes that
+split the experts' `mlp` dimension: those shards are never gathered, which is what keeps a decode
+step on a `tensor` mesh from copying every expert to every chip.
 """
 from __future__ import annotations
 
@@ -90,11 +93,10 @@ class MoE(nnx.Module):
               "capacity": self._capacity}[backend]
         wi, wo = self.wi[...].astype(x.dtype), self.wo[...].astype(x.dtype)
         ids, weights = ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
-        if backend in ("sorted", "ragged"):
-            weight_axes = tuple(p.get_metadata()["logical_axes"] for p in (self.wi, self.wo))
-            out = _per_batch_shard(fn, x, ids, weights, wi, wo, weight_axes, self.chunk_tokens)
-        else:
-            out = _flat(fn, x, ids, weights, wi, wo)
+        weight_axes = tuple(p.get_metadata()["logical_axes"] for p in (self.wi, self.wo))
+        out = _sharded(fn, x, ids, weights, wi, wo, weight_axes,
+                       self.chunk_tokens if backend in ("sorted", "ragged") else 0,
+                       split_batch=backend in ("sorted", "ragged"))
         return out, logits.reshape(*lead, self.num_experts), ids
 
     def _dense(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
@@ -176,31 +178,47 @@ def _flat(fn, x, ids, weights, wi, wo, chunk: int = 0):
     return out.reshape(-1, hidden)[:n].reshape(x.shape)
 
 
-def _per_batch_shard(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0):
-    """`_flat` on each batch shard's tokens: `x [B, ..., H]` split over the mesh axes that shard
-    "batch" (and divide B). Expert weights (logical `weight_axes`) enter in their own sharding and
-    are all-gathered inside, so their gradients leave reduce-scattered, never whole on a chip."""
+def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_batch: bool = False):
+    """`_flat` under the current mesh, in one `shard_map` over the mesh axes of
+
+    - the batch (with `split_batch`, where they divide B): each batch shard dispatches its own
+      tokens; the expert weights' shards over these axes are all-gathered inside, so their
+      gradients leave reduce-scattered, never whole on a chip;
+    - the experts' `mlp` dimension (tensor parallelism): each chip runs its slice of every
+      expert's hidden units on the tokens and the partial outputs are summed, so these shards are
+      never gathered (the SwiGLU is elementwise in `mlp`; the down projection sums over it).
+
+    Expert weights have logical axes `weight_axes`. Without such axes it is `_flat`."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return _flat(fn, x, ids, weights, wi, wo, chunk)
-    axes = sharding.spec_axes(sharding.fitted_spec(("batch",), x.shape[:1], mesh)[0])
-    if not axes:
+    batch = (sharding.spec_axes(sharding.fitted_spec(("batch",), x.shape[:1], mesh)[0])
+             if split_batch else ())
+    specs = [sharding.fitted_spec(names, w.shape, mesh) for names, w in zip(weight_axes, (wi, wo))]
+    mlp = [tuple(a for a in sharding.spec_axes(spec[names.index("mlp")]) if a not in batch)
+           for names, spec in zip(weight_axes, specs)]
+    tensor = mlp[0] if mlp[0] == mlp[1] else ()
+    if not batch and not tensor:
         return _flat(fn, x, ids, weights, wi, wo, chunk)
-    rows = PartitionSpec(axes)
-    # Each weight dimension's manual (batch) mesh axes: split on entry, gathered inside.
-    weight_specs = [PartitionSpec(*(tuple(a for a in sharding.spec_axes(entry) if a in axes)
-                                    or None for entry in sharding.fitted_spec(names, w.shape, mesh)))
-                    for names, w in zip(weight_axes, (wi, wo))]
+    keep = lambda spec, axes: PartitionSpec(
+        *(tuple(a for a in sharding.spec_axes(entry) if a in axes) or None for entry in spec))
+    weight_specs = [keep(spec, batch + tensor) for spec in specs]   # split on entry
+    gathered = [keep(spec, batch) for spec in specs]                # gathered inside
+    rows = PartitionSpec(batch or None)
 
     def local(x, ids, weights, wi, wo):
-        wi, wo = (_all_gather(w, spec) for w, spec in zip((wi, wo), weight_specs))
-        return _flat(fn, x, ids, weights, wi, wo, chunk)
+        wi, wo = (_all_gather(w, spec) for w, spec in zip((wi, wo), gathered))
+        out = _flat(fn, x, ids, weights, wi, wo, chunk)
+        return out[None] if tensor else out
 
-    return jax.shard_map(local, mesh=mesh, axis_names=set(axes),
-                         in_specs=(rows, rows, rows, *weight_specs),
-                         # check_vma off: the expert-block VJP starts its weight gradients
-                         # from replicated zeros and adds per-shard terms.
-                         out_specs=rows, check_vma=False)(x, ids, weights, wi, wo)
+    out = jax.shard_map(local, mesh=mesh, axis_names=set(batch + tensor),
+                        in_specs=(rows, rows, rows, *weight_specs),
+                        out_specs=PartitionSpec(tensor, *rows) if tensor else rows,
+                        # check_vma off: the expert-block VJP starts its weight gradients
+                        # from replicated zeros and adds per-shard terms.
+                        check_vma=False)(x, ids, weights, wi, wo)
+    # The tensor shards' partial outputs, summed outside the shard_map (XLA's all-reduce).
+    return out.sum(0) if tensor else out
 
 
 def _all_gather(w: jax.Array, spec: PartitionSpec) -> jax.Array:

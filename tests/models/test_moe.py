@@ -53,6 +53,28 @@ def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl, chunk)
         np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
 
 
+@pytest.mark.parametrize("impl", ["dense", "sorted", "ragged"])
+def test_tensor_parallel_experts_match_dense_reference_without_gathering_them(impl):
+    """On a data x fsdp x tensor = 2 x 2 x 2 mesh each chip runs its `mlp` slice of every expert
+    and the partial outputs are summed: values and gradients equal the unsharded dense reference,
+    and no chip gathers a whole expert weight over the tensor axis (the compiled program has no
+    all-gather whose result holds every `mlp` unit)."""
+    x = jax.random.normal(jax.random.key(3), (8, 12, 24))
+    (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense"), x)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2, "expert": 1})
+    with sharding.use_mesh(mesh):
+        moe = _moe(impl)
+        xs = jax.device_put(x, sharding.named_sharding(mesh, ("batch", None, None), x.shape))
+        (loss, (gm, gx)) = nnx.jit(_loss_and_grads)(moe, xs)
+        hlo = nnx.jit(lambda m, x: m(x)[0]).lower(moe, xs).compile().as_text()
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+    gathers = [line for line in hlo.splitlines() if "all-gather(" in line]
+    assert not [g for g in gathers if "f32[6,2,16," in g or "f32[6,16," in g], gathers
+
+
 def test_capacity_drops_exactly_the_overflow():
     """With capacity C per expert, an assignment survives iff fewer than C earlier tokens (in
     token order) chose the same expert; checked against a numpy loop over tokens."""
