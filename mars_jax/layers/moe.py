@@ -200,10 +200,8 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
     tensor = mlp[0] if mlp[0] == mlp[1] else ()
     if not batch and not tensor:
         return _flat(fn, x, ids, weights, wi, wo, chunk)
-    keep = lambda spec, axes: PartitionSpec(
-        *(tuple(a for a in sharding.spec_axes(entry) if a in axes) or None for entry in spec))
-    weight_specs = [keep(spec, batch + tensor) for spec in specs]   # split on entry
-    gathered = [keep(spec, batch) for spec in specs]                # gathered inside
+    weight_specs = [_only(spec, batch + tensor) for spec in specs]   # split on entry
+    gathered = [_only(spec, batch) for spec in specs]                # gathered inside
     rows = PartitionSpec(batch or None)
 
     def local(x, ids, weights, wi, wo):
@@ -219,6 +217,12 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
                         check_vma=False)(x, ids, weights, wi, wo)
     # The tensor shards' partial outputs, summed outside the shard_map (XLA's all-reduce).
     return out.sum(0) if tensor else out
+
+
+def _only(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """`spec` with only the mesh axes in `axes` kept."""
+    return PartitionSpec(*(tuple(a for a in sharding.spec_axes(entry) if a in axes) or None
+                           for entry in spec))
 
 
 def _all_gather(w: jax.Array, spec: PartitionSpec) -> jax.Array:
