@@ -148,7 +148,7 @@ class Result:
     temp_bytes: int = 0
     code_bytes: int = 0
     flops: float | None = None  # None: the backend gives no cost analysis (deviceless GPU)
-    bytes_accessed: float | None = None  # XLA's estimate: every op's operands and results
+    bytes_accessed: float | None = None  # XLA's estimate of the bytes the program's ops move
     compile_s: float = 0.0
     error: str = ""
 

@@ -94,9 +94,9 @@ class MoE(nnx.Module):
         wi, wo = self.wi[...].astype(x.dtype), self.wo[...].astype(x.dtype)
         ids, weights = ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
         weight_axes = tuple(p.get_metadata()["logical_axes"] for p in (self.wi, self.wo))
+        sort_based = backend in ("sorted", "ragged")
         out = _sharded(fn, x, ids, weights, wi, wo, weight_axes,
-                       self.chunk_tokens if backend in ("sorted", "ragged") else 0,
-                       split_batch=backend in ("sorted", "ragged"))
+                       self.chunk_tokens if sort_based else 0, split_batch=sort_based)
         return out, logits.reshape(*lead, self.num_experts), ids
 
     def _dense(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,

@@ -23,17 +23,23 @@ def _loss_and_grads(moe, x):
     return nnx.value_and_grad(loss, argnums=(0, 1))(moe, x)
 
 
+def _assert_same(got, ref):
+    """Loss, module gradients and input gradients of `_loss_and_grads` equal the reference's."""
+    (loss, (gm, gx)), (ref_loss, (ref_gm, ref_gx)) = got, ref
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+
+
 @pytest.mark.parametrize("impl", ["sorted", "ragged"])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("chunk", [0, 16])  # 16: 120 tokens in 8 chunks, the last one padded
 def test_dropless_matches_dense_reference(impl, norm, chunk):
     x = jax.random.normal(jax.random.key(1), (3, 40, 24))
-    (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense", norm=norm), x)
-    (loss, (gm, gx)) = _loss_and_grads(_moe(impl, norm=norm, chunk_tokens=chunk), x)
-    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
-        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+    ref = _loss_and_grads(_moe("dense", norm=norm), x)
+    got = _loss_and_grads(_moe(impl, norm=norm, chunk_tokens=chunk), x)
+    _assert_same(got, ref)
 
 
 @pytest.mark.parametrize("impl", ["sorted", "ragged"])
@@ -42,15 +48,12 @@ def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl, chunk)
     """On a data x fsdp = 4 x 2 mesh each batch shard sorts its own tokens (shard_map); values and
     gradients (expert weights summed over shards) equal the unsharded dense reference."""
     x = jax.random.normal(jax.random.key(2), (8, 12, 24))
-    (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense"), x)
+    ref = _loss_and_grads(_moe("dense"), x)
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1, "expert": 1})
     with sharding.use_mesh(mesh):
         xs = jax.device_put(x, sharding.named_sharding(mesh, ("batch", None, None), x.shape))
-        (loss, (gm, gx)) = nnx.jit(_loss_and_grads)(_moe(impl, chunk_tokens=chunk), xs)
-    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
-        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+        got = nnx.jit(_loss_and_grads)(_moe(impl, chunk_tokens=chunk), xs)
+    _assert_same(got, ref)
 
 
 @pytest.mark.parametrize("impl", ["dense", "sorted", "ragged"])
@@ -60,17 +63,14 @@ def test_tensor_parallel_experts_match_dense_reference_without_gathering_them(im
     and no chip gathers a whole expert weight over the tensor axis (the compiled program has no
     all-gather whose result holds every `mlp` unit)."""
     x = jax.random.normal(jax.random.key(3), (8, 12, 24))
-    (ref_loss, (ref_gm, ref_gx)) = _loss_and_grads(_moe("dense"), x)
+    ref = _loss_and_grads(_moe("dense"), x)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2, "expert": 1})
     with sharding.use_mesh(mesh):
         moe = _moe(impl)
         xs = jax.device_put(x, sharding.named_sharding(mesh, ("batch", None, None), x.shape))
-        (loss, (gm, gx)) = nnx.jit(_loss_and_grads)(moe, xs)
+        got = nnx.jit(_loss_and_grads)(moe, xs)
         hlo = nnx.jit(lambda m, x: m(x)[0]).lower(moe, xs).compile().as_text()
-    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(gx, ref_gx, atol=1e-5)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(gm), nnx.to_flat_state(ref_gm)):
-        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-5, err_msg=str(path))
+    _assert_same(got, ref)
     gathers = [line for line in hlo.splitlines() if "all-gather(" in line]
     assert not [g for g in gathers if "f32[6,2,16," in g or "f32[6,16," in g], gathers
 
