@@ -48,6 +48,7 @@ def main(argv):
     except ConfigError as e:
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)
+    jax.config.update("jax_default_matmul_precision", config.matmul_precision)
     if config.jax_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(config.jax_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -67,6 +67,7 @@ class ConfigError(ValueError):
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "job": ("train", "eval_system", "sft"),
+    "matmul_precision": ("float32", "tensorfloat32", "bfloat16", "default"),
     "rollout.mode": MODES,
     "rollout.decode_engine": ("generate", "engine"),
     "rollout.scheduler": ("step", "stream"),

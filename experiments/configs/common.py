@@ -12,6 +12,10 @@ def base_config() -> ConfigDict:
     c.max_nonfinite_updates = 3
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
     c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)
+    # How float32 matmuls are computed (jax_default_matmul_precision; bfloat16 ones are not
+    # affected): 'float32' in full, as torch does and as the HF-parity tests check; 'default' is
+    # JAX's own, TF32 on recent GPUs and bfloat16 passes on TPU (faster, ~1e-3 relative error).
+    c.matmul_precision = "float32"  # 'float32' | 'tensorfloat32' | 'bfloat16' | 'default'
 
     # Within-slice axis sizes (-1 = the rest); `dcn` sizes run across slices (TPU multi-slice) or
     # processes (GPU/CPU hosts): e.g. --config.mesh.dcn.data=2 for two slices doing data parallel.

@@ -20,6 +20,8 @@ AOT result (`--topology=h200:8`, deviceless CUDA plugin, all 48 layers; GiB per 
   prefill  yes (117.7: KV cache out 36.0 + temps 74.6)     logprobs yes (19.5)
   decode   yes (92.3: args 43.1 + temps 49.2)              update   yes (90.8)
   (with moe_impl 'ragged': update 275.5 and prefill 209.0 at 40 rows: no.)
+  These figures are for moe_impl 'sorted' with 128-row blocks, before the switch to 'auto' and
+  512-row blocks (not recompiled since: the switch changes the MoE dispatch buffers only).
 """
 import os
 import sys
@@ -35,7 +37,11 @@ def get_config(arg: str | None = None):
     if "runlocal" not in marsrl_qwen3_30b_a3b.parse_arg(arg):
         c.learner.micro_batch_size = 8  # one row per GPU per micro-batch
         c.rollout.max_decode_rows = 32  # 4 rows per H200 (H100: --config.rollout.max_decode_rows=16)
-        # XLA:GPU lowers `ragged_dot` with far larger temporaries than the block-sorted dispatch
-        # (update 275 vs 91 GiB per GPU, see the AOT result above).
-        c.model.moe_impl = "sorted"
+        # MoE dispatch: 'auto' off TPU, i.e. `dense` for decode (<= 64 tokens a call) and
+        # `sorted` for prefill and the update, never `ragged` (XLA:GPU lowers it with far larger
+        # temporaries: update 275 vs 91 GiB per GPU, see the AOT result above). One 30B MoE block
+        # on an H100 (benchmarks/RESULTS.md, "One H100"): dense 1.3 ms vs sorted 6.4 ms at 256
+        # tokens; sorted 21.4 ms with 512-row blocks vs 47.7 ms with 128 at 16,384 tokens.
+        c.model.moe_impl = ""
+        c.model.moe_block_size = 512
     return c
