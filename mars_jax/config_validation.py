@@ -67,7 +67,7 @@ class ConfigError(ValueError):
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "job": ("train", "eval_system", "sft"),
-    "matmul_precision": ("float32", "tensorfloat32", "bfloat16", "default"),
+    "matmul_precision": ("default", "float32", "tensorfloat32", "bfloat16"),
     "rollout.mode": MODES,
     "rollout.decode_engine": ("generate", "engine"),
     "rollout.scheduler": ("step", "stream"),

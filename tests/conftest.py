@@ -12,14 +12,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# float32 matmuls in full on GPU / TPU too (JAX's default there is TF32 / bfloat16 passes), as
-# the HF-parity and exactness tests assume and as experiments/run.py sets by default.
-os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "float32")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# float32 matmuls in full on a GPU too (JAX's default there is TF32), as the HF-parity and
+# exactness tests assume; in this process only: subprocesses keep each config's own.
+jax.config.update("jax_default_matmul_precision", "float32")
 
 from tests import hf_fixtures  # noqa: E402
 

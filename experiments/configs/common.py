@@ -12,10 +12,11 @@ def base_config() -> ConfigDict:
     c.max_nonfinite_updates = 3
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
     c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)
-    # How float32 matmuls are computed (jax_default_matmul_precision; bfloat16 ones are not
-    # affected): 'float32' in full, as torch does and as the HF-parity tests check; 'default' is
-    # JAX's own, TF32 on recent GPUs and bfloat16 passes on TPU (faster, ~1e-3 relative error).
-    c.matmul_precision = "float32"  # 'float32' | 'tensorfloat32' | 'bfloat16' | 'default'
+    # jax_default_matmul_precision: 'default' is JAX's own, which computes float32 matmuls in
+    # TF32 on recent GPUs and in bfloat16 passes on TPU; 'float32' computes them in full (as torch
+    # does, and as the HF-parity tests check) for a float32 model on GPU / TPU. It reaches the
+    # Pallas kernels too, and Mosaic rejects it on bfloat16 operands (the paged KV cache's).
+    c.matmul_precision = "default"  # 'default' | 'float32' | 'tensorfloat32' | 'bfloat16'
 
     # Within-slice axis sizes (-1 = the rest); `dcn` sizes run across slices (TPU multi-slice) or
     # processes (GPU/CPU hosts): e.g. --config.mesh.dcn.data=2 for two slices doing data parallel.
