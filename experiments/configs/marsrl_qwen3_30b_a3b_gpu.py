@@ -37,11 +37,12 @@ def get_config(arg: str | None = None):
     if "runlocal" not in marsrl_qwen3_30b_a3b.parse_arg(arg):
         c.learner.micro_batch_size = 8  # one row per GPU per micro-batch
         c.rollout.max_decode_rows = 32  # 4 rows per H200 (H100: --config.rollout.max_decode_rows=16)
-        # MoE dispatch: 'auto' off TPU, i.e. `dense` for decode (<= 64 tokens a call) and
+        # MoE dispatch: 'auto' off TPU, i.e. `dense` for decode (<= 256 tokens a call) and
         # `sorted` for prefill and the update, never `ragged` (XLA:GPU lowers it with far larger
         # temporaries: update 275 vs 91 GiB per GPU, see the AOT result above). One 30B MoE block
         # on an H100 (benchmarks/RESULTS.md, "One H100"): dense 1.3 ms vs sorted 6.4 ms at 256
         # tokens; sorted 21.4 ms with 512-row blocks vs 47.7 ms with 128 at 16,384 tokens.
         c.model.moe_impl = ""
+        c.model.moe_dense_max_tokens = 256
         c.model.moe_block_size = 512
     return c

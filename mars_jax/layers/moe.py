@@ -195,6 +195,8 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
     batch = (sharding.spec_axes(sharding.fitted_spec(("batch",), x.shape[:1], mesh)[0])
              if split_batch else ())
     specs = [sharding.fitted_spec(names, w.shape, mesh) for names, w in zip(weight_axes, (wi, wo))]
+    # A size-1 axis splits nothing; made manual, it failed XLA's SPMD partitioning of the update
+    # ("Cross-partition allreduce must be in (partial) manual partitioning mode").
     mlp = [tuple(a for a in sharding.spec_axes(spec[names.index("mlp")])
                  if a not in batch and mesh.shape[a] > 1)
            for names, spec in zip(weight_axes, specs)]
