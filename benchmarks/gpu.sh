@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# One GPU (an H200 with jax for CUDA installed), one shot of at most ~10 minutes, from the
-# repository root:
-#   bash benchmarks/gpu.sh     (env: PRESET, NUM_LAYERS, SLOTS, REQUESTS, WHEELS, OUT)
+# One GPU (H100 / H200 with jax for CUDA installed), from the repository root:
+#   PARTS=tests,pipeline bash benchmarks/gpu.sh   (env: PARTS, PRESET, NUM_LAYERS, SLOTS,
+#                                                  REQUESTS, WHEELS, OUT)
 # 0. the machine; packages it lacks installed from local wheels in $WHEELS (default .whl; no
-#    network is assumed), e.g. for Python 3.12:
+#    network is assumed; the list is in benchmarks/RESULTS.md, "One H100"), e.g. for Python 3.12:
 #      pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 #        manylinux_2_28_x86_64 ... -d .whl grain array_record tensorflow-datasets ...
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
-# 2. benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend (the GPU's default);
-# 3. benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench preset)
-#    with decode spans from 512 (on the first H200 its XLA compilation, 82 programs at a
-#    smaller setting, took over 2 minutes; fewer spans compile fewer decode programs), the
-#    longest limit;
-# 4. benchmarks/gpu.py engine: reserved slots vs a paged cache of the same KV memory over 4x
-#    the slots vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS slots,
-#    $REQUESTS long-tailed requests, one timed call each (the step's time limit);
-# 5. the GPU-capable tests: engine exactness and HF parity (the reference in torch on the CPU).
+# then the PARTS, in the order given (default: all four, which exceeds one 10-minute call; a
+# 15-minute lease fits about `tests,pipeline` in one call and `moe,engine` in another):
+#   tests     the GPU-capable tests: engine exactness and HF parity (torch reference on CPU);
+#   moe       benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend;
+#   pipeline  benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench
+#             preset) with decode spans from 512 (fewer decode programs to compile);
+#   engine    benchmarks/gpu.py engine: reserved slots vs a paged cache of the same KV memory
+#             over 4x the slots vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS
+#             slots, $REQUESTS long-tailed requests, one timed call each.
 # (benchmarks/gpu.py forward + train, measured on the first H200: `--parts forward,train`.)
-# Every step has its own time limit; the output is also written to $OUT/gpu.log. Through the
+# Every part has its own time limit; the output is also written to $OUT/gpu.log. Through the
 # device tool the working tree travels (64 MiB at most): move experiments/results/study/runs and
-# .../eval (committed checkpoints, ~45 MB) out of the tree for the call, and carry .whl.
+# .../eval (committed checkpoints, ~100 MB) out of the tree for the call, and carry .whl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -34,6 +34,7 @@ NUM_LAYERS=${NUM_LAYERS:-4}
 SLOTS=${SLOTS:-256}
 REQUESTS=${REQUESTS:-512}
 WHEELS=${WHEELS:-.whl}
+PARTS=${PARTS:-tests,moe,pipeline,engine}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 rm -rf /tmp/site
 install() {  # wheels into /tmp/site (first on the path), no dependencies resolved
@@ -65,22 +66,30 @@ fi
 step "smoke"
 smoke || { echo "SMOKE FAILED"; exit 1; }
 
-step "one MoE block per dispatch backend ($PRESET shapes, bf16)"
-timeout 60 python benchmarks/gpu.py --preset "$PRESET" --parts moe || echo "moe: failed or timed out (rc $?)"
-
-step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults, spans from 512)"
-timeout 285 python -m benchmarks.pipeline --min_span=512 \
-  || echo "pipeline: failed or timed out (rc $?)"
-
-step "engine: reserved vs paged vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16)"
-timeout 110 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
-  --parts engine --slots "$SLOTS" --paged-slots $((4 * SLOTS)) --requests "$REQUESTS" \
-  --engines engine,paged,generate --repeats 1 || echo "engine: failed or timed out (rc $?)"
-
-step "tests (engine exactness, HF parity)"
-# pytest.ini runs 2 xdist workers: each may take 0.4 of the GPU's memory, not the 0.92 above.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout 70 python -m pytest -q -p no:cacheprovider tests/sampling/test_engine.py \
-  tests/models/test_qwen3_parity.py -k "not mesh and not slow" \
-  || echo "TESTS FAILED OR TIMED OUT (rc $?)"
+run_part() {
+  case "$1" in
+    tests)  # ~160 s on the H100 with its 2 xdist workers
+      step "tests (engine exactness, HF parity)"
+      # pytest.ini runs 2 xdist workers: each may take 0.4 of the GPU's memory, not 0.92.
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout 200 python -m pytest -q -p no:cacheprovider \
+        tests/sampling/test_engine.py tests/models/test_qwen3_parity.py \
+        -k "not mesh and not slow" || echo "TESTS FAILED OR TIMED OUT (rc $?)" ;;
+    moe)  # ~35 s
+      step "one MoE block per dispatch backend ($PRESET shapes, bf16)"
+      timeout 60 python benchmarks/gpu.py --preset "$PRESET" --parts moe \
+        || echo "moe: failed or timed out (rc $?)" ;;
+    pipeline)  # the sequential mode's first update compiled for 204 s on the H100
+      step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults, spans from 512)"
+      timeout 420 python -m benchmarks.pipeline --min_span=512 \
+        || echo "pipeline: failed or timed out (rc $?)" ;;
+    engine)
+      step "engine: reserved vs paged vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16)"
+      timeout 240 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+        --parts engine --slots "$SLOTS" --paged-slots $((4 * SLOTS)) --requests "$REQUESTS" \
+        --engines engine,paged,generate --repeats 1 || echo "engine: failed or timed out (rc $?)" ;;
+    *) echo "unknown part '$1' in PARTS (tests, moe, pipeline, engine)"; exit 2 ;;
+  esac
+}
+for part in ${PARTS//,/ }; do run_part "$part"; done
 
 step "done"
