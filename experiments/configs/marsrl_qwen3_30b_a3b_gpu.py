@@ -1,10 +1,13 @@
-r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, on one host of 8 x H100 / H200.
+r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, on one host of 8 x H200.
 
   python experiments/run.py --workdir=/data/runs/marsrl_30b \
       --config=experiments/configs/marsrl_qwen3_30b_a3b_gpu.py:ckpt=/data/Qwen3-30B-A3B
   # AOT check without a GPU (CUDA PJRT plugin installed, e.g. pip install "jax[cuda12]"):
   python experiments/aot_compile.py --topology=h200:8 \
       --config=experiments/configs/marsrl_qwen3_30b_a3b_gpu.py
+  # 8 x H100 (80 GB): the update at 64k outputs does not fit (AOT below); halve the outputs
+  #   --config.rollout.max_decode_rows=16 --config.rollout.max_new_tokens.solver=32768 \
+  #   --config.rollout.max_new_tokens.verifier=32768 --config.rollout.max_new_tokens.corrector=32768
 
 Same run as `marsrl_qwen3_30b_a3b.py` (paper settings, `get_config(arg)` options and `get_sweep()`),
 with the mesh and micro-batch of 8 GPUs. Memory arithmetic per GPU (H100: 80 GB, H200: 141 GB):
@@ -16,12 +19,14 @@ with the mesh and micro-batch of 8 GPUs. Memory arithmetic per GPU (H100: 80 GB,
   the paper's 128 x 8 = 1,024 rows per step            => 64 / 32 decode calls per step
   attention is blockwise (flash) and the update rematerialises each layer, as on TPU.
 
-AOT result (`--topology=h200:8`, deviceless CUDA plugin, all 48 layers; GiB per GPU of 141):
-  prefill  yes (117.7: KV cache out 36.0 + temps 74.6)     logprobs yes (19.5)
-  decode   yes (92.3: args 43.1 + temps 49.2)              update   yes (90.8)
+AOT result (`--topology=h200:8`, deviceless CUDA plugin, all 48 layers; GiB per GPU of 141;
+MoE `auto` with 512-row blocks, as set below, 2026-12-05):
+  prefill  yes (117.9: KV cache out 36.0 + temps 74.8)     logprobs yes (19.6)
+  decode   yes (92.7: args 43.1 + temps 49.6)              update   yes (90.2)
   (with moe_impl 'ragged': update 275.5 and prefill 209.0 at 40 rows: no.)
-  These figures are for moe_impl 'sorted' with 128-row blocks, before the switch to 'auto' and
-  512-row blocks (not recompiled since: the switch changes the MoE dispatch buffers only).
+`--topology=h100:8` (79.1 GiB), 16 decode rows: prefill 63.9, decode 54.7, logprobs 19.4 fit;
+  update 89.0 (temps 67.6) does not. With the 32k outputs above (65,536-token update rows):
+  update 73.1 (temps 51.7), prefill 58.1, decode 56.6: all fit.
 """
 import os
 import sys
