@@ -28,6 +28,9 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # Logical name -> mesh axes (None = replicated). Parameters: 'embed' is FSDP-sharded, heads / mlp /
 # vocab are tensor-parallel, experts are expert-parallel. Activations: the batch spreads over every
 # axis that holds distinct data ('data', 'fsdp' and 'expert'), heads and mlp over 'tensor'.
+# MoE expert weights take 'fsdp' on their experts dimension where it divides it (else on 'embed'):
+# the update gathers them over 'fsdp' either way, and a decode step then runs each expert on the
+# chip that holds it instead of gathering every expert to every chip.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
@@ -37,7 +40,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("expert", "expert"),
+    ("expert", ("expert", "fsdp")),
     ("norm", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -271,19 +274,19 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
                 rules: Rules | None = None) -> PartitionSpec:
-    """The PartitionSpec of logical `names` for an array of `shape` on `mesh`."""
-    return _fit(logical_to_spec(names, rules), shape, mesh)
-
-
-def _fit(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
-    """Drops mesh axes that do not divide the dimension they would shard."""
+    """The PartitionSpec of logical `names` for an array of `shape` on `mesh`: dimension by
+    dimension, the mesh axes of its rule that no earlier dimension took and that divide it (with
+    the axes kept before them); an axis one dimension cannot take stays free for the next."""
+    table = dict(_ACTIVE.rules if rules is None else rules)
+    used: set[str] = set()
     fitted = []
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for dim, name in zip(shape, tuple(names) + (None,) * (len(shape) - len(names))):
         kept, size = [], 1
-        for axis in spec_axes(entry):
-            if dim % (size * mesh.shape[axis]) == 0:
+        for axis in spec_axes(table.get(name) if name is not None else None):
+            if axis not in used and dim % (size * mesh.shape[axis]) == 0:
                 kept.append(axis)
                 size *= mesh.shape[axis]
+        used.update(kept)
         fitted.append(kept[0] if len(kept) == 1 else (tuple(kept) or None))
     return PartitionSpec(*fitted)
 
@@ -304,21 +307,27 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) ->
         shape = variable.get_value().shape
         names = variable.get_metadata().get("logical_axes") or (None,) * len(shape)
         sharding = named_sharding(mesh, names, shape, rules)
-        _warn_dropped(jax.tree_util.keystr(path, simple=True, separator="."), shape,
-                      logical_to_spec(names, rules), sharding.spec, mesh)
+        _warn_dropped(jax.tree_util.keystr(path, simple=True, separator="."), shape, names,
+                      sharding.spec, mesh, rules)
         return variable.replace(sharding)
 
     return jax.tree_util.tree_map_with_path(one, state,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _warn_dropped(name: str, shape: Sequence[int], wanted: PartitionSpec, fitted: PartitionSpec,
-                  mesh) -> None:
-    """Logs a warning listing the mesh axes of `wanted` that `fitted` dropped, if any."""
-    padded = tuple(wanted) + (None,) * (len(shape) - len(wanted))
-    dropped = [f"mesh axis {axis!r} (size {mesh.shape[axis]}) does not divide dimension {i} "
-               f"(size {dim})" for i, (dim, want, got) in enumerate(zip(shape, padded, fitted))
-               for axis in spec_axes(want) if axis not in spec_axes(got)]
+def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
+                  fitted: PartitionSpec, mesh, rules: Rules | None) -> None:
+    """Logs a warning naming each mesh axis that the rules of `names` ask for and that no
+    dimension of `fitted` kept, with the dimensions it did not divide."""
+    table = dict(_ACTIVE.rules if rules is None else rules)
+    kept = {axis for entry in fitted for axis in spec_axes(entry)}
+    tried: dict[str, list[str]] = {}
+    for i, (dim, logical) in enumerate(zip(shape, names)):
+        for axis in spec_axes(table.get(logical) if logical is not None else None):
+            if axis not in kept:
+                tried.setdefault(axis, []).append(f"dimension {i} (size {dim})")
+    dropped = [f"mesh axis {axis!r} (size {mesh.shape[axis]}) does not divide {' or '.join(dims)}"
+               for axis, dims in tried.items()]
     if dropped:
         logging.warning("sharding: parameter %s of shape %s: %s; it is replicated along %s",
                         name, tuple(shape), "; ".join(dropped),

@@ -20,13 +20,13 @@ with the mesh and micro-batch of 8 GPUs. Memory arithmetic per GPU (H100: 80 GB,
   attention is blockwise (flash) and the update rematerialises each layer, as on TPU.
 
 AOT result (`--topology=h200:8`, deviceless CUDA plugin, all 48 layers; GiB per GPU of 141;
-MoE `auto` with 512-row blocks, as set below, 2026-12-05):
-  prefill  yes (117.9: KV cache out 36.0 + temps 74.8)     logprobs yes (19.6)
-  decode   yes (92.7: args 43.1 + temps 49.6)              update   yes (90.2)
+MoE `auto` with 512-row blocks and the experts split over `fsdp`, 2026-12-06):
+  prefill  yes (117.6: KV cache out 36.0 + temps 74.5)     logprobs yes (19.6)
+  decode   yes (61.8: args 43.1 + temps 18.7)              update   yes (84.4)
   (with moe_impl 'ragged': update 275.5 and prefill 209.0 at 40 rows: no.)
-`--topology=h100:8` (79.1 GiB), 16 decode rows: prefill 63.9, decode 54.7, logprobs 19.4 fit;
-  update 89.0 (temps 67.6) does not. With the 32k outputs above (65,536-token update rows):
-  update 73.1 (temps 51.7), prefill 58.1, decode 56.6: all fit.
+`--topology=h100:8` (79.1 GiB), 16 decode rows: prefill 63.7, decode 34.8, logprobs 19.4 fit;
+  update 82.3 (temps 60.8) does not. With the 32k outputs above (65,536-token update rows):
+  update 66.3, prefill 57.8, decode 25.8, logprobs 17.5: all fit.
 """
 import os
 import sys
@@ -42,8 +42,9 @@ def get_config(arg: str | None = None):
     if "runlocal" not in marsrl_qwen3_30b_a3b.parse_arg(arg):
         c.learner.micro_batch_size = 8  # one row per GPU per micro-batch
         c.rollout.max_decode_rows = 32  # 4 rows per H200 (H100: --config.rollout.max_decode_rows=16)
-        # MoE dispatch: 'auto' off TPU, i.e. `dense` for decode (<= 256 tokens a call) and
-        # `sorted` for prefill and the update, never `ragged` (XLA:GPU lowers it with far larger
+        # MoE dispatch: 'auto', i.e. `dense` for decode (<= 256 tokens a call; expert-parallel
+        # over `fsdp`, no expert weight gathered) and, off TPU, `sorted` for prefill and the
+        # update, never `ragged` (XLA:GPU lowers it with far larger
         # temporaries: update 275 vs 91 GiB per GPU, see the AOT result above). One 30B MoE block
         # on an H100 (benchmarks/RESULTS.md, "One H100"): dense 1.3 ms vs sorted 6.4 ms at 256
         # tokens; sorted 21.4 ms with 512-row blocks vs 47.7 ms with 128 at 16,384 tokens.

@@ -6,15 +6,21 @@ out-by-in like the HF tensors) and `wo [E, I, H]`. Both reshape for free into si
 
 Dispatch backends (all compute the same function; `capacity` alone drops tokens):
   dense    every expert on every token through two large fused matmuls, weighted by the router
-           (zero for unselected experts). The reference, and the fastest CPU path for decode-sized
-           token counts, where reading the weights dominates, and for tiny experts.
+           (zero for unselected experts). The reference, and `auto`'s path on every platform for
+           decode-sized token counts (at most `dense_max_tokens`), where reading the weights
+           dominates; on CPU also for tiny experts. Under a mesh whose axes split the experts
+           (the default rules put `fsdp` there), XLA partitions it expert-parallel: tokens are
+           gathered, each chip runs its own experts, the partial outputs are reduced, and no
+           expert weight moves (benchmarks/RESULTS.md, "The cost model against the compiled
+           decode").
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
            per block, scanned block by block; `auto`'s path off TPU for large token counts.
   ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. `auto`
-           picks it on TPU only, where XLA lowers it to a grouped-matmul kernel; XLA:GPU (jax
-           0.10) rewrites it to one dense dot over a one-hot `[tokens*k, E*H]` operand, E times
-           the grouped FLOPs (benchmarks/RESULTS.md, "One H200"), so on GPU `auto` follows the
-           CPU rule (`dense` for few tokens or tiny experts, else `sorted`).
+           picks it on TPU only (above `dense_max_tokens`), where XLA lowers it to a
+           grouped-matmul kernel; XLA:GPU (jax 0.10) rewrites it to one dense dot over a one-hot
+           `[tokens*k, E*H]` operand, E times the grouped FLOPs (benchmarks/RESULTS.md, "One
+           H200"), so on GPU `auto` follows the CPU rule (`dense` for few tokens or tiny
+           experts, else `sorted`).
   capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
            dropped. Chosen whenever `capacity_factor` is set.
 
@@ -77,10 +83,12 @@ class MoE(nnx.Module):
             return "capacity"
         if self.impl != "auto":
             return self.impl
+        if num_tokens <= self.dense_max_tokens:
+            return "dense"
         if jax.default_backend() == "tpu":
             return "ragged"
         small_experts = self.wo.get_value().size * 3 <= SMALL_EXPERT_PARAMS
-        return "dense" if num_tokens <= self.dense_max_tokens or small_experts else "sorted"
+        return "dense" if small_experts else "sorted"
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -52,7 +52,7 @@ class Qwen3Config:
     param_dtype: str = "float32"    # storage dtype of parameters
     moe_impl: str = "auto"          # 'auto' | 'dense' | 'sorted' | 'ragged'
     moe_block_size: int = 128       # rows per expert block in the 'sorted' dispatch
-    moe_dense_max_tokens: int = 64  # 'auto' off TPU: all-experts fused matmuls up to this many tokens
+    moe_dense_max_tokens: int = 64  # 'auto': all-experts fused matmuls up to this many tokens
     capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped
     moe_chunk_tokens: int = 0       # dropless dispatch this many tokens at a time (0 = all)
     attention_impl: str = "auto"    # 'dense' [T, S] scores | 'flash' blockwise | 'auto': flash

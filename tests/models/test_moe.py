@@ -1,16 +1,20 @@
 """MoE dispatch backends against the dense all-experts reference, values and gradients."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from mars_jax import sharding
 from mars_jax.layers.moe import MoE
 
 
-def _moe(impl, capacity_factor=None, block_size=8, norm=True, chunk_tokens=0):
-    return MoE(24, 16, 6, 2, norm_topk_prob=norm, impl=impl, block_size=block_size,
+def _moe(impl, capacity_factor=None, block_size=8, norm=True, chunk_tokens=0, experts=6):
+    return MoE(24, 16, experts, 2, norm_topk_prob=norm, impl=impl, block_size=block_size,
                dense_max_tokens=0, capacity_factor=capacity_factor, rngs=nnx.Rngs(0),
                param_dtype=jnp.float32, stddev=0.1, chunk_tokens=chunk_tokens)
 
@@ -75,6 +79,36 @@ def test_tensor_parallel_experts_match_dense_reference_without_gathering_them(im
     assert not [g for g in gathers if "f32[6,2,16," in g or "f32[6,16," in g], gathers
 
 
+def _sharded_moe(impl: str, mesh) -> MoE:
+    """An 8-expert MoE with its weights placed by the default rules on `mesh`."""
+    graphdef, state = nnx.split(_moe(impl, experts=8))
+    return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+
+
+@pytest.mark.parametrize("impl", ["dense", "sorted"])
+def test_experts_split_over_fsdp_match_reference_and_decode_gathers_none(impl):
+    """On a data x fsdp = 2 x 4 mesh the default rules split the 8 experts over `fsdp` (2 a
+    chip). Values and gradients equal the unsharded reference for `dense` (decode-sized calls)
+    and `sorted` (the update, which gathers each chip's batch shard's experts); and the forward
+    of `dense` all-gathers no expert weight: each chip runs its own experts on the gathered
+    tokens and the partial outputs are reduced."""
+    x = jax.random.normal(jax.random.key(4), (8, 3, 24))
+    ref = _loss_and_grads(_moe("dense", experts=8), x)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1, "expert": 1})
+    with sharding.use_mesh(mesh):
+        moe = _sharded_moe(impl, mesh)
+        assert moe.wi[...].sharding.spec == P(("expert", "fsdp"), None, "tensor", None)
+        xs = jax.device_put(x, sharding.named_sharding(mesh, ("batch", None, None), x.shape))
+        got = nnx.jit(_loss_and_grads)(moe, xs)
+        hlo = nnx.jit(lambda m, x: m(x)[0]).lower(moe, xs).compile().as_text()
+    _assert_same(got, ref)
+    if impl == "dense":  # wi and wo whole: 8 x 2 x 16 = 256 and 8 x 16 = 128 rows (the old
+        # rules, experts whole on a chip and `embed` over fsdp, gathered f32[24,256], f32[128,24])
+        gathered = [tuple(map(int, m.group(1).split(","))) for line in hlo.splitlines()
+                    if (m := re.search(r"= f32\[([\d,]+)\]\S* all-gather\(", line))]
+        assert gathered and not [shape for shape in gathered if {256, 128} & set(shape)], gathered
+
+
 def test_capacity_drops_exactly_the_overflow():
     """With capacity C per expert, an assignment survives iff fewer than C earlier tokens (in
     token order) chose the same expert; checked against a numpy loop over tokens."""
@@ -115,11 +149,12 @@ def test_routing_replay_reproduces_and_overrides():
     assert np.abs(np.asarray(changed - out)).max() > 1e-3
 
 
-@pytest.mark.parametrize("platform,few,many", [("tpu", "ragged", "ragged"),
+@pytest.mark.parametrize("platform,few,many", [("tpu", "dense", "ragged"),
                                                ("gpu", "dense", "sorted"),
                                                ("cpu", "dense", "sorted")])
 def test_auto_uses_ragged_dot_only_on_tpu(monkeypatch, platform, few, many):
-    """XLA:GPU rewrites `ragged_dot` into a dense dot E times larger (benchmarks/RESULTS.md)."""
+    """XLA:GPU rewrites `ragged_dot` into a dense dot E times larger (benchmarks/RESULTS.md);
+    decode-sized calls (64 tokens here) run `dense` everywhere."""
     moe = MoE(2048, 768, 128, 8, norm_topk_prob=True, impl="auto", block_size=128,
               dense_max_tokens=64, capacity_factor=None, rngs=nnx.Rngs(0),
               param_dtype=jnp.bfloat16, stddev=0.02)

@@ -1,4 +1,5 @@
 """The model on an 8-device fake CPU mesh equals the 1-device model, with intended shardings."""
+import dataclasses
 import logging
 
 import jax
@@ -42,8 +43,9 @@ def test_create_model_initialises_into_shardings():
     model = create_model(get_preset("tiny"), mesh=mesh)
     state = dict(nnx.to_flat_state(nnx.state(model)))
     wo = state[("layers", 1, "mlp", "wo")].get_value()
-    assert wo.sharding.spec == P("expert", "tensor", "fsdp")
-    assert wo.addressable_shards[0].data.shape == (4, 16, 32)
+    # 8 experts split over expert x fsdp (2 each), so `embed` is whole on a chip.
+    assert wo.sharding.spec == P(("expert", "fsdp"), "tensor", None)
+    assert wo.addressable_shards[0].data.shape == (2, 16, 64)
     assert state[("lm_head",)].get_value().sharding.spec == P("fsdp", "tensor")
 
 
@@ -61,9 +63,26 @@ def test_a_mesh_axis_that_does_not_divide_a_parameter_is_named_once_in_a_warning
     lm_head = [r.getMessage() for r in caplog.records if "parameter lm_head " in r.getMessage()]
     assert lm_head == ["sharding: parameter lm_head of shape (64, 512): mesh axis 'fsdp' (size 6) "
                        "does not divide dimension 0 (size 64); it is replicated along that axis"]
-    assert any("parameter layers.1.mlp.wo of shape (8, 32, 64)" in r.getMessage()
-               for r in caplog.records)
+    wo = [r.getMessage() for r in caplog.records if "parameter layers.1.mlp.wo " in r.getMessage()]
+    assert wo == ["sharding: parameter layers.1.mlp.wo of shape (8, 32, 64): mesh axis 'fsdp' "
+                  "(size 6) does not divide dimension 0 (size 8) or dimension 2 (size 64); it is "
+                  "replicated along that axis"]
     assert not any("norm" in r.getMessage() for r in caplog.records)  # never sharded by fsdp
+
+
+def test_fsdp_takes_the_experts_dimension_where_it_divides_it_else_embed(caplog):
+    """Expert weights ask for `fsdp` on the experts dimension first: the tiny preset's 8 experts
+    split 4 ways there; 6 ways they do not, and `fsdp` passes on to `embed` (hidden 96), with no
+    warning since the axis is used."""
+    state = nnx.state(nnx.eval_shape(lambda: Qwen3(dataclasses.replace(get_preset("tiny"), hidden_size=96),
+                                                   rngs=nnx.Rngs(0))))
+    for fsdp, spec in [(4, P(("expert", "fsdp"), None, "tensor", None)),  # size-1 axes kept
+                       (6, P("expert", None, "tensor", "fsdp"))]:
+        mesh = sharding.make_mesh({"data": 1, "fsdp": fsdp}, devices=jax.devices()[:fsdp])
+        with caplog.at_level(logging.WARNING):
+            shardings = dict(nnx.to_flat_state(sharding.state_shardings(state, mesh)))
+        assert shardings[("layers", 1, "mlp", "wi")].get_value().spec == spec
+    assert not [r for r in caplog.records if "mlp.w" in r.getMessage()]
 
 
 def test_a_mesh_whose_axes_divide_every_parameter_logs_nothing(caplog):

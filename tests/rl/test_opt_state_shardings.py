@@ -24,5 +24,5 @@ def test_moments_shard_like_parameters_and_match_an_eager_init():
         else:
             assert s.spec == P()
     wi = params["layers"][0]["mlp"]["wi"].get_value()
-    assert wi.sharding.spec == P("expert", None, "tensor", "fsdp")
+    assert wi.sharding.spec == P(("expert", "fsdp"), None, "tensor", None)  # 8 experts, 2 a chip
     assert [s.spec for s in leaves].count(wi.sharding.spec) >= 2 * 2  # mu and nu of 2 layers
