@@ -251,14 +251,18 @@ def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
+def _rule_axes(names: Sequence[str | None], rules: Rules | None) -> list[tuple[str, ...]]:
+    """The mesh axes each logical name's rule asks for (the current rules unless `rules`)."""
+    table = dict(_ACTIVE.rules if rules is None else rules)
+    return [spec_axes(table.get(name) if name is not None else None) for name in names]
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once."""
-    table = dict(_ACTIVE.rules if rules is None else rules)
     used: set[str] = set()
     spec = []
-    for name in names:
-        target = table.get(name) if name is not None else None
-        axes = tuple(a for a in spec_axes(target) if a not in used)
+    for wanted in _rule_axes(names, rules):
+        axes = tuple(a for a in wanted if a not in used)
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*spec)
@@ -277,12 +281,12 @@ def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
     """The PartitionSpec of logical `names` for an array of `shape` on `mesh`: dimension by
     dimension, the mesh axes of its rule that no earlier dimension took and that divide it (with
     the axes kept before them); an axis one dimension cannot take stays free for the next."""
-    table = dict(_ACTIVE.rules if rules is None else rules)
     used: set[str] = set()
     fitted = []
-    for dim, name in zip(shape, tuple(names) + (None,) * (len(shape) - len(names))):
+    padded = tuple(names) + (None,) * (len(shape) - len(names))
+    for dim, wanted in zip(shape, _rule_axes(padded, rules)):
         kept, size = [], 1
-        for axis in spec_axes(table.get(name) if name is not None else None):
+        for axis in wanted:
             if axis not in used and dim % (size * mesh.shape[axis]) == 0:
                 kept.append(axis)
                 size *= mesh.shape[axis]
@@ -319,11 +323,10 @@ def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
                   fitted: PartitionSpec, mesh, rules: Rules | None) -> None:
     """Logs a warning naming each mesh axis that the rules of `names` ask for and that no
     dimension of `fitted` kept, with the dimensions it did not divide."""
-    table = dict(_ACTIVE.rules if rules is None else rules)
     kept = {axis for entry in fitted for axis in spec_axes(entry)}
     tried: dict[str, list[str]] = {}
-    for i, (dim, logical) in enumerate(zip(shape, names)):
-        for axis in spec_axes(table.get(logical) if logical is not None else None):
+    for i, (dim, wanted) in enumerate(zip(shape, _rule_axes(names, rules))):
+        for axis in wanted:
             if axis not in kept:
                 tried.setdefault(axis, []).append(f"dimension {i} (size {dim})")
     dropped = [f"mesh axis {axis!r} (size {mesh.shape[axis]}) does not divide {' or '.join(dims)}"

@@ -8,11 +8,11 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
   dense    every expert on every token through two large fused matmuls, weighted by the router
            (zero for unselected experts). The reference, and `auto`'s path on every platform for
            decode-sized token counts (at most `dense_max_tokens`), where reading the weights
-           dominates; on CPU also for tiny experts. Under a mesh whose axes split the experts
-           (the default rules put `fsdp` there), XLA partitions it expert-parallel: tokens are
-           gathered, each chip runs its own experts, the partial outputs are reduced, and no
-           expert weight moves (benchmarks/RESULTS.md, "Expert-parallel decode on the `fsdp`
-           mesh").
+           dominates; off TPU also for tiny experts. Under a mesh whose axes split the experts
+           (the default rules put `fsdp` there), XLA's partitioner runs it expert-parallel in the
+           programs compiled so far (CPU, GPU and TPU): tokens are gathered, each chip runs its
+           own experts, the partial outputs are reduced, and no expert weight is gathered
+           (benchmarks/RESULTS.md, "Expert-parallel decode on the `fsdp` mesh").
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
            per block, scanned block by block; `auto`'s path off TPU for large token counts.
   ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. `auto`

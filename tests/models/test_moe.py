@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from jax.sharding import PartitionSpec as P
 
 from mars_jax import sharding

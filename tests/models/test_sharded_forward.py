@@ -74,8 +74,8 @@ def test_fsdp_takes_the_experts_dimension_where_it_divides_it_else_embed(caplog)
     """Expert weights ask for `fsdp` on the experts dimension first: the tiny preset's 8 experts
     split 4 ways there; 6 ways they do not, and `fsdp` passes on to `embed` (hidden 96), with no
     warning since the axis is used."""
-    state = nnx.state(nnx.eval_shape(lambda: Qwen3(dataclasses.replace(get_preset("tiny"), hidden_size=96),
-                                                   rngs=nnx.Rngs(0))))
+    config = dataclasses.replace(get_preset("tiny"), hidden_size=96)
+    state = nnx.state(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
     for fsdp, spec in [(4, P(("expert", "fsdp"), None, "tensor", None)),  # size-1 axes kept
                        (6, P("expert", None, "tensor", "fsdp"))]:
         mesh = sharding.make_mesh({"data": 1, "fsdp": fsdp}, devices=jax.devices()[:fsdp])
