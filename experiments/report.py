@@ -32,7 +32,8 @@ base, get intervals by the same draws (confusion counts summed over the drawn ru
 Writes to `--out`: `tables.md` (the main table, MarsRL minus MarsRL-S and minus MarsRL-VC
 (paired differences, when those rows exist), the Verifier / outcome table, the targets as
 met / not met with their numbers, the selection-policy table when MarsRL runs of several
-selections exist), `summary.json` and the plots `rewards.png`, `verifier.png` (accuracy,
+selections exist, with each selection's System minus the config's selection's, paired),
+`summary.json` and the plots `rewards.png`, `verifier.png` (accuracy,
 balanced accuracy, recall, pass rate), `training_lengths.png`, `held_out_probe.png` (over
 training, from each run's metrics.jsonl), `system_vs_solver.png`, `selection.png` (avg@k bars
 with interval whiskers), `lengths.png` (tokens per role at evaluation) and `sft_loss.png`.
@@ -300,9 +301,9 @@ def _fmt(i: dict, signed: bool = False) -> str:
 
 
 def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablations: dict,
-           targets: list[dict], header: str) -> str:
+           targets: list[dict], header: str, selection_minus: dict) -> str:
     """Markdown: main table, MarsRL minus each ablation, Verifier / outcome table, targets,
-    selection-policy table."""
+    selection-policy table (with each selection's System minus the config's, paired)."""
     pct = lambda x: f"{100 * x:.1f}"
     main_rows = [r for r in summaries if r[1] in (None, "default")]
     rows = [header, "", "95% intervals: percentile bootstrap over problems (and over seeds where "
@@ -352,15 +353,17 @@ def tables(summaries: dict, labels: dict, steps: dict, differences: dict, ablati
         rows.append(f"| {t['target']} | {met} | {t['detail']} |")
     selection_rows = [r for r in summaries if r[0] == "marsrl"]
     if len(selection_rows) > 1:
+        default = labels.get(("marsrl", "default"), "the config's selection")
         rows += ["", "Selection policies (MarsRL):", "",
                  "| Selection | runs | System avg@k | Solver avg@k | Verifier balanced acc (1st) | "
-                 "accepted |", "|---|---|---|---|---|---|"]
+                 f"accepted | System minus {default} |", "|---|---|---|---|---|---|---|"]
         for row in selection_rows:
             s = summaries[row]
+            minus = _fmt(selection_minus[row], True) if row in selection_minus else "—"
             rows.append(f"| {labels[row]} | {s['runs']} | {_fmt(s['system_avg_at_k'])} | "
                         f"{_fmt(s['solver_avg_at_k'])} | "
                         f"{_fmt(s['verifier_first_balanced_accuracy'])} | "
-                        f"{pct(s['accepted_rate'])} |")
+                        f"{pct(s['accepted_rate'])} | {minus} |")
     return "\n".join(rows) + "\n"
 
 
@@ -525,13 +528,16 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
     marsrl = ("marsrl", "default")
     ablations = {row: paired(marsrl, row) for row in (("marsrl_s", "default"),
                  ("marsrl_vc", "default")) if marsrl in grouped and row in grouped}
+    selection_minus = {row: paired(row, marsrl)["system"] for row in grouped
+                       if row[0] == "marsrl" and row != marsrl and marsrl in grouped}
     targets = check_targets(summaries, scores, differences, ablations, settings)
     config = settings.eval_config("base", Path(""))
     e = config.eval
     header = (f"Held-out `{e.dataset}` {e.split}, {len(problems)} problems, avg@{k}, "
               f"T={e.temperature}, top_p={e.top_p}, k_accept={e.k_accept}, "
               f"max_iterations={e.max_iterations} (`{settings.config_module}`'s eval section).")
-    text = tables(summaries, labels, steps, differences, ablations, targets, header)
+    text = tables(summaries, labels, steps, differences, ablations, targets, header,
+                  selection_minus)
     main_rows = [r for r in grouped if r[1] in (None, "default")]
     plot_avg_at_k(summaries, labels, main_rows, out / "system_vs_solver.png",
                   "Solver vs System avg@k")
@@ -551,6 +557,7 @@ def build_report(settings: Settings, out: Path, *, run_eval: bool) -> str:
         "solver_vs_base": {key(row): d["solver"] for row, d in differences.items()},
         "system_vs_base": {key(row): d["system"] for row, d in differences.items()},
         "marsrl_minus": {key(row): d for row, d in ablations.items()},
+        "selection_system_minus_default": {key(row): d for row, d in selection_minus.items()},
         "targets": targets,
         "bootstrap": {"resamples": settings.resamples, "seed": settings.bootstrap_seed,
                       "level": eval_stats.LEVEL, "scheme": "percentile; seeds x problems "

@@ -124,6 +124,11 @@ def test_report_tables_and_targets_from_records(study):
             in text)
     assert "| MarsRL (balanced) | 2 | 65.0 [" in text
     assert "| MarsRL (adaptive) | 1 | 75.0 [" in text and "| MarsRL (random) | 1 | 20.0 [" in text
+    # Each selection's System minus balanced (65%), paired over problems: +10 and -45 points.
+    selection_minus = summary["selection_system_minus_default"]
+    assert selection_minus["marsrl_adaptive"]["estimate"] == pytest.approx(0.10)
+    assert selection_minus["marsrl_random"]["estimate"] == pytest.approx(-0.45)
+    assert "System minus MarsRL (balanced) |" in text and "| -45.0 [" in text
     assert "| SFT warm start | 1 | 0 | 40.0 [" in text and "60 problems, avg@2" in text
     for name in ("tables.md", "rewards.png", "verifier.png", "training_lengths.png",
                  "held_out_probe.png",
