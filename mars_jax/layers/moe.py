@@ -27,9 +27,12 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
 Under a mesh (`_sharded`), `sorted` and `ragged` run on each batch shard's own tokens
 (`jax.shard_map` over the mesh axes that split the batch, expert weights gathered over them as
 FSDP gathers any weight): a sort over the global token axis could not be partitioned and would
-replicate every token on every chip. Every backend runs tensor-parallel over the mesh axes that
-split the experts' `mlp` dimension: those shards are never gathered, which is what keeps a decode
-step on a `tensor` mesh from copying every expert to every chip.
+replicate every token on every chip. Where those axes split the experts themselves and the tokens
+of a group of shards, in and out, are fewer elements than the group's experts (decode-sized
+calls), the tokens are gathered instead (expert parallelism): each chip runs its own experts on
+them and the outputs are reduce-scattered, so no expert weight moves. Every backend runs tensor-parallel over the mesh
+axes that split the experts' `mlp` dimension: those shards are never gathered, which is what keeps
+a decode step on a `tensor` mesh from copying every expert to every chip.
 """
 from __future__ import annotations
 
@@ -109,59 +112,64 @@ class MoE(nnx.Module):
 
     def _dense(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
                wo: jax.Array) -> jax.Array:
-        n, e = x.shape[0], self.num_experts
-        _, _, inter, hidden = wi.shape
+        n, (e, _, inter, hidden) = x.shape[0], wi.shape
         combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=x.dtype) * weights[..., None], axis=1)
         h = (x @ wi.reshape(e * 2 * inter, hidden).T).reshape(n, e, 2, inter)
         act = jax.nn.silu(h[:, :, 0]) * h[:, :, 1] * combine[:, :, None]
         return act.reshape(n, e * inter) @ wo.reshape(e * inter, hidden)
 
-    def _sort(self, ids: jax.Array, weights: jax.Array):
-        """Assignments sorted by expert: (token index, expert, weight, rank within expert, counts)."""
+    @staticmethod
+    def _sort(ids: jax.Array, weights: jax.Array, num_experts: int):
+        """Assignments sorted by expert: (token index, expert, weight, rank within expert, counts
+        of the `num_experts` experts). Ids equal to `num_experts` (another chip's experts) sort
+        last and are not counted."""
         flat_e = ids.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)
         sorted_e = flat_e[order]
-        tokens = order // self.top_k
-        counts = jnp.bincount(flat_e, length=self.num_experts)
+        tokens = order // ids.shape[-1]
+        counts = jnp.bincount(flat_e, length=num_experts + 1)
         starts = jnp.cumsum(counts) - counts
         rank = jnp.arange(flat_e.shape[0]) - starts[sorted_e]
-        return tokens, sorted_e, weights.reshape(-1)[order], rank, counts
+        return tokens, sorted_e, weights.reshape(-1)[order], rank, counts[:num_experts]
 
     def _sorted(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
                 wo: jax.Array) -> jax.Array:
-        n, hidden = x.shape
-        assignments, bs, e = n * self.top_k, self.block_size, self.num_experts
-        tokens, sorted_e, sorted_w, rank, counts = self._sort(ids, weights)
+        hidden, assignments, bs, e = x.shape[1], ids.size, self.block_size, wi.shape[0]
+        tokens, sorted_e, sorted_w, rank, counts = self._sort(ids, weights, e)
         padded = (counts + bs - 1) // bs * bs
         padded_end = jnp.cumsum(padded)
-        dest = (padded_end - padded)[sorted_e] + rank
         num_blocks = math.ceil(assignments / bs) + min(e, assignments)  # >= sum ceil(count/bs)
-        buf = jnp.zeros((num_blocks * bs, hidden), x.dtype).at[dest].set(x[tokens])
+        spare = num_blocks * bs  # the row of every foreign assignment
+        dest = jnp.where(sorted_e < e, (padded_end - padded)[jnp.minimum(sorted_e, e - 1)] + rank,
+                         spare)
+        buf = jnp.zeros((spare + 1, hidden), x.dtype).at[dest].set(x[tokens])
         block_expert = jnp.minimum(
             jnp.searchsorted(padded_end, jnp.arange(num_blocks) * bs, side="right"), e - 1)
         used = jnp.arange(num_blocks) < padded_end[-1] // bs
-        ys = _expert_blocks(buf.reshape(num_blocks, bs, hidden), block_expert, used, wi, wo)
-        ys = ys.reshape(num_blocks * bs, hidden)[dest] * sorted_w[:, None]
-        return jnp.zeros_like(x).at[tokens].add(ys)
+        ys = _expert_blocks(buf[:spare].reshape(num_blocks, bs, hidden), block_expert, used, wi, wo)
+        ys = jnp.concatenate([ys.reshape(spare, hidden), jnp.zeros((1, hidden), x.dtype)])
+        return jnp.zeros_like(x).at[tokens].add(ys[dest] * sorted_w[:, None])
 
     def _ragged(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
                 wo: jax.Array) -> jax.Array:
-        tokens, _, sorted_w, _, counts = self._sort(ids, weights)
         e, _, inter, hidden = wi.shape
+        tokens, sorted_e, sorted_w, _, counts = self._sort(ids, weights, e)
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((1,), (2,)), ((), ())),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        # Rows past the groups (foreign assignments) are masked: their values and gradients are 0
+        # whatever a grouped-matmul kernel leaves there.
+        local = (sorted_e < e)[:, None]
         h = jax.lax.ragged_dot_general(x[tokens], wi.reshape(e, 2 * inter, hidden), counts, dims)
-        h = h.reshape(-1, 2, inter)
-        ys = jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], wo, counts) * sorted_w[:, None]
-        return jnp.zeros_like(x).at[tokens].add(ys)
+        h = jnp.where(local, h, 0).reshape(-1, 2, inter)
+        ys = jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], wo, counts)
+        return jnp.zeros_like(x).at[tokens].add(jnp.where(local, ys, 0) * sorted_w[:, None])
 
     def _capacity(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
                   wo: jax.Array) -> jax.Array:
-        n, hidden = x.shape
-        e = self.num_experts
-        capacity = max(1, math.ceil(n * self.top_k / e * self.capacity_factor))
-        tokens, sorted_e, sorted_w, rank, _ = self._sort(ids, weights)
+        hidden, e = x.shape[1], wi.shape[0]
+        capacity = max(1, math.ceil(ids.size / e * self.capacity_factor))
+        tokens, sorted_e, sorted_w, rank, _ = self._sort(ids, weights, e)
         keep = rank < capacity
         dest = jnp.where(keep, sorted_e * capacity + rank, e * capacity)  # dropped -> spare row
         buf = jnp.zeros((e * capacity + 1, hidden), x.dtype).at[dest].set(x[tokens])
@@ -191,7 +199,11 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
     - the batch (with `split_batch`, where they divide B): each batch shard dispatches its own
       tokens; the expert weights' shards over these axes are all-gathered inside, so their
-      gradients leave reduce-scattered, never whole on a chip;
+      gradients leave reduce-scattered, never whole on a chip. Except for the axes that split the
+      experts themselves (expert parallelism) when gathering the tokens of those shards moves
+      fewer elements than gathering the experts (`_gathers_tokens`): then each chip runs its own
+      experts on every token of its group, and no expert weight is gathered
+      (`_tokens_to_local_experts`);
     - the experts' `mlp` dimension (tensor parallelism): each chip runs its slice of every
       expert's hidden units on the tokens and the partial outputs are summed, so these shards are
       never gathered (the SwiGLU is elementwise in `mlp`; the down projection sums over it).
@@ -211,13 +223,22 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
     tensor = mlp[0] if mlp[0] == mlp[1] else ()
     if not batch and not tensor:
         return _flat(fn, x, ids, weights, wi, wo, chunk)
+    expert_entries = [spec[names.index("expert")] for names, spec in zip(weight_axes, specs)]
+    ep = tuple(a for a in sharding.spec_axes(expert_entries[0]) if mesh.shape[a] > 1)
+    if not (ep and expert_entries[0] == expert_entries[1] and set(ep) <= set(batch)
+            and _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor)):
+        ep = ()
     weight_specs = [_only(spec, batch + tensor) for spec in specs]   # split on entry
-    gathered = [_only(spec, batch) for spec in specs]                # gathered inside
+    gathered = [_only(spec, tuple(a for a in batch if a not in ep and mesh.shape[a] > 1))
+                for spec in specs]
     rows = PartitionSpec(batch or None)
 
     def local(x, ids, weights, wi, wo):
         wi, wo = (_all_gather(w, spec) for w, spec in zip((wi, wo), gathered))
-        out = _flat(fn, x, ids, weights, wi, wo, chunk)
+        if ep:
+            out = _tokens_to_local_experts(fn, x, ids, weights, wi, wo, ep, chunk)
+        else:
+            out = _flat(fn, x, ids, weights, wi, wo, chunk)
         return out[None] if tensor else out
 
     out = jax.shard_map(local, mesh=mesh, axis_names=set(batch + tensor),
@@ -228,6 +249,29 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
                         check_vma=False)(x, ids, weights, wi, wo)
     # The tensor shards' partial outputs, summed outside the shard_map (XLA's all-reduce).
     return out.sum(0) if tensor else out
+
+
+def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
+    """Whether gathering the tokens of the `ep` shards and reduce-scattering their outputs moves
+    fewer elements than gathering the experts (each chip's `mlp` slice of them)."""
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
+    return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // size(tensor)
+
+
+def _tokens_to_local_experts(fn, x, ids, weights, wi, wo, ep: tuple[str, ...], chunk: int):
+    """Expert parallelism over the (manual) mesh axes `ep`, which split the experts: the tokens of
+    the `ep` shards are all-gathered, `fn` runs this shard's experts `wi`, `wo` on the
+    assignments routed to them (the others carry the id `len(wi)`, which the backends skip), and
+    the partial outputs are summed and scattered back to their shards (reduce-scatter)."""
+    xs, all_ids, all_weights = (jax.lax.all_gather(a, ep, axis=0, tiled=True)
+                                for a in (x, ids, weights))
+    num_local = wi.shape[0]
+    local_ids = all_ids - jax.lax.axis_index(ep) * num_local
+    mine = (local_ids >= 0) & (local_ids < num_local)
+    out = _flat(fn, xs, jnp.where(mine, local_ids, num_local), jnp.where(mine, all_weights, 0),
+                wi, wo, chunk)
+    return jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True)
 
 
 def _only(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:

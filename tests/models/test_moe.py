@@ -48,8 +48,9 @@ def test_dropless_matches_dense_reference(impl, norm, chunk):
 @pytest.mark.parametrize("impl", ["sorted", "ragged"])
 @pytest.mark.parametrize("chunk", [0, 8])
 def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl, chunk):
-    """On a data x fsdp = 4 x 2 mesh each batch shard sorts its own tokens (shard_map); values and
-    gradients (expert weights summed over shards) equal the unsharded dense reference."""
+    """On a data x fsdp = 4 x 2 mesh each fsdp pair of batch shards sorts its own tokens
+    (shard_map; the 6 experts are split over fsdp and the pair's tokens are gathered, fewer
+    elements than its experts); values and gradients equal the unsharded dense reference."""
     x = jax.random.normal(jax.random.key(2), (8, 12, 24))
     ref = _loss_and_grads(_moe("dense"), x)
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1, "expert": 1})
@@ -84,14 +85,16 @@ def _sharded_moe(impl: str, mesh) -> MoE:
     return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
 
 
-@pytest.mark.parametrize("impl", ["dense", "sorted"])
-def test_experts_split_over_fsdp_match_reference_and_decode_gathers_none(impl):
+@pytest.mark.parametrize("impl,length", [("dense", 3), ("sorted", 3), ("ragged", 3),
+                                         ("sorted", 64), ("ragged", 64)])
+def test_experts_split_over_fsdp_match_reference_and_gather_the_cheaper_operand(impl, length):
     """On a data x fsdp = 2 x 4 mesh the default rules split the 8 experts over `fsdp` (2 a
-    chip). Values and gradients equal the unsharded reference for `dense` (decode-sized calls)
-    and `sorted` (the update, which gathers each chip's batch shard's experts); and the forward
-    of `dense` all-gathers no expert weight: each chip runs its own experts on the gathered
-    tokens and the partial outputs are reduced."""
-    x = jax.random.normal(jax.random.key(4), (8, 3, 24))
+    chip). Values and gradients equal the unsharded reference. With 24 tokens every backend
+    gathers tokens, never an expert weight: `dense` as XLA partitions it, `sorted` and `ragged`
+    because each fsdp group's 12 tokens in and out (2 x 12 x 24 elements) are fewer than its
+    experts (9,216); each chip runs its own experts and the outputs are reduce-scattered. With 512
+    tokens (256 a group) the sort-based backends gather the experts, as FSDP does in the update."""
+    x = jax.random.normal(jax.random.key(4), (8, length, 24))
     ref = _loss_and_grads(_moe("dense", experts=8), x)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1, "expert": 1})
     with sharding.use_mesh(mesh):
@@ -101,11 +104,16 @@ def test_experts_split_over_fsdp_match_reference_and_decode_gathers_none(impl):
         got = nnx.jit(_loss_and_grads)(moe, xs)
         hlo = nnx.jit(lambda m, x: m(x)[0]).lower(moe, xs).compile().as_text()
     _assert_same(got, ref)
-    if impl == "dense":  # wi and wo whole: 8 x 2 x 16 = 256 and 8 x 16 = 128 rows (the old
-        # rules, experts whole on a chip and `embed` over fsdp, gathered f32[24,256], f32[128,24])
-        gathered = [tuple(map(int, m.group(1).split(","))) for line in hlo.splitlines()
-                    if (m := re.search(r"= f32\[([\d,]+)\]\S* all-gather\(", line))]
-        assert gathered and not [shape for shape in gathered if {256, 128} & set(shape)], gathered
+    gathered = [tuple(map(int, m.group(1).split(","))) for line in hlo.splitlines()
+                if (m := re.search(r"= f32\[([\d,]+)\]\S* all-gather\(", line))]
+    # An expert weight has the mlp dimension (16), or 8 x 2 x 16 / 8 x 16 rows when flattened.
+    weight_gathers = [shape for shape in gathered if {16, 256, 128} & set(shape)]
+    assert gathered, hlo
+    if length == 3:
+        assert not weight_gathers, gathered
+        assert impl == "dense" or "reduce-scatter(" in hlo
+    else:
+        assert weight_gathers, gathered
 
 
 def test_capacity_drops_exactly_the_overflow():
