@@ -30,9 +30,10 @@ FSDP gathers any weight): a sort over the global token axis could not be partiti
 replicate every token on every chip. Where those axes split the experts themselves and the tokens
 of a group of shards, in and out, are fewer elements than the group's experts (decode-sized
 calls), the tokens are gathered instead (expert parallelism): each chip runs its own experts on
-them and the outputs are reduce-scattered, so no expert weight moves. Every backend runs tensor-parallel over the mesh
-axes that split the experts' `mlp` dimension: those shards are never gathered, which is what keeps
-a decode step on a `tensor` mesh from copying every expert to every chip.
+them and the outputs are reduce-scattered, so no expert weight moves. Every backend runs
+tensor-parallel over the mesh axes that split the experts' `mlp` dimension: those shards are never
+gathered, which is what keeps a decode step on a `tensor` mesh from copying every expert to every
+chip.
 """
 from __future__ import annotations
 
