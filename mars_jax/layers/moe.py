@@ -28,9 +28,9 @@ Under a mesh (`_sharded`), `sorted` and `ragged` run on each batch shard's own t
 (`jax.shard_map` over the mesh axes that split the batch, expert weights gathered over them as
 FSDP gathers any weight): a sort over the global token axis could not be partitioned and would
 replicate every token on every chip. Where those axes split the experts themselves and the tokens
-of a group of shards, in and out, are fewer elements than the group's experts (decode-sized
-calls), the tokens are gathered instead (expert parallelism): each chip runs its own experts on
-them and the outputs are reduce-scattered, so no expert weight moves. Every backend runs
+of a group of shards, in and out, are fewer elements than one chip's share of the experts
+(decode-sized calls), the tokens are gathered instead (expert parallelism): each chip runs its
+own experts on them and the outputs are reduce-scattered, so no expert weight moves. Every backend runs
 tensor-parallel over the mesh axes that split the experts' `mlp` dimension: those shards are never
 gathered, which is what keeps a decode step on a `tensor` mesh from copying every expert to every
 chip.
@@ -201,10 +201,9 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
     - the batch (with `split_batch`, where they divide B): each batch shard dispatches its own
       tokens; the expert weights' shards over these axes are all-gathered inside, so their
       gradients leave reduce-scattered, never whole on a chip. Except for the axes that split the
-      experts themselves (expert parallelism) when gathering the tokens of those shards moves
-      fewer elements than gathering the experts (`_gathers_tokens`): then each chip runs its own
-      experts on every token of its group, and no expert weight is gathered
-      (`_tokens_to_local_experts`);
+      experts themselves (expert parallelism) when the tokens of those shards are fewer elements
+      than one chip's experts (`_gathers_tokens`): then each chip runs its own experts on every
+      token of its group, and no expert weight is gathered (`_tokens_to_local_experts`);
     - the experts' `mlp` dimension (tensor parallelism): each chip runs its slice of every
       expert's hidden units on the tokens and the partial outputs are summed, so these shards are
       never gathered (the SwiGLU is elementwise in `mlp`; the down projection sums over it).
@@ -253,11 +252,14 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
 
 def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
-    """Whether gathering the tokens of the `ep` shards and reduce-scattering their outputs moves
-    fewer elements than gathering the experts (each chip's `mlp` slice of them)."""
+    """Whether the tokens of a group of `ep` shards, in and out, are fewer elements than one
+    chip's share of the experts (its `ep` and `mlp` slice): then gathering them moves less than
+    gathering the experts, and the grouped matmuls stay cheap even if a kernel computes every
+    gathered assignment rather than only those routed to the chip (XLA's cost analysis counts
+    them all)."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
-    return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // size(tensor)
+    return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // (size(ep) * size(tensor))
 
 
 def _tokens_to_local_experts(fn, x, ids, weights, wi, wo, ep: tuple[str, ...], chunk: int):

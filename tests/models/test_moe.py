@@ -49,8 +49,8 @@ def test_dropless_matches_dense_reference(impl, norm, chunk):
 @pytest.mark.parametrize("chunk", [0, 8])
 def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl, chunk):
     """On a data x fsdp = 4 x 2 mesh each fsdp pair of batch shards sorts its own tokens
-    (shard_map; the 6 experts are split over fsdp and the pair's tokens are gathered, fewer
-    elements than its experts); values and gradients equal the unsharded dense reference."""
+    (shard_map; the 6 experts are split over fsdp and the pair's 24 tokens are gathered, fewer
+    elements than a chip's 3 experts); values and gradients equal the unsharded dense reference."""
     x = jax.random.normal(jax.random.key(2), (8, 12, 24))
     ref = _loss_and_grads(_moe("dense"), x)
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1, "expert": 1})
@@ -61,12 +61,14 @@ def test_dispatch_per_batch_shard_on_a_mesh_matches_dense_reference(impl, chunk)
 
 
 @pytest.mark.parametrize("impl", ["dense", "sorted", "ragged"])
-def test_tensor_parallel_experts_match_dense_reference_without_gathering_them(impl):
+@pytest.mark.parametrize("length", [4, 12])
+def test_tensor_parallel_experts_match_dense_reference_without_gathering_them(impl, length):
     """On a data x fsdp x tensor = 2 x 2 x 2 mesh each chip runs its `mlp` slice of every expert
     and the partial outputs are summed: values and gradients equal the unsharded dense reference,
     and no chip gathers a whole expert weight over the tensor axis (the compiled program has no
-    all-gather whose result holds every `mlp` unit)."""
-    x = jax.random.normal(jax.random.key(3), (8, 12, 24))
+    all-gather whose result holds every `mlp` unit). At length 4 the sort-based backends gather
+    each fsdp pair's tokens (expert parallelism), at 12 the pair's experts."""
+    x = jax.random.normal(jax.random.key(3), (8, length, 24))
     ref = _loss_and_grads(_moe("dense"), x)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2, "expert": 1})
     with sharding.use_mesh(mesh):
@@ -91,9 +93,10 @@ def test_experts_split_over_fsdp_match_reference_and_gather_the_cheaper_operand(
     """On a data x fsdp = 2 x 4 mesh the default rules split the 8 experts over `fsdp` (2 a
     chip). Values and gradients equal the unsharded reference. With 24 tokens every backend
     gathers tokens, never an expert weight: `dense` as XLA partitions it, `sorted` and `ragged`
-    because each fsdp group's 12 tokens in and out (2 x 12 x 24 elements) are fewer than its
-    experts (9,216); each chip runs its own experts and the outputs are reduce-scattered. With 512
-    tokens (256 a group) the sort-based backends gather the experts, as FSDP does in the update."""
+    because each fsdp group's 12 tokens in and out (2 x 12 x 24 elements) are fewer than one
+    chip's experts (9,216 / 4); each chip runs its own experts and the outputs are
+    reduce-scattered. With 512 tokens (256 a group) the sort-based backends gather the experts,
+    as FSDP does in the update."""
     x = jax.random.normal(jax.random.key(4), (8, length, 24))
     ref = _loss_and_grads(_moe("dense", experts=8), x)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1, "expert": 1})
