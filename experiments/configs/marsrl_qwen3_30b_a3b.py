@@ -27,9 +27,9 @@ An output that reaches 64k without a stop token earns 0 and is never verified; t
 generation prompt opens `<think>`, so text before `</think>` is never read as answer or verdict.
 
 Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128, vocab 151,936):
-  parameters bf16                 61 GB   sharded over every chip (fsdp = all)
+  parameters bf16                 61 GB   sharded over half the chips (fsdp = 128 on 256)
   AdamW mu + nu (param dtype)    122 GB
-  gradients (accumulated)         61 GB   => train state ~244 GB: 0.95 GB/chip on 256 chips
+  gradients (accumulated)         61 GB   => train state ~244 GB: 1.9 GB/chip at fsdp = 128
   KV cache, bf16, per token       48 layers x 2 x 4 x 128 x 2 B = 98,304 B
     one row, 32k + 64k buckets    98,304 tokens x 98,304 B = 9.7 GB (allocated at full length),
                                   plus ~6 GB of decode-loop temporaries (AOT below): ~15.7 GB
@@ -46,6 +46,8 @@ AOT result (`aot_compile.py`, libtpu 0.0.42.1, all 48 layers; GiB per chip, HBM 
   v5p:8x8x4  update   yes (57.9: temps 57.0)     logprobs yes (9.3)
              prefill  yes (51.9: KV cache out 36.0 + temps 14.5)
              decode   yes (60.6: args 36.2 + temps 24.0; 4 rows per chip)
+  (on fsdp = 256; with data = 2, fsdp = 128 and the engine, 256 slots: update 58.7, engine_decode
+  22.7, no expert gathered per step)
 """
 import os
 import sys
@@ -82,8 +84,11 @@ def get_config(arg: str | None = None):
     c.model.attention_impl, c.model.attention_block, c.model.remat = "flash", 512, True
     c.model.moe_chunk_tokens = 16 * 1024
     c.model.scan_layers = True  # one compiled layer: minutes instead of an hour to compile
-    # One FSDP axis over every chip: parameters, optimizer state and the batch are all split.
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, -1, 1, 1
+    # FSDP over half the chips, 2-way data parallel: the batch is split over every chip, the
+    # parameters and optimizer state over `fsdp`, which on v5p-512 (128) also splits the 128
+    # experts, so decode runs them expert-parallel and gathers none (fsdp = 256 cannot split
+    # them: 7.85 vs 1.25 GB accessed per layer per chip, launch/README.md).
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 2, -1, 1, 1
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).
     c.data.name, c.data.split = "dsr_sub", "train"
     # Rollouts.

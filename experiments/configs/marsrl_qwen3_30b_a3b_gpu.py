@@ -40,6 +40,8 @@ get_sweep = marsrl_qwen3_30b_a3b.get_sweep
 def get_config(arg: str | None = None):
     c = marsrl_qwen3_30b_a3b.get_config(arg)
     if "runlocal" not in marsrl_qwen3_30b_a3b.parse_arg(arg):
+        c.mesh.data = 1  # FSDP over all 8 GPUs (8 divides the 128 experts; 2 x 4 would double
+        # each GPU's 30 GB share of the training state)
         c.learner.micro_batch_size = 8  # one row per GPU per micro-batch
         c.rollout.max_decode_rows = 32  # 4 rows per H200 (H100: --config.rollout.max_decode_rows=16)
         # MoE dispatch: 'auto', i.e. `dense` for decode (<= 256 tokens a call; expert-parallel
