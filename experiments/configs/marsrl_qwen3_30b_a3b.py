@@ -87,7 +87,7 @@ def get_config(arg: str | None = None):
     # FSDP over half the chips, 2-way data parallel: the batch is split over every chip, the
     # parameters and optimizer state over `fsdp`, which on v5p-512 (128) also splits the 128
     # experts, so decode runs them expert-parallel and gathers none (fsdp = 256 cannot split
-    # them: 7.85 vs 1.25 GB accessed per layer per chip, launch/README.md).
+    # them: 7.85 vs 1.25 GB accessed per layer per chip, benchmarks/RESULTS.md).
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 2, -1, 1, 1
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).
     c.data.name, c.data.split = "dsr_sub", "train"
