@@ -253,10 +253,10 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
 def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
     """Whether the tokens of a group of `ep` shards, in and out, are fewer elements than one
-    chip's share of the experts (its `ep` and `mlp` slice): then gathering them moves less than
-    gathering the experts, and the grouped matmuls stay cheap even if a kernel computes every
-    gathered assignment rather than only those routed to the chip (XLA's cost analysis counts
-    them all)."""
+    chip's share of the experts (its `ep` and `mlp` slice). Then gathering them moves less than
+    gathering the experts; and bounding by a chip's share rather than the group's keeps the
+    path to decode-sized calls, where even a kernel that computed every gathered assignment,
+    not only those routed to the chip (XLA's cost analysis counts them all), would add little."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
     return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // (size(ep) * size(tensor))
