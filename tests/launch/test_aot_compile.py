@@ -6,6 +6,7 @@ The tests that compile need `pip install -e .[tpu]`: without libtpu they skip, e
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +48,12 @@ def libtpu():
 needs_libtpu = pytest.mark.usefixtures("libtpu")
 
 
-def _aot(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _aot(tmp_path: Path, *args: str, env: dict[str, str] | None = None
+         ) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "aot.json"
     result = subprocess.run([sys.executable, "experiments/aot_compile.py", f"--json={out}", *args],
-                            cwd=ROOT, capture_output=True, text=True, timeout=3600)
+                            cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                            env={**os.environ, **(env or {})})
     assert out.exists(), result.stderr[-4000:]
     return result, json.loads(out.read_text())
 
@@ -170,6 +173,29 @@ def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
                      "--programs=engine_decode")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "(paged attention: tpu)" in result.stdout
+
+
+@needs_libtpu
+def test_30b_decode_on_fsdp_gathers_tokens_not_experts(tmp_path):
+    """One layer of Qwen3-30B-A3B on v5p:2x2x1 laid out fsdp=4 (32 experts a chip), 128 engine
+    slots: above `moe_dense_max_tokens` (64) 'auto' runs `ragged`, and the decode XLA:TPU
+    compiles all-gathers the 128 rows' tokens but no expert weight (nothing with the experts'
+    768 hidden units)."""
+    dump = tmp_path / "hlo"
+    result, _ = _aot(tmp_path, "--topology=v5p:2x2x1",
+                     "--config=experiments/configs/marsrl_qwen3_30b_a3b.py", "--num_layers=1",
+                     "--config.mesh.data=1", "--config.mesh.fsdp=4",
+                     "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=128",
+                     "--config.rollout.max_prompt_tokens=128", "--config.rollout.segment_tokens=0",
+                     *(f"--config.rollout.max_new_tokens.{role}=128"
+                       for role in ("solver", "verifier", "corrector")),
+                     "--programs=engine_decode",
+                     env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    [hlo] = dump.glob("*decode_chunk*.after_optimizations.txt")
+    gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", hlo.read_text())
+    assert "bf16[128,1,2048]" in gathered, gathered
+    assert not [shape for shape in gathered if "768" in shape], gathered
 
 
 @pytest.mark.slow
