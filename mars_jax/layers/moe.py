@@ -30,10 +30,10 @@ FSDP gathers any weight): a sort over the global token axis could not be partiti
 replicate every token on every chip. Where those axes split the experts themselves and the tokens
 of a group of shards, in and out, are fewer elements than one chip's share of the experts
 (decode-sized calls), the tokens are gathered instead (expert parallelism): each chip runs its
-own experts on them and the outputs are reduce-scattered, so no expert weight moves. Every backend runs
-tensor-parallel over the mesh axes that split the experts' `mlp` dimension: those shards are never
-gathered, which is what keeps a decode step on a `tensor` mesh from copying every expert to every
-chip.
+own experts on them and the outputs are reduce-scattered, so no expert weight moves. Every
+backend runs tensor-parallel over the mesh axes that split the experts' `mlp` dimension: those
+shards are never gathered, which is what keeps a decode step on a `tensor` mesh from copying
+every expert to every chip.
 """
 from __future__ import annotations
 
@@ -253,10 +253,10 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
 def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
     """Whether the tokens of a group of `ep` shards, in and out, are fewer elements than one
-    chip's share of the experts (its `ep` and `mlp` slice). Then gathering them moves less than
-    gathering the experts; and bounding by a chip's share rather than the group's keeps the
-    path to decode-sized calls, where even a kernel that computed every gathered assignment,
-    not only those routed to the chip (XLA's cost analysis counts them all), would add little."""
+    chip's share of the experts (its `ep` and `mlp` slice), so that gathering them moves less
+    than gathering the experts. The bound is a chip's share, not the group's, because each chip's
+    grouped matmuls receive every gathered assignment: XLA's cost analysis counts them all, and
+    whether a kernel skips those routed to other chips was not measured."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
     return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // (size(ep) * size(tensor))
