@@ -79,13 +79,16 @@ gathered into smaller slot buckets shard by shard (each keeps to its pool's bloc
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -300,6 +303,20 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
         keys=jax.vmap(jax.random.key)(zeros(jnp.uint32)), temperature=zeros(jnp.float32),
         top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
         stop_ids=jnp.full((num_slots, max_stops), -1, jnp.int32), experts=experts))
+
+
+def _compile(program: Callable, *args) -> None:
+    program.lower(*args).compile()
+
+
+def _abstract_outputs(lowered: jax.stages.Lowered, committed: bool) -> Any:
+    """Compiles `lowered`; returns its outputs as arguments of a later lowering that match the
+    arrays the program returns: shapes, dtypes and, for `committed` arrays (placed by the
+    caller, e.g. on a mesh), shardings."""
+    compiled = lowered.compile()
+    return jax.tree.map(lambda out, where: jax.ShapeDtypeStruct(
+        out.shape, out.dtype, sharding=where if committed else None, weak_type=out.weak_type),
+        lowered.out_info, compiled.output_shardings)
 
 
 def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
@@ -570,6 +587,10 @@ class Engine:
             self._pool = None if kv_pages is None else _init_pool(
                 self._graphdef, self._weights, shards=multiple,
                 pages=kv_pages // multiple + 1, page_size=page_size)
+        if self._committed():  # as the programs' outputs will be: one program per shape
+            self._state, self._pool = jax.device_put(
+                (self._state, self._pool), jax.tree.map(lambda x: x.sharding,
+                                                        (self._state, self._pool)))
         self._pages_per_slot = -(-max_length // page_size)
         self._table = np.zeros((num_slots, self._pages_per_slot), np.int32)  # 0: trash page
         self._owned: list[list[int]] = [[] for _ in range(num_slots)]
@@ -609,6 +630,120 @@ class Engine:
         self._graphdef, self._weights = nnx.split(model)
         for request in self._queue:
             request.group.prefilled = None
+
+    # --- compilation ahead of serving ---
+
+    def precompile(self, prompt_lengths: Sequence[int] = (), *, threads: int | None = None
+                   ) -> int:
+        """Compiles, `threads` at a time (default: one per host CPU; XLA compiles without the
+        GIL), the programs serving reaches: a decode chunk per slot bucket and KV span, the
+        gathers between slot buckets, pausing and resuming in a slot, and for the prompt
+        buckets of `prompt_lengths` (a resumed or recomputed request's is prompt + tokens so
+        far) the prefill pieces and slot inserts at every batch bucket of a prefill. Serving
+        then compiles none of these again; what it may still compile is the recorded routing
+        written back into a slot (`record_routing`, one program per request length). Returns
+        the number of programs compiled."""
+        full = self._state if self._full is None else self._full
+        buckets = self._slot_buckets()
+        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            run = lambda jobs: list(pool.map(lambda job: job(), jobs))
+            smaller = buckets[1:]
+            states = dict(zip(smaller, run([functools.partial(self._compile_take, full, rows)
+                                            for rows in smaller])))
+            states[self.num_slots] = full
+            jobs = [functools.partial(self._compile_take, states[a], b)
+                    for a in smaller for b in smaller if b <= a // 2]
+            rows = {b: jnp.zeros((b,), jnp.int32) for b in buckets}
+            jobs += [functools.partial(_compile, _put_slots, full, states[b], rows[b], rows[b],
+                                       jnp.int32(0)) for b in smaller]
+            jobs += [functools.partial(_compile, _pause, states[b], jnp.int32(0))
+                     for b in buckets]
+            jobs.append(functools.partial(_compile, _unpause, full, jnp.int32(0), jnp.int32(0)))
+            jobs += [functools.partial(self._compile_decode, states[b], span)
+                     for b in buckets for span in self._spans()]
+            shapes = [(bucket, rows) for bucket in sorted({prompt_bucket(n) for n in prompt_lengths})
+                      for rows in self._prefill_rows()]
+            count = len(smaller) + len(jobs)
+            firsts = run([functools.partial(self._compile_prefill, None, b, r, min(
+                b, self.prefill_chunk)) for b, r in shapes] + jobs)[:len(shapes)]
+            later = [(first, bucket, rows, width) for (bucket, rows), first in zip(shapes, firsts)
+                     for width in self._later_pieces(bucket)]
+            run([functools.partial(self._compile_prefill, *piece) for piece in later])
+            run([functools.partial(self._compile_insert, full, first) for first in firsts])
+        return count + 2 * len(shapes) + len(later)
+
+    def _slot_buckets(self) -> list[int]:
+        """Rows of the state `_shrink` can leave, largest (all slots) first."""
+        sizes, per_block = {self.num_slots}, 1
+        while (rows := self._bucket_rows(per_block)) <= self.num_slots // 2:
+            sizes.add(rows)
+            per_block *= 2
+        return sorted(sizes, reverse=True)
+
+    def _spans(self) -> list[int]:
+        """Every KV span `_span` can give a decode chunk (whole pages when paged)."""
+        spans, needed = set(), 1
+        while needed <= self.max_length:
+            span = span_bucket(needed, self.max_length, self.min_span)
+            spans.add(span if self._pool is None else self._pages_for(span) * self.page_size)
+            needed = span + 1
+        return sorted(spans)
+
+    def _prefill_rows(self) -> list[int]:
+        """Batch buckets of a prefill: powers of two up to the slots (or `prefill_ahead`)."""
+        most = max(self.num_slots, self.prefill_ahead)
+        return [1 << k for k in range((most - 1).bit_length() + 1)]
+
+    def _committed(self) -> bool:
+        """Whether the engine's arrays are committed to their devices (as the weights are)."""
+        return jax.tree.leaves(self._weights)[0].committed
+
+    def _compile_take(self, state: SlotState, rows: int) -> SlotState:
+        """Compiles `_shrink`'s gather of `rows` rows from `state`; returns its output's shapes."""
+        lowered = _take_slots.lower(state, jnp.zeros((rows,), jnp.int32),
+                                    jnp.zeros((rows,), bool))
+        return _abstract_outputs(lowered, self._committed())
+
+    # Each argument is made inside or outside the mesh context as serving makes it (inside,
+    # it is placed on the mesh), so that the compiled programs are the ones serving looks up.
+    def _compile_decode(self, state: SlotState, span: int) -> None:
+        table = None
+        if self._pool is not None:
+            table = jnp.zeros((state.length.shape[0], span // self.page_size), jnp.int32)
+        with self._mesh():
+            _decode_chunk.lower(self._graphdef, self._weights, state, self._pool, table,
+                                jnp.int32(0), steps=self.chunk_steps, span=span,
+                                kernel=self.paged_attention).compile()
+
+    def _later_pieces(self, bucket: int) -> set[int]:
+        """Widths of the prefill pieces after the first of a prompt bucket (`_prefill`)."""
+        piece = min(bucket, self.prefill_chunk)
+        return {min(piece, bucket - start) for start in range(piece, bucket, piece)}
+
+    def _compile_prefill(self, previous: tuple | None, bucket: int, rows: int, width: int
+                         ) -> tuple:
+        """Compiles a prefill piece `width` tokens wide of a `[rows, bucket]` batch, the first
+        (`previous` None) or a later one (`previous`: the first's outputs, shaped as every
+        piece's); returns its outputs' shapes."""
+        cache, logits, experts = previous or (None, None, None)
+        with self._mesh():
+            return _abstract_outputs(_prefill.lower(
+                self._graphdef, self._weights, cache, logits, experts,
+                jnp.zeros((rows, width), jnp.int32), jnp.int32(0),
+                jnp.zeros((rows,), jnp.int32), bucket=bucket, fresh=previous is None),
+                self._committed())
+
+    def _compile_insert(self, full: SlotState, prefilled: tuple) -> None:
+        cache, logits, experts = prefilled
+        page_ids = None
+        if self._pool is not None:
+            page_ids = jnp.zeros((self._multiple, self._pages_for(cache[0].v.shape[2])),
+                                 jnp.int32)
+        with self._mesh():
+            i32, f32, u32 = jnp.int32(0), jnp.float32(0), jnp.uint32(0)
+            _insert.lower(full, self._pool, page_ids, i32, cache, logits, experts, i32, i32, i32,
+                          i32, i32, u32, u32, f32, i32, f32,
+                          jnp.zeros((self.max_stop_ids,), jnp.int32)).compile()
 
     # --- requests ---
 
@@ -784,12 +919,11 @@ class Engine:
                 or any(self._requests[self._slots[s]].segment_tokens is not None
                        for s in self._running)):
             return
-        pools = self._multiple if self._pool is not None else 1
+        pools = self._pools()
         blocks: list[list[int]] = [[] for _ in range(pools)]
         for slot in sorted(self._running):
             blocks[self._shard(slot) if pools > 1 else 0].append(slot)
-        per_block = 1 << (max(map(len, blocks)) - 1).bit_length()
-        target = -(-per_block * pools // self._multiple) * self._multiple
+        target = self._bucket_rows(1 << (max(map(len, blocks)) - 1).bit_length())
         if target > rows // 2:
             return
         stride = target // pools  # block b is rows b * stride ..
@@ -804,6 +938,14 @@ class Engine:
         self._state = _take_slots(self._state, jnp.asarray(index), jnp.asarray(live))
         self._rows = placed
         self.stats["shrinks"] += 1
+
+    def _pools(self) -> int:
+        """Blocks of rows a shrunk state keeps apart: one per page pool, else one."""
+        return self._multiple if self._pool is not None else 1
+
+    def _bucket_rows(self, per_block: int) -> int:
+        """Rows of a shrunk state holding `per_block` requests in each of `_pools()` blocks."""
+        return -(-per_block * self._pools() // self._multiple) * self._multiple
 
     def _expand(self) -> None:
         """Back to all slots (the shrunk rows written to theirs)."""

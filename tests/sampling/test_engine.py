@@ -309,6 +309,47 @@ def test_slots_are_reused_without_recompiling(model, monkeypatch):
     assert engine.stats["shrinks"] > 0
 
 
+@pytest.mark.parametrize("paging, on_mesh", [({}, False), (dict(kv_pages=8, page_size=8), False),
+                                             (dict(kv_pages=64, page_size=8), True)])
+def test_precompile_leaves_serving_nothing_to_compile(model, hf_moe_dir, reference, paging,
+                                                       on_mesh):
+    """One device, 4 slots of 64 positions, prefill pieces of 16: 3 slot buckets (4, 2, 1) x
+    5 spans (16, 24, 32, 48, 64) = 15 decode chunks, gathers 4->2, 4->1, 2->1, 2 put-backs,
+    3 pauses, 1 resume; prompt buckets 16, 24, 32 x batch buckets 1, 2, 4: 9 first pieces, 6
+    second (24 and 32 tokens take two), 9 inserts; 48 programs. Or 8 slots on an 8-device
+    mesh with a paged pool per batch shard (arguments placed on the mesh as serving places
+    them). Serving the requests afterwards (a pool of 64 positions preempts some) compiles no
+    engine program and gives `generate`'s tokens."""
+    compiled = []
+
+    def listen(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    lengths = [len(r["prompt"]) for r in REQUESTS] + [32]
+    if on_mesh:
+        mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
+        engine = Engine(from_pretrained(hf_moe_dir, mesh=mesh), num_slots=8, max_length=64,
+                        chunk_steps=4, min_span=16, mesh=mesh, **paging)
+        engine.precompile(lengths, threads=2)
+    else:
+        engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
+                        prefill_chunk=16, **paging)
+        assert engine.precompile(lengths, threads=2) == 48
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        outputs = _serve(engine, range(10))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    programs = {"_decode_chunk", "_prefill", "_insert", "_take_slots", "_put_slots", "_pause",
+                "_unpause"}
+    assert not [name for name in compiled if name.strip("jit()") in programs]
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+    assert on_mesh or engine.stats["shrinks"] > 0
+    assert not paging or on_mesh or engine.stats["preemptions"] > 0
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt_ids=[]), "at least one token"),
     (dict(prompt_ids=[1000]), "token ids must be in"),
