@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU (H100 / H200 with jax for CUDA installed), from the repository root:
-#   PARTS=tests,pipeline bash benchmarks/gpu.sh   (env: PARTS, PRESET, NUM_LAYERS, SLOTS,
-#                                                  REQUESTS, WHEELS, OUT)
+#   PARTS=pipeline bash benchmarks/gpu.sh   (env: PARTS, PRESET, NUM_LAYERS, SLOTS, REQUESTS,
+#                                            WHEELS, OUT)
 # 0. the machine; packages it lacks installed from local wheels in $WHEELS (default .whl; no
 #    network is assumed; the list is in benchmarks/RESULTS.md, "One H100"), e.g. for Python 3.12:
 #      pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -9,11 +9,12 @@
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
 # then the PARTS, in the order given (default: all four, which exceeds one 10-minute call; a
-# 15-minute lease fits about `tests,pipeline` in one call and `moe,engine` in another):
+# 15-minute lease fits about `pipeline` in one call and `tests,moe` in another):
 #   tests     the GPU-capable tests: engine exactness and HF parity (torch reference on CPU);
 #   moe       benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend;
 #   pipeline  benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench
-#             preset) with decode spans from 512 (fewer decode programs to compile);
+#             preset) with decode spans from 512 (fewer decode programs to compile) and the
+#             engine's programs compiled ahead on a thread pool (`--precompile`);
 #   engine    benchmarks/gpu.py engine: reserved slots vs a paged cache of the same KV memory
 #             over 4x the slots vs generate: $PRESET shapes, $NUM_LAYERS layers, bf16, $SLOTS
 #             slots, $REQUESTS long-tailed requests, one timed call each.
@@ -29,6 +30,10 @@ exec > >(tee "$OUT/gpu.log") 2>&1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}  # cpu: hf_io reads checkpoints there
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+# Compiled programs kept on disk: a second call on the same warm machine (the device tool keeps
+# ignored paths between calls) loads what the first compiled instead of compiling it again.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
 PRESET=${PRESET:-qwen3_30b_a3b}
 NUM_LAYERS=${NUM_LAYERS:-4}
 SLOTS=${SLOTS:-256}
@@ -78,9 +83,9 @@ run_part() {
       step "one MoE block per dispatch backend ($PRESET shapes, bf16)"
       timeout 60 python benchmarks/gpu.py --preset "$PRESET" --parts moe \
         || echo "moe: failed or timed out (rc $?)" ;;
-    pipeline)  # the sequential mode's first update compiled for 204 s on the H100
-      step "agentic pipeline vs sequential (benchmarks/pipeline.py, its defaults, spans from 512)"
-      timeout 420 python -m benchmarks.pipeline --min_span=512 \
+    pipeline)  # lazily compiled, the sequential mode's first update took 204 s on the H100
+      step "agentic pipeline vs sequential (benchmarks/pipeline.py: defaults, spans from 512)"
+      timeout 480 python -m benchmarks.pipeline --min_span=512 --precompile \
         || echo "pipeline: failed or timed out (rc $?)" ;;
     engine)
       step "engine: reserved vs paged vs generate ($PRESET shapes, $NUM_LAYERS layers, bf16)"

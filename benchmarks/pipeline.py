@@ -3,7 +3,7 @@ second at a generation-dominated, long-tailed setting.
 
   python -m benchmarks.pipeline [--updates=3] [--warmup=1] [--slots=16] [--median=256]
                                 [--sigma=1.0] [--cap=2048] [--group=4] [--problems=1]
-                                [--fan_out=2] [--visible=32] [--min_span=128]
+                                [--fan_out=2] [--visible=32] [--min_span=128] [--precompile]
 
 Both modes run the real `StreamingRollouts` on one `Engine` (bench preset, float32, random
 weights) and the real PPO update (`learner.ppo_update`) on the same number of trained samples per
@@ -19,13 +19,16 @@ every trajectory is done; the pipeline streams and updates on as many samples as
 batch had on average. Prints per mode the time split into rollout and
 update, slot occupancy and staleness, and the ratio; the first `--warmup` updates of each mode
 (compilation) are not counted. `--min_span` is the engine's shortest decode span (a larger one
-compiles fewer decode programs: on a GPU, XLA compilation dominates a short run). The bound printed
+compiles fewer decode programs: on a GPU, XLA compilation dominates a short run), and
+`--precompile` compiles the engine's programs ahead on a thread pool and gives every update one
+row length (one update program; micro-batches are still cut as short). The bound printed
 beside it: sequential time per sample over the pipeline's update time per sample (one mesh: the
 update cannot overlap decoding).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -39,7 +42,7 @@ from mars_jax.data import datasets
 from mars_jax.data.iterator import ProblemIterator
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
 from mars_jax.models import create_model, get_preset
-from mars_jax.rl.batching import make_batch
+from mars_jax.rl.batching import make_batch, pow2_at_least
 from mars_jax.rl.learner import LearnerConfig, ppo_update
 from mars_jax.rl.rollout import RolloutConfig
 from mars_jax.rl.streaming import StreamingRollouts
@@ -51,6 +54,17 @@ MAX_PROMPT = 384
 # Micro-batches cut to the shortest of L, 3L/4, L/2, .. L/8 that holds them (L up to 4096 at
 # the 2048-token cap): above L/8 at most 1.5x a micro-batch's longest row.
 UPDATE = UpdateConfig(length_halvings=3, fine_cuts=True)
+OPTIMIZER = make_optimizer(1e-5)  # one object: the update program is compiled once per shape
+
+
+def update_shapes(args) -> tuple[int, UpdateConfig]:
+    """Rows' minimum length and the update's cuts: with `--precompile` every batch takes the
+    longest length (one update program for both modes) and one more halving, so that
+    micro-batches are cut as short as at L = half of it; else the shortest that holds a batch."""
+    if not args.precompile:
+        return 128, UPDATE
+    return pow2_at_least(MAX_PROMPT + args.cap, 128), dataclasses.replace(
+        UPDATE, length_halvings=UPDATE.length_halvings + 1)
 
 
 def run(mode: str, args, samples_per_update: int) -> dict:
@@ -58,8 +72,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
     config = get_preset("bench").replace(vocab_size=512)  # the byte-level tokenizer's ids
     model = create_model(config, seed=0)
     graphdef, _ = nnx.split(model, nnx.Param)
-    optimizer = make_optimizer(1e-5)
-    state = init_train_state(model, optimizer)
+    state = init_train_state(model, OPTIMIZER)
     budgets = {"solver": args.cap, "verifier": args.cap, "corrector": args.cap}
     rollouts = SeededGrades(tokenizer, RolloutConfig(
         group_size=args.group, fan_out=args.fan_out, selection="random", prompt_style="compact",
@@ -67,6 +80,12 @@ def run(mode: str, args, samples_per_update: int) -> dict:
     rollouts.visible = args.visible
     engine = Engine(model, num_slots=args.slots, max_length=MAX_PROMPT + args.cap,
                     chunk_steps=16, seed=0, min_span=args.min_span)
+    if args.precompile:
+        began = time.perf_counter()
+        count = engine.precompile(range(1, MAX_PROMPT + args.cap + 1))  # (+ tokens: recompute)
+        print(f"  {mode}: {count} engine programs compiled ahead in "
+              f"{time.perf_counter() - began:.1f} s", flush=True)
+    min_length, update_config = update_shapes(args)
     stream = StreamingRollouts(
         rollouts, ForcedLengths(engine, LengthModel(args.median, args.sigma, args.cap)),
         ProblemIterator(datasets.load("arith", "train"), seed=0), mode=mode,
@@ -82,9 +101,9 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         rolled, compiled_rollout = time.perf_counter(), COMPILE_SECONDS[0]
         samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
-            part, micro_batch_size=4, min_length=128, by_length=True), ref_params=None,
-            graphdef=graphdef, optimizer=optimizer, update_config=UPDATE, learner=learner,
-            rng=np.random.default_rng(version))
+            part, micro_batch_size=4, min_length=min_length, by_length=True), ref_params=None,
+            graphdef=graphdef, optimizer=OPTIMIZER, update_config=update_config,
+            learner=learner, rng=np.random.default_rng(version))
         jax.block_until_ready(state.params)
         updated = time.perf_counter()
         stream.weights_updated(nnx.merge(graphdef, state.params), version + 1)
@@ -130,6 +149,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--problems", type=int, default=1)
     parser.add_argument("--fan_out", type=int, default=2)
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile the engine's programs ahead (`Engine.precompile`, on one "
+                             "thread per CPU) and pad every update's rows to one length")
     parser.add_argument("--visible", type=int, default=32,
                         help="characters of an output the next prompt embeds (0: all of it; "
                              "else the rest reads as thought, as a thinking model's)")

@@ -635,17 +635,19 @@ class Engine:
 
     def precompile(self, prompt_lengths: Sequence[int] = (), *, threads: int | None = None
                    ) -> int:
-        """Compiles, `threads` at a time (default: one per host CPU; XLA compiles without the
-        GIL), the programs serving reaches: a decode chunk per slot bucket and KV span, the
-        gathers between slot buckets, pausing and resuming in a slot, and for the prompt
-        buckets of `prompt_lengths` (a resumed or recomputed request's is prompt + tokens so
-        far) the prefill pieces and slot inserts at every batch bucket of a prefill. Serving
-        then compiles none of these again; what it may still compile is the recorded routing
-        written back into a slot (`record_routing`, one program per request length). Returns
-        the number of programs compiled."""
+        """Compiles, `threads` at a time (default: one per host CPU, at most 16, as each
+        compile holds its own memory; XLA compiles without the GIL), the programs serving
+        reaches: a decode chunk per slot bucket and KV span, the gathers between slot buckets,
+        pausing and resuming in a slot, and for the prompt buckets of `prompt_lengths` (a
+        resumed or recomputed request's is prompt + tokens so far) the prefill pieces and slot
+        inserts at every batch bucket of a prefill. Serving then compiles none of these again;
+        what it may still compile is the recorded routing written back into a slot
+        (`record_routing`, one program per request length). Returns the number of programs
+        compiled."""
         full = self._state if self._full is None else self._full
         buckets = self._slot_buckets()
-        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+        threads = threads or min(16, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             run = lambda jobs: list(pool.map(lambda job: job(), jobs))
             smaller = buckets[1:]
             states = dict(zip(smaller, run([functools.partial(self._compile_take, full, rows)
@@ -653,15 +655,16 @@ class Engine:
             states[self.num_slots] = full
             jobs = [functools.partial(self._compile_take, states[a], b)
                     for a in smaller for b in smaller if b <= a // 2]
-            rows = {b: jnp.zeros((b,), jnp.int32) for b in buckets}
-            jobs += [functools.partial(_compile, _put_slots, full, states[b], rows[b], rows[b],
+            index = {b: jnp.zeros((b,), jnp.int32) for b in buckets}
+            jobs += [functools.partial(_compile, _put_slots, full, states[b], index[b], index[b],
                                        jnp.int32(0)) for b in smaller]
             jobs += [functools.partial(_compile, _pause, states[b], jnp.int32(0))
                      for b in buckets]
             jobs.append(functools.partial(_compile, _unpause, full, jnp.int32(0), jnp.int32(0)))
             jobs += [functools.partial(self._compile_decode, states[b], span)
                      for b in buckets for span in self._spans()]
-            shapes = [(bucket, rows) for bucket in sorted({prompt_bucket(n) for n in prompt_lengths})
+            shapes = [(bucket, rows)
+                      for bucket in sorted({prompt_bucket(n) for n in prompt_lengths})
                       for rows in self._prefill_rows()]
             count = len(smaller) + len(jobs)
             firsts = run([functools.partial(self._compile_prefill, None, b, r, min(
