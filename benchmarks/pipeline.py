@@ -57,14 +57,17 @@ UPDATE = UpdateConfig(length_halvings=3, fine_cuts=True)
 OPTIMIZER = make_optimizer(1e-5)  # one object: the update program is compiled once per shape
 
 
-def update_shapes(args) -> tuple[int, UpdateConfig]:
-    """Rows' minimum length and the update's cuts: with `--precompile` every batch takes the
-    longest length (one update program for both modes) and one more halving, so that
-    micro-batches are cut as short as at L = half of it; else the shortest that holds a batch."""
+def update_shapes(args) -> tuple[int, int, UpdateConfig]:
+    """Rows' minimum length, the minimum number of micro-batches of 4 and the update's cuts.
+    With `--precompile` every batch takes the longest length and the micro-batches of a
+    sequential batch's most samples (one update program for both modes; micro-batches without
+    samples cost nothing), with one more halving, so that micro-batches are cut as short as
+    at half that length; else the fewest that hold a batch."""
     if not args.precompile:
-        return 128, UPDATE
-    return pow2_at_least(MAX_PROMPT + args.cap, 128), dataclasses.replace(
-        UPDATE, length_halvings=UPDATE.length_halvings + 1)
+        return 128, 1, UPDATE
+    most = args.problems * args.group * (1 + 4 * args.fan_out)  # S, then V, C, V, C
+    return (pow2_at_least(MAX_PROMPT + args.cap, 128), pow2_at_least(-(-most // 4), 1),
+            dataclasses.replace(UPDATE, length_halvings=UPDATE.length_halvings + 1))
 
 
 def run(mode: str, args, samples_per_update: int) -> dict:
@@ -85,7 +88,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         count = engine.precompile(range(1, MAX_PROMPT + args.cap + 1))  # (+ tokens: recompute)
         print(f"  {mode}: {count} engine programs compiled ahead in "
               f"{time.perf_counter() - began:.1f} s", flush=True)
-    min_length, update_config = update_shapes(args)
+    min_length, min_micro, update_config = update_shapes(args)
     stream = StreamingRollouts(
         rollouts, ForcedLengths(engine, LengthModel(args.median, args.sigma, args.cap)),
         ProblemIterator(datasets.load("arith", "train"), seed=0), mode=mode,
@@ -101,7 +104,8 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         rolled, compiled_rollout = time.perf_counter(), COMPILE_SECONDS[0]
         samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
-            part, micro_batch_size=4, min_length=min_length, by_length=True), ref_params=None,
+            part, micro_batch_size=4, min_length=min_length, min_micro=min_micro,
+            by_length=True), ref_params=None,
             graphdef=graphdef, optimizer=OPTIMIZER, update_config=update_config,
             learner=learner, rng=np.random.default_rng(version))
         jax.block_until_ready(state.params)
