@@ -57,6 +57,7 @@ def base_config() -> ConfigDict:
         engine_kv_pages=0,          # 0: each slot reserves its positions; N: a pool of N KV pages
         engine_page_size=64,        # positions per KV page (with engine_kv_pages)
         engine_paged_attention="auto",  # 'auto' (Pallas kernel on GPU / TPU) | 'gather' | ...
+        engine_precompile=False,    # compile the engine's programs at start-up, on a thread pool
         # 'step': one decode per training step (segments, `decode_engine`); 'stream': one engine
         # runs across updates, each output graded as it finishes, the next stage submitted at
         # once, an update every `samples_per_update` trained samples (mars_jax.rl.streaming).

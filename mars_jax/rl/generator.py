@@ -108,14 +108,23 @@ def engine_options(config: ConfigDict) -> dict:
                 page_size=r.engine_page_size, paged_attention=r.engine_paged_attention)
 
 
+def precompiled(engine: Engine, config: ConfigDict) -> Engine:
+    """`engine`, with `rollout.engine_precompile` its programs compiled ahead for prompts of
+    up to `rollout.max_prompt_tokens` (`Engine.precompile`; a recomputed request's prompt +
+    tokens past that compile when met)."""
+    if config.rollout.get("engine_precompile"):
+        engine.precompile(range(1, config.rollout.max_prompt_tokens + 1))
+    return engine
+
+
 def stream_engine(config: ConfigDict, model, eos: Sequence[int], *, mesh=None) -> Engine:
     """The streaming scheduler's engine: `engine_shape(config, mesh)`, one base seed for the
     whole run (a request's key depends only on it and the rollout's sequence seed)."""
     slots, length = engine_shape(config, mesh)
-    return Engine(model, num_slots=slots, max_length=length, max_stop_ids=max(8, len(tuple(eos))),
-                  seed=(config.seed * 1_000_003) % (1 << 32),
-                  record_routing=config.learner.routing_replay, mesh=mesh,
-                  **engine_options(config))
+    return precompiled(Engine(
+        model, num_slots=slots, max_length=length, max_stop_ids=max(8, len(tuple(eos))),
+        seed=(config.seed * 1_000_003) % (1 << 32), record_routing=config.learner.routing_replay,
+        mesh=mesh, **engine_options(config)), config)
 
 
 class EngineGenerator:
@@ -140,9 +149,11 @@ class EngineGenerator:
         """The engine of `engine_shape(config, mesh)` with the config's sampling settings."""
         r = config.rollout
         slots, length = engine_shape(config, mesh)
-        return cls(model, eos, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   seed=seed, record_routing=config.learner.routing_replay, num_slots=slots,
-                   max_length=length, mesh=mesh, **engine_options(config))
+        generator = cls(model, eos, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        seed=seed, record_routing=config.learner.routing_replay,
+                        num_slots=slots, max_length=length, mesh=mesh, **engine_options(config))
+        precompiled(generator.engine, config)
+        return generator
 
     def set_model(self, model, *, seed: int) -> None:
         """Decodes with `model`'s current arrays from now on; `seed` starts a new seed series."""

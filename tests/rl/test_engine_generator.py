@@ -6,6 +6,7 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.generator import EngineGenerator
 from mars_jax.rl.rollout import GenerationRequest
 from mars_jax.sampling import generate
+from tests.compile_events import ENGINE_PROGRAMS, compiled_programs
 
 
 def test_requests_equal_their_own_decode_and_a_group_is_prefilled_once():
@@ -68,3 +69,26 @@ def test_batched_admission_from_the_config_decodes_the_same_tokens(kv_pages):
         alone = generate(model, [list(request.prompt_ids)], max_new_tokens=request.max_new_tokens,
                          temperature=0.0)
         assert list(output.token_ids) == alone.tokens[0]
+
+
+def test_engine_precompile_from_the_config_leaves_the_rollout_nothing_to_compile():
+    """`rollout.engine_precompile` compiles the engine's programs when the generator is built,
+    for prompts up to `max_prompt_tokens` (1..24 here: buckets 16 and 24): decoding the
+    requests afterwards compiles no engine program."""
+    from ml_collections import ConfigDict
+
+    model = create_model(get_preset("tiny"), seed=0)
+    rng = np.random.default_rng(2)
+    requests = [GenerationRequest(tuple(int(t) for t in rng.integers(1, 500, size=n)), m, "solver")
+                for n, m in zip((5, 24, 9, 17, 3), (3, 9, 14, 5, 8))]
+    rollout = ConfigDict(dict(engine_slots=2, max_decode_rows=0, max_prompt_tokens=24,
+                              max_new_tokens={"solver": 16}, engine_chunk_steps=4,
+                              engine_admit_batch=1, engine_prefill_ahead=0, temperature=1.0,
+                              top_p=1.0, top_k=0, engine_kv_pages=0, engine_page_size=8,
+                              engine_paged_attention="auto", engine_precompile=True))
+    config = ConfigDict(dict(rollout=rollout, learner=dict(routing_replay=False)))
+    generator = EngineGenerator.from_config(config, model, (), seed=0)
+    with compiled_programs() as compiled:
+        outputs = generator(requests)
+    assert [len(o.token_ids) for o in outputs] == [r.max_new_tokens for r in requests]
+    assert not ENGINE_PROGRAMS.intersection(compiled)

@@ -14,6 +14,7 @@ from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models import from_pretrained
 from mars_jax.sampling import Engine, engine as engine_module, generate
 from tests import hf_fixtures
+from tests.compile_events import ENGINE_PROGRAMS, compiled_programs
 
 STOP = (3,)
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9),
@@ -320,12 +321,6 @@ def test_precompile_leaves_serving_nothing_to_compile(model, hf_moe_dir, referen
     mesh with a paged pool per batch shard (arguments placed on the mesh as serving places
     them). Serving the requests afterwards (a pool of 64 positions preempts some) compiles no
     engine program and gives `generate`'s tokens."""
-    compiled = []
-
-    def listen(event, seconds, fun_name="", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(fun_name)
-
     lengths = [len(r["prompt"]) for r in REQUESTS] + [32]
     if on_mesh:
         mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
@@ -336,14 +331,9 @@ def test_precompile_leaves_serving_nothing_to_compile(model, hf_moe_dir, referen
         engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
                         prefill_chunk=16, **paging)
         assert engine.precompile(lengths, threads=2) == 48
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiled_programs() as compiled:
         outputs = _serve(engine, range(10))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    programs = {"_decode_chunk", "_prefill", "_insert", "_take_slots", "_put_slots", "_pause",
-                "_unpause"}
-    assert not [name for name in compiled if name.strip("jit()") in programs]
+    assert not ENGINE_PROGRAMS.intersection(compiled)
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
     assert on_mesh or engine.stats["shrinks"] > 0
