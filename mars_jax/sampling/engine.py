@@ -10,9 +10,10 @@ finished requests out and frees their slots. While requests wait, a chunk ends e
 as `admit_batch` slots are free, so they are refilled at once.
 
 Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
-batch bucket); one slot insert per (prompt bucket, batch bucket). Requests coming and going change
-only array values. When nothing waits, the running requests' rows are gathered into a smaller slot
-bucket (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
+batch bucket); one slot insert per (prompt bucket, batch bucket); compiled when first met, or
+all ahead on a thread pool by `precompile`. Requests coming and going change only array
+values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
+(as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk
 plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least
 `min_span`, at most `max_length`): it copies those positions out of the slot cache once, decodes
