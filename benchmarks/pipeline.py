@@ -21,7 +21,8 @@ update, slot occupancy and staleness, and the ratio; the first `--warmup` update
 (compilation) are not counted. `--min_span` is the engine's shortest decode span (a larger one
 compiles fewer decode programs: on a GPU, XLA compilation dominates a short run), and
 `--precompile` compiles the engine's programs ahead on a thread pool and gives every update one
-row length (one update program; micro-batches are still cut as short). The bound printed
+row length and micro-batch count (one update program; micro-batches are still cut as short).
+The bound printed
 beside it: sequential time per sample over the pipeline's update time per sample (one mesh: the
 update cannot overlap decoding).
 """
@@ -154,8 +155,8 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=1)
     parser.add_argument("--fan_out", type=int, default=2)
     parser.add_argument("--precompile", action="store_true",
-                        help="compile the engine's programs ahead (`Engine.precompile`, on one "
-                             "thread per CPU) and pad every update's rows to one length")
+                        help="compile the engine's programs ahead (`Engine.precompile`, a "
+                             "thread per CPU up to 16) and give every update one shape")
     parser.add_argument("--visible", type=int, default=32,
                         help="characters of an output the next prompt embeds (0: all of it; "
                              "else the rest reads as thought, as a thinking model's)")
