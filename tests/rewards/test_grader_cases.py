@@ -38,15 +38,15 @@ def cases() -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _verdicts(cases: list[dict]) -> list[bool]:
+def _verdicts(cases: list[dict], timeout: float = TIMEOUT_S) -> list[bool]:
     response_rows = [i for i, c in enumerate(cases) if c["harness"] in RESPONSE_HARNESSES]
     answer_rows = [i for i, c in enumerate(cases) if c["harness"] not in RESPONSE_HARNESSES]
     verdicts = [False] * len(cases)
     graded = grader.grade_many(
-        [cases[i]["pred"] for i in response_rows], [cases[i]["gold"] for i in response_rows], timeout=TIMEOUT_S
+        [cases[i]["pred"] for i in response_rows], [cases[i]["gold"] for i in response_rows], timeout=timeout
     )
     compared = grader.is_equivalent_many(
-        [cases[i]["pred"] for i in answer_rows], [cases[i]["gold"] for i in answer_rows], timeout=TIMEOUT_S
+        [cases[i]["pred"] for i in answer_rows], [cases[i]["gold"] for i in answer_rows], timeout=timeout
     )
     for rows, values in ((response_rows, graded), (answer_rows, compared)):
         for i, value in zip(rows, values):
@@ -58,6 +58,13 @@ def test_agreement_with_external_cases(cases):
     assert len(cases) == 362
     grader.warm_up()
     verdicts = _verdicts(cases)
+    # A comparison that timed out reads as a miss; under a loaded test run (two xdist workers
+    # compiling beside it) one of ~0.5 s can pass 5 s. New misses are graded once more with
+    # 60 s each: what still disagrees is a rule, not the machine.
+    new = [i for i, (case, verdict) in enumerate(zip(cases, verdicts))
+           if verdict != case["expected"] and case["id"] not in KNOWN_MISSES]
+    for i, verdict in zip(new, _verdicts([cases[i] for i in new], timeout=60.0)):
+        verdicts[i] = verdict
     total, agree = collections.Counter(), collections.Counter()
     misses, missed = [], set()
     for case, verdict in zip(cases, verdicts):
