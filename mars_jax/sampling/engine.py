@@ -645,6 +645,9 @@ class Engine:
         what it may still compile is the recorded routing written back into a slot
         (`record_routing`, one program per request length). Returns the number of programs
         compiled."""
+        prompt_lengths = list(prompt_lengths)
+        if any(n < 1 or n > self.max_length for n in prompt_lengths):
+            raise ValueError(f"prompt_lengths: each must be in [1, max_length={self.max_length}]")
         full = self._state if self._full is None else self._full
         buckets = self._slot_buckets()
         threads = threads or min(16, os.cpu_count() or 1)

@@ -331,6 +331,8 @@ def test_precompile_leaves_serving_nothing_to_compile(model, hf_moe_dir, referen
         engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
                         prefill_chunk=16, **paging)
         assert engine.precompile(lengths, threads=2) == 48
+        with pytest.raises(ValueError, match=r"prompt_lengths: each must be in \[1, max_le"):
+            engine.precompile([0, 65])
     with compiled_programs() as compiled:
         outputs = _serve(engine, range(10))
     assert not ENGINE_PROGRAMS.intersection(compiled)
