@@ -8,8 +8,9 @@
 #        manylinux_2_28_x86_64 ... -d .whl grain array_record tensorflow-datasets ...
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
 # 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
-# then the PARTS, in the order given (default: all four, which exceeds one 10-minute call; a
-# 15-minute lease fits about `pipeline` in one call and `tests,moe` in another):
+# then the PARTS, in the order given (default: all four, which exceeds one 10-minute call; the
+# plan for a 15-minute lease, not yet tried with `--precompile`: `pipeline` in one call and
+# `tests,moe` in another):
 #   tests     the GPU-capable tests: engine exactness and HF parity (torch reference on CPU);
 #   moe       benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend;
 #   pipeline  benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench

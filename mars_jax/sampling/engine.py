@@ -659,7 +659,7 @@ class Engine:
             states[self.num_slots] = full
             jobs = [functools.partial(self._compile_take, states[a], b)
                     for a in smaller for b in smaller if b <= a // 2]
-            index = {b: jnp.zeros((b,), jnp.int32) for b in buckets}
+            index = {b: jnp.zeros((b,), jnp.int32) for b in smaller}
             jobs += [functools.partial(_compile, _put_slots, full, states[b], index[b], index[b],
                                        jnp.int32(0)) for b in smaller]
             jobs += [functools.partial(_compile, _pause, states[b], jnp.int32(0))
@@ -688,12 +688,11 @@ class Engine:
         return sorted(sizes, reverse=True)
 
     def _spans(self) -> list[int]:
-        """Every KV span `_span` can give a decode chunk (whole pages when paged)."""
+        """Every KV span `_span` can give a decode chunk."""
         spans, needed = set(), 1
         while needed <= self.max_length:
-            span = span_bucket(needed, self.max_length, self.min_span)
-            spans.add(span if self._pool is None else self._pages_for(span) * self.page_size)
-            needed = span + 1
+            spans.add(self._chunk_span(needed))
+            needed = span_bucket(needed, self.max_length, self.min_span) + 1
         return sorted(spans)
 
     def _prefill_rows(self) -> list[int]:
@@ -1096,12 +1095,18 @@ class Engine:
     def _span(self) -> int:
         """The KV span of the next decode chunk: the longest a running request can grow to in
         it (prompt + tokens + at most `chunk_steps`, up to its pause or budget), plus one,
-        bucketed. The one: a row that stops mid-chunk goes on writing (discarded) keys at its
-        length until the chunk ends, and a paused row's length must lie inside the span, or
-        the write would land on its last token's keys (clamped to `span - 1`)."""
+        bucketed (`_chunk_span`). The one: a row that stops mid-chunk goes on writing
+        (discarded) keys at its length until the chunk ends, and a paused row's length must lie
+        inside the span, or the write would land on its last token's keys (clamped to
+        `span - 1`)."""
         needed = max(self._chunk_positions(self._requests[self._slots[s]])
                      for s in self._running)
-        return span_bucket(needed + 1, self.max_length, self.min_span)
+        return self._chunk_span(needed + 1)
+
+    def _chunk_span(self, needed: int) -> int:
+        """`needed` positions bucketed (`span_bucket`), in whole pages when paged."""
+        span = span_bucket(needed, self.max_length, self.min_span)
+        return span if self._pool is None else self._pages_for(span) * self.page_size
 
     def _chunk_positions(self, request: _Request) -> int:
         """Cache positions `request` fills by the end of the next decode chunk."""
@@ -1111,9 +1116,10 @@ class Engine:
     def _decode(self) -> None:
         start_time = time.perf_counter()
         span, table = self._span(), None
-        if self._pool is not None:  # the span in whole pages; the running rows' first pages
-            pages = -(-span // self.page_size)  # (an idle row's writes go to the trash page: a
-            span = pages * self.page_size      # paused one may be longer than the span)
+        if self._pool is not None:
+            # The running rows' first pages (an idle row's writes go to the trash page: a
+            # paused one may be longer than the span).
+            pages = span // self.page_size
             rows = np.zeros((self._state.length.shape[0], pages), np.int32)
             for slot in self._running:
                 rows[self._row(slot)] = self._table[slot, :pages]
