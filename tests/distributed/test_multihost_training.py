@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_env import cpu_env
+
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,8 +26,7 @@ def _free_port() -> int:
 def _run_job(workdir: Path, total_steps: int) -> list[str]:
     """Both processes of the smoke job to `total_steps`; returns their outputs."""
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = cpu_env(devices=2, PYTHONPATH=str(ROOT))
     runs = [subprocess.Popen(
         [sys.executable, "experiments/run.py", "--config=experiments/configs/smoke.py",
          f"--workdir={workdir}", f"--coordinator_address=localhost:{port}", "--num_processes=2",

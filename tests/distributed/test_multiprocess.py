@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.cpu_env import cpu_env
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
@@ -28,8 +30,7 @@ def _free_port() -> int:
 
 def _start(out: Path, devices: int, *args: str) -> subprocess.Popen:
     out.mkdir(exist_ok=True)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = cpu_env(devices=devices, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, str(WORKER), f"--out={out}", *args], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

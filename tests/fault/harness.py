@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from mars_jax.checkpoint import Checkpointer
+from tests.cpu_env import cpu_env
 from tests.rl.test_resume import OVERRIDES  # the same shapes, so compiled programs are shared
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def command(workdir: Path, *overrides: str, script: Path = RUN) -> list[str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", **extra)  # one CPU device
+    return cpu_env(**extra)  # one CPU device
 
 
 def metrics(workdir: Path) -> list[dict]:

@@ -158,6 +158,7 @@ def test_tiny_paged_engine_programs_keep_a_pool_per_batch_shard(tmp_path, mesh, 
         assert r["temp_bytes"] < kv["per_device"] / 4, r["program"]
 
 
+@pytest.mark.slow  # a Qwen3-30B-A3B layer: ~40 s of compiling
 @needs_libtpu
 def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
     """One layer of Qwen3-30B-A3B (head_dim 128, 32 query / 4 KV heads) on v5p:2x2x1, 8 slots
@@ -175,6 +176,7 @@ def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
     assert "(paged attention: tpu)" in result.stdout
 
 
+@pytest.mark.slow  # a Qwen3-30B-A3B layer: ~40 s of compiling
 @needs_libtpu
 def test_30b_decode_on_fsdp_gathers_tokens_not_experts(tmp_path):
     """One layer of Qwen3-30B-A3B on v5p:2x2x1 laid out fsdp=4 (32 experts a chip), 128 engine

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.cpu_env import cpu_env
+
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = [
     "--config.total_steps=3", "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=1",
@@ -24,8 +26,7 @@ SKIP = ("time/", "tokens_per_second", "stream/deferred_seconds", "sync/seconds",
 
 
 def _run(workdir, *extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = cpu_env(devices=8)
     subprocess.run([sys.executable, str(REPO / "experiments/run.py"),
                     "--config=" + str(REPO / "experiments/configs/smoke.py"),
                     f"--workdir={workdir}",

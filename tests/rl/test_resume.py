@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mars_jax.checkpoint import Checkpointer
+from tests.cpu_env import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = [
@@ -36,8 +37,7 @@ def _command(workdir, extra=()):
 
 
 def _env():
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device
-    return env
+    return cpu_env()  # one CPU device
 
 
 def _final_params(workdir):

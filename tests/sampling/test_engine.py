@@ -310,8 +310,9 @@ def test_slots_are_reused_without_recompiling(model, monkeypatch):
     assert engine.stats["shrinks"] > 0
 
 
-@pytest.mark.parametrize("paging, on_mesh", [({}, False), (dict(kv_pages=8, page_size=8), False),
-                                             (dict(kv_pages=64, page_size=8), True)])
+@pytest.mark.parametrize("paging, on_mesh", [
+    ({}, False), pytest.param(dict(kv_pages=8, page_size=8), False, marks=pytest.mark.slow),
+    (dict(kv_pages=64, page_size=8), True)])
 def test_precompile_leaves_serving_nothing_to_compile(model, hf_moe_dir, reference, paging,
                                                        on_mesh):
     """One device, 4 slots of 64 positions, prefill pieces of 16: 3 slot buckets (4, 2, 1) x
