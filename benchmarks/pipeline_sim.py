@@ -152,6 +152,9 @@ def check_train_memory(hw: Hardware, model: ModelCost, chips: int) -> None:
                          f"needed, {hw.hbm_bytes / GB:.0f} GB held")
 
 
+BOUND = "bound: decode only"
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One row of the table: a scheduling mode on a layout of the machine."""
@@ -171,7 +174,7 @@ def variants(hw: Hardware) -> list[Variant]:
             Variant("pipeline, KV freed", "pipeline", None, "train_state", resume="recompute")]
     rows += [Variant(f"pipeline+overlap {r}:{t}", "pipeline", (r, t), "weights")
              for r, t in hw.splits]
-    rows.append(Variant("bound: decode only", "pipeline", None, "weights", update_free=True))
+    rows.append(Variant(BOUND, "pipeline", None, "weights", update_free=True))
     return rows
 
 
@@ -185,6 +188,7 @@ class Costs:
     overlap: bool
     kv_tokens: int | None = None   # paged KV: positions the rollout chips' cache holds
     kv_reserve: float = 0.0        # paged KV: see `SimEngine`
+    train_chips: int = 1
 
 
 def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> Costs:
@@ -207,7 +211,7 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
     copy = make(train_chips).weight_copy_seconds(rollout_chips) if variant.split else 0.0
     train = make(train_chips, float("inf")) if variant.update_free else make(train_chips)
     return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split),
-                 kv_tokens, args.kv_reserve)
+                 kv_tokens, args.kv_reserve, train_chips)
 
 
 def is_trained(group, drop_zero_variance: bool) -> bool:
@@ -296,6 +300,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
         hours_per_1k=costs.chips_total * window / 3600 / (samples / 1000),
         wall_h_per_update=window / 3600 / (len(ends) - warmup),
         update_h_per_update=statistics.mean(update_s[warmup:]) / 3600,
+        update_hours_per_1k=costs.train_chips * sum(update_s[warmup:]) / 3600 / (samples / 1000),
         occupancy=stats["live_slot_seconds"] / (costs.slots * window),
         decode_occupancy=stats["live_slot_seconds"] / max(stats["decode_seconds"], 1e-12) / costs.slots,
         decode_rows=stats["live_slot_seconds"] / max(stats["decode_seconds"], 1e-12),
@@ -336,7 +341,23 @@ def run_hardware(name: str, progress: float, args) -> list[dict]:
             samples_per_update = round(result["samples_per_update"])
         results.append(result)
         print_row(result, results[0]["hours_per_1k"])
+    bound = next((r for r in results if r["label"] == BOUND), None)
+    if bound:
+        print(ceiling_line(results[0], bound, args.update_mfu))
     return results
+
+
+def ceiling_line(sequential: dict, bound: dict, update_mfu: float) -> str:
+    """A ceiling on any schedule's gain over `sequential` under the cost model, taking the
+    decode-only row as the least decoding can cost: sequential's accelerator-hours over its
+    update's (the same FLOPs at the same MFU on any chips) plus the decode-only row's; then the
+    same with the update at 100% MFU in both."""
+    update, decode_only = sequential["update_hours_per_1k"], bound["hours_per_1k"]
+    at_peak = update * update_mfu
+    return (f"ceiling: update {update:.2f} + decode only {decode_only:.2f} acc-h/1k = "
+            f"{sequential['hours_per_1k'] / (update + decode_only):.2f}x sequential; with the "
+            f"update at 100% MFU "
+            f"{(sequential['hours_per_1k'] - update + at_peak) / (at_peak + decode_only):.2f}x")
 
 
 HEADER = (f"{'mode':24} {'slots':>5} {'acc-h/1k':>9} {'vs seq':>7} {'h/update':>9} "
