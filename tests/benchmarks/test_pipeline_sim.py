@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from benchmarks.pipeline_sim import (HARDWARE, mesh_kv_tokens, mesh_slots, padded_tokens,
-                                     step_grid, update_costs)
+from benchmarks.pipeline_sim import (HARDWARE, ceiling_line, mesh_kv_tokens, mesh_slots,
+                                     padded_tokens, step_grid, update_costs)
 from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_prompt,
                                    sim_encode)
 from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost
@@ -75,6 +75,14 @@ def test_mesh_slots_and_paged_positions_by_hand():
     assert 8 * slot > free > 7 * slot
     assert mesh_slots(hw, model, 4, resident="weights", positions=100_000) == 4 * 7
     assert mesh_kv_tokens(hw, model, 4, resident="weights") == 4 * int(free // 98_304)
+
+
+def test_ceiling_by_hand():
+    # Sequential 6 acc-h per 1k samples, 1 of them its update at 30% MFU; decode alone 2:
+    # 6 / (1 + 2) = 2x; at 100% MFU the update is 0.3, sequential 5.3: 5.3 / 2.3 = 2.30x.
+    line = ceiling_line(dict(hours_per_1k=6.0, update_hours_per_1k=1.0),
+                        dict(hours_per_1k=2.0), update_mfu=0.3)
+    assert line.endswith("= 2.00x sequential; with the update at 100% MFU 2.30x")
 
 
 def test_capped_mean_matches_sampling_and_the_fit_hits_the_target():
