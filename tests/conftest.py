@@ -4,12 +4,11 @@ XLA_FLAGS must be set before jax is imported anywhere, hence at the top of this 
 """
 import os
 
-from tests.cpu_env import OPTIMIZATION  # imports no jax
+from tests.cpu_env import optimization_flag  # imports no jax
 
-_level = "" if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") \
-    else " " + OPTIMIZATION  # unless the caller chose a level
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8" + _level).strip()
+_flags = os.environ.get("XLA_FLAGS", "")
+_level = "" if optimization_flag() in _flags.split() else " " + optimization_flag()
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8" + _level).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole test session, subprocesses included: programs
 # compiled by one test (or a previous run) are loaded, not recompiled, by the next.

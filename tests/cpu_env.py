@@ -8,8 +8,15 @@ import os
 OPTIMIZATION = "--xla_backend_optimization_level=0"
 
 
+def optimization_flag() -> str:
+    """The optimisation level `XLA_FLAGS` chooses, else `OPTIMIZATION`."""
+    chosen = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+              if flag.startswith("--xla_backend_optimization_level")]
+    return chosen[-1] if chosen else OPTIMIZATION
+
+
 def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
-    """This environment on `devices` fake CPU devices at the tests' optimisation level."""
-    flags = OPTIMIZATION + (f" --xla_force_host_platform_device_count={devices}"
-                            if devices > 1 else "")
+    """This environment on `devices` fake CPU devices at this session's optimisation level."""
+    flags = optimization_flag() + (f" --xla_force_host_platform_device_count={devices}"
+                                   if devices > 1 else "")
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
