@@ -14,11 +14,11 @@ VERDICTS = {CORRECT: True, WRONG: False, CUT: None}  # what grading records for 
 
 
 def _rollout(stage: int, reward: float, text: str = "", judged_correct: bool | None = None,
-             length: int = 3):
+             length: int = 3, finish_reason: str = "stop"):
     return Rollout(uid=f"u{stage}-{reward}-{text[:5]}", problem_uid="p", stage=stage,
                    parent_uid=None, prompt_ids=[1], text=text, reward=reward,
                    judged_correct=judged_correct, verdict=VERDICTS.get(text),
-                   response_ids=[7] * length)
+                   response_ids=[7] * length, finish_reason=finish_reason)
 
 
 def test_role_metrics_by_hand():
@@ -46,7 +46,29 @@ def test_role_metrics_by_hand():
         "verifier/balanced_accuracy": (2 / 4 + 2 / 3) / 2,
         "verifier/precision": 2 / 3,  # 3 Wrong verdicts, 2 on wrong solutions
         "verifier/pass_rate": 3 / 7,  # 3 Correct verdicts
+        # Nothing cut off; of the 5 groups only the one-Corrector group [1.0] is all right.
+        "truncated/solver": 0.0, "truncated/verifier": 0.0, "truncated/corrector": 0.0,
+        "groups_all_wrong/solver": 0.0, "groups_all_wrong/verifier": 0.0,
+        "groups_all_wrong/corrector": 0.0,
+        "groups_all_right/solver": 0.0, "groups_all_right/verifier": 0.0,
+        "groups_all_right/corrector": 1 / 2,
     }
+
+
+def test_role_metrics_truncation_and_groups_without_gradient():
+    cut = dict(finish_reason="length")
+    groups = [[_rollout(0, 0.0, **cut), _rollout(0, 0.0)],                  # all wrong
+              [_rollout(0, 1.0), _rollout(0, 1.0)],                         # all right
+              [_rollout(0, 0.0, **cut), _rollout(0, 1.0)],                  # mixed
+              [_rollout(1, 0.0, CUT, False, **cut), _rollout(1, 0.0, CUT, False, **cut)],
+              [_rollout(1, 1.0, CORRECT, True), _rollout(1, 0.0, WRONG, True)]]
+    metrics = role_metrics(groups)
+    assert metrics["truncated/solver"] == 2 / 6
+    assert metrics["truncated/verifier"] == 2 / 4
+    assert (metrics["groups_all_wrong/solver"], metrics["groups_all_right/solver"]) == (1 / 3, 1 / 3)
+    assert (metrics["groups_all_wrong/verifier"], metrics["groups_all_right/verifier"]) == (1 / 2, 0.0)
+    assert math.isnan(metrics["truncated/corrector"])
+    assert math.isnan(metrics["groups_all_wrong/corrector"])
 
 
 def test_role_metrics_without_verifiers_or_wrong_solutions_are_nan():
