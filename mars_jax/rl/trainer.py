@@ -39,9 +39,9 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, config_diff, console, distributed, sharding, weight_sync
+from mars_jax import builders, console, distributed, sharding, weight_sync
 from mars_jax.agents.eval_stats import confusion
-from mars_jax.checkpoint import CONFIG_KEY, Checkpointer
+from mars_jax.checkpoint import Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rl.advantages import group_advantages_np
@@ -179,19 +179,19 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
 def _build_stream(config: ConfigDict, rollouts: AgenticRollouts, model, eos, problems,
                   mesh: jax.sharding.Mesh, inflight_cap: int) -> StreamingRollouts:
     """The streaming scheduler (`rollout.scheduler='stream'`) on a fresh engine over `model`
-    (whose arrays live on `mesh`, this host's rollout mesh); with several processes one per
-    host, each with its share of `inflight_cap`, agreeing through a `distributed.HostGroup`."""
+    (whose arrays live on `mesh`, the rollout mesh)."""
+    if jax.process_count() > 1:
+        raise ValueError("rollout.scheduler='stream' runs on one process; use 'step' for "
+                         "multi-process jobs")
     r = config.rollout
     with sharding.use_mesh(mesh):
         engine = stream_engine(config, model, eos, mesh=mesh)
     return StreamingRollouts(
         rollouts, engine, problems, mode=r.mode, prompts_per_step=r.prompts_per_step,
         samples_per_update=r.samples_per_update or r.prompts_per_step * r.group_size,
-        max_inflight_rows=-(-inflight_cap // jax.process_count()),
-        staleness_bound=r.staleness_bound, resume=r.resume,
+        max_inflight_rows=inflight_cap, staleness_bound=r.staleness_bound, resume=r.resume,
         roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,
-        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), stop_ids=eos,
-        hosts=distributed.HostGroup("stream"))
+        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), stop_ids=eos)
 
 
 def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, float]:
@@ -201,7 +201,6 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "stream/occupancy": batch.occupancy, "stream/inflight": batch.inflight,
             "stream/problems_admitted": batch.problems_admitted,
             "stream/deferred_seconds": batch.deferred_seconds,
-            "stream/sync_seconds": batch.sync_seconds,
             "rollouts/context_cuts": stream.rollouts.context_cuts,
             "rollouts/context_drops": stream.rollouts.context_drops,
             "time/rollout": batch.seconds}
@@ -242,15 +241,6 @@ def _step_rollouts(config: ConfigDict, step: int, version: int, model, generator
     return result.groups, trainable(result.groups, config.rollout.roles_trained), metrics
 
 
-def _weight_copier(params, mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh):
-    """params -> (this host's engine copy, `weight_sync.Transfer`): on one process a
-    `device_put` to the rollout mesh's shardings, on several `weight_sync.HostCopies`."""
-    if jax.process_count() > 1:
-        return weight_sync.HostCopies(params, mesh, rollout_mesh).copy
-    shardings = weight_sync.rollout_shardings(params, rollout_mesh)
-    return lambda current: weight_sync.copy_weights(current, shardings)
-
-
 class _SigtermFlag:
     """Set by SIGTERM; the loop checks it after each step."""
 
@@ -276,11 +266,9 @@ def _catch_sigterm() -> Iterator[_SigtermFlag]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str] = ()
-          ) -> dict[str, float]:
+def train(config: ConfigDict, workdir: str) -> dict[str, float]:
     """Trains for `config.total_steps` steps (resuming if `workdir` has checkpoints); returns the
-    last step's metrics. A resume whose config changes fields of `config_diff.RESUME_FIELDS`
-    not in `allow_config_change` raises `config_diff.ConfigChanged`.
+    last step's metrics.
 
     Raises `Preempted` after SIGTERM (final checkpoint saved), `NonFiniteUpdates` after
     `config.max_nonfinite_updates` steps in a row with a non-finite update (each such update
@@ -288,15 +276,13 @@ def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str
     and `CheckpointSaveError` when a save fails.
     """
     with _catch_sigterm() as sigterm:
-        return _train(config, Path(workdir), sigterm, tuple(allow_config_change))
+        return _train(config, Path(workdir), sigterm)
 
 
-def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
-           allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
+def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dict[str, float]:
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
-    copied_weights = rollout_mesh is not mesh  # the engine decodes on a copy of the weights
-    overlap = config.mesh.rollout.devices > 0 and config.rollout.mode == "pipeline"
+    split = rollout_mesh is not mesh
     with sharding.use_mesh(mesh):
         model = builders.build_model(config, mesh)
     tokenizer = builders.build_tokenizer(config)
@@ -312,14 +298,11 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
     rollouts = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed,
                                encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save,
-                                config=config_diff.record(config))
+                                async_save=config.checkpoint.async_save)
     learner = learner_config(config)
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
-        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])},
-        check_meta=lambda step, saved: config_diff.check_resume(
-            saved.get(CONFIG_KEY), config, step=step, allowed=allow_config_change))
+        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])})
     model_config = model.config
     del model  # a restored run must not keep the initial weights alive beside the restored ones
     if restored is not None:
@@ -345,11 +328,13 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
     metrics: dict[str, float] = {}
     generator = None
     stream = None
+    if split:
+        to_rollout = weight_sync.rollout_shardings(state.params, rollout_mesh)
     if config.rollout.scheduler == "stream":
         policy = nnx.merge(graphdef, state.params)
-        if copied_weights:
-            copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
-            policy = weight_sync.rollout_model(graphdef, copy_weights(state.params)[0])
+        if split:
+            policy = weight_sync.rollout_model(
+                graphdef, weight_sync.copy_weights(state.params, to_rollout)[0])
         stream = _build_stream(config, rollouts, policy, eos, problems, rollout_mesh,
                                inflight_cap)
         if saved_stream is not None:
@@ -399,7 +384,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
                             update_config=update_config, learner=learner,
                             rng=np.random.default_rng([config.seed, step]))
 
-                if overlap:  # decode on the rollout devices during the update
+                if split and config.rollout.mode == "pipeline":  # decode during the update
                     with concurrent.futures.ThreadPoolExecutor(1) as pool:
                         running = pool.submit(update)
                         stream.decode_while(lambda: not running.done(), version)
@@ -410,8 +395,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
                 if update_metrics["optimizer_steps"] > 0:
                     version += 1
-                    if stream is not None and copied_weights:
-                        copied, transfer = copy_weights(state.params)
+                    if split:
+                        copied, transfer = weight_sync.copy_weights(state.params, to_rollout)
                         stream.weights_updated(weight_sync.rollout_model(graphdef, copied),
                                                version)
                         metrics.update({"sync/seconds": transfer.seconds,
@@ -419,7 +404,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
                                         "sync/bytes_per_device": transfer.bytes_per_device})
                     elif stream is not None:
                         stream.weights_updated(nnx.merge(graphdef, state.params), version)
-                elif stream is not None and not copied_weights:  # the same weights in the arrays the
+                elif stream is not None and not split:  # the same weights in the arrays the
                     # update returned: it donated those the engine decodes with
                     stream.engine.update_weights(nnx.merge(graphdef, state.params))
                 finite = update_metrics["finite"] > 0
