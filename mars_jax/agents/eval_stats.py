@@ -23,7 +23,6 @@ solutions and against the true-negative rate on correct ones, and is not a posit
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -125,7 +124,8 @@ def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
     with np.errstate(invalid="ignore", divide="ignore"):
         replicates = np.asarray(statistic(sums), dtype=np.float64)
     tail = (1 - level) / 2
-    low, high = np.nanquantile(replicates, [tail, 1 - tail])
+    defined = replicates[~np.isnan(replicates)]
+    low, high = np.quantile(defined, [tail, 1 - tail]) if defined.size else (np.nan, np.nan)
     return Interval(float(estimate), float(low), float(high),
                     int(np.isnan(replicates).sum()))
 
@@ -254,33 +254,85 @@ def verification_pairs(records: Iterable[Record], *,
     return pairs
 
 
+def _wrong_revisions(record: Record) -> tuple[int, int, int]:
+    """(wrong candidates revised, revised into a right one, revised keeping their answer)."""
+    pairs = [(b, a) for b, a in zip(record["candidates"], record["candidates"][1:])
+             if not b["correct"]]
+    unchanged = sum(b.get("answer") is not None and a.get("answer") == b.get("answer")
+                    for b, a in pairs)
+    return len(pairs), sum(bool(a["correct"]) for _, a in pairs), unchanged
+
+
 def correction_rates(records: Iterable[Record]) -> dict[str, float]:
     """Over every correction (a candidate revised into the next one): `fixed`, the share of
-    wrong candidates whose revision is correct, and `broken`, the share of correct ones whose
-    revision is wrong."""
-    before_after = [(r["candidates"][i - 1]["correct"], r["candidates"][i]["correct"])
-                    for r in records for i in range(1, len(r["candidates"]))]
-    wrong = [after for before, after in before_after if not before]
-    right = [after for before, after in before_after if before]
-    return {"fixed": _ratio(sum(wrong), len(wrong)),
+    wrong candidates whose revision is correct, `unchanged`, the share of wrong ones whose
+    revision keeps their (wrong) answer, and `broken`, the share of correct ones whose revision
+    is wrong."""
+    records = list(records)
+    wrong, fixed, unchanged = np.sum([_wrong_revisions(r) for r in records], axis=0,
+                                     dtype=np.int64) if records else (0, 0, 0)
+    right = [a["correct"] for r in records for b, a in zip(r["candidates"], r["candidates"][1:])
+             if b["correct"]]
+    wrong, fixed, unchanged = int(wrong), int(fixed), int(unchanged)
+    return {"fixed": _ratio(fixed, wrong), "unchanged": _ratio(unchanged, wrong),
             "broken": _ratio(len(right) - sum(right), len(right)),
-            "corrections": len(before_after)}
+            "corrections": wrong + len(right)}
+
+
+CORRECTION_FIELDS = ("wrong_revised", "fixed", "unchanged")
+
+
+def correction_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str]) -> np.ndarray:
+    """`[runs, problems, 3]` counts (`CORRECTION_FIELDS`) of each run's revisions of wrong
+    candidates, of those fixed and of those left with their answer (`correction_rates`), for
+    `bootstrap_statistic` (e.g. `fix_rate`)."""
+    column = {p: i for i, p in enumerate(problems)}
+    counts = np.zeros((len(runs), len(problems), len(CORRECTION_FIELDS)))
+    for i, records in enumerate(runs):
+        for record in records:
+            counts[i, column[record["problem_id"]]] += _wrong_revisions(record)
+    return counts
+
+
+def fix_rate(totals: np.ndarray) -> np.ndarray:
+    """Fixed over revised wrong candidates of correction totals `[..., 3]`; NaN without any."""
+    totals = np.asarray(totals, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return totals[..., 1] / totals[..., 0]
+
+
+SOLVER_TO_SYSTEM = ("kept", "lost", "fixed", "unfixed")
+OUTCOMES = (*SOLVER_TO_SYSTEM, "never_right", "some_right")
+
+
+def run_outcome(record: Record) -> dict[str, bool]:
+    """What the V-C loop did to one run's Solver answer (exactly one of `SOLVER_TO_SYSTEM`:
+    right and kept / right and lost / wrong and fixed / wrong and not fixed), `some_right`
+    (some candidate was right: what a perfect Verifier could have returned) and `never_right`
+    (not fixed, no candidate right)."""
+    solver, system = bool(record["solver_correct"]), bool(record["correct"])
+    some_right = system or solver or any(c["correct"] for c in record["candidates"])
+    return {"kept": solver and system, "lost": solver and not system,
+            "fixed": not solver and system, "unfixed": not solver and not system,
+            "never_right": not some_right, "some_right": some_right}
 
 
 def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
-    """Share of runs by what the V-C loop did to the Solver's answer: `kept` (right, stays
-    right), `lost` (right, returned wrong), `fixed` (wrong, returned right), `unfixed` (wrong,
-    returned wrong). Over a non-empty list they sum to 1, kept + fixed is the share of runs
-    returned right and kept + lost the share whose Solver was right (empty: NaN).
-    `never_right`: the part of `unfixed` in which no candidate was right (the rest of `unfixed`
-    wrote a right candidate and returned another)."""
-    pairs = Counter((bool(r["solver_correct"]), bool(r["correct"])) for r in records)
-    names = {"kept": (True, True), "lost": (True, False), "fixed": (False, True),
-             "unfixed": (False, False)}
-    never_right = sum(not r["solver_correct"] and not r["correct"] and
-                      not any(c["correct"] for c in r["candidates"]) for r in records)
-    return {**{name: _ratio(pairs[pair], len(records)) for name, pair in names.items()},
-            "never_right": _ratio(never_right, len(records))}
+    """Share of runs by `run_outcome`: over a non-empty list `kept + lost + fixed + unfixed` is 1,
+    kept + fixed is the share of runs returned right, kept + lost the share whose Solver was
+    right, `never_right` the part of `unfixed` in which no candidate was right (the rest of
+    `unfixed` wrote a right candidate and returned another) and `some_right` = 1 - never_right,
+    the ceiling of the System's avg@k over this Solver and Corrector (empty: NaN)."""
+    outcomes = [run_outcome(r) for r in records]
+    return {name: _ratio(sum(o[name] for o in outcomes), len(records)) for name in OUTCOMES}
+
+
+def outcome_matrices(runs: Sequence[Sequence[Record]],
+                     problems: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Per `OUTCOMES` name, the `[runs, problems]` share of each problem's samples with that
+    outcome (`score_matrix` of `run_outcome`), for `bootstrap` / `bootstrap_difference`."""
+    flagged = [[{**record, **run_outcome(record)} for record in records] for records in runs]
+    return {name: score_matrix(flagged, name, problems) for name in OUTCOMES}
 
 
 def outcome_rates(records: Sequence[Record]) -> dict[str, float]:

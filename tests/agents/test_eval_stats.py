@@ -214,7 +214,8 @@ def test_record_statistics_by_hand():
     # (Solver, System): p0 wrong -> right, p1 right -> right, q0 and q1 wrong -> wrong, and
     # neither q run has a right candidate.
     assert eval_stats.solver_to_system(records) == {
-        "kept": 0.25, "lost": 0.0, "fixed": 0.25, "unfixed": 0.5, "never_right": 0.5}
+        "kept": 0.25, "lost": 0.0, "fixed": 0.25, "unfixed": 0.5, "never_right": 0.5,
+        "some_right": 0.5}
     dropped = _record("r", 0, False, False, "fallback", [(False, [False]), (True, [False])])
     assert eval_stats.solver_to_system([dropped])["never_right"] == 0.0  # a right one, dropped
     matrix = eval_stats.score_matrix([records, records[::-1]], "correct")
@@ -224,13 +225,42 @@ def test_record_statistics_by_hand():
 
 
 def test_correction_rates_by_hand():
-    chains = [[False, True], [False, False, True], [True, False], [True]]  # candidates' correctness
-    records = [_record("p", i, c[0], c[-1], "fallback", [(ok, [None]) for ok in c])
+    # Each run's candidates as (correct, answer); the gold answer is 5.
+    chains = [[(False, "4"), (True, "5")], [(False, "3"), (False, "3"), (True, "5")],
+              [(True, "5"), (False, "6")], [(True, "5")], [(False, "2"), (False, None)]]
+    records = [_record("p", i, c[0][0], c[-1][0], "fallback", [(ok, [None]) for ok, _ in c])
                for i, c in enumerate(chains)]
-    # Revisions of wrong candidates: F->T, F->F, F->T (2 of 3 fixed); of right ones: T->F (broken).
-    assert eval_stats.correction_rates(records) == {"fixed": 2 / 3, "broken": 1.0,
-                                                    "corrections": 4}
-    assert math.isnan(eval_stats.correction_rates(records[3:])["fixed"])
+    for record, chain in zip(records, chains):
+        for candidate, (_, answer) in zip(record["candidates"], chain):
+            candidate["answer"] = answer
+    # Revisions of wrong candidates: 4 -> 5 and 3 -> 5 fixed, 3 -> 3 unchanged, 2 -> no answer
+    # neither (2 of 4 fixed, 1 of 4 unchanged); of right ones: 5 -> 6 broken.
+    assert eval_stats.correction_rates(records) == {"fixed": 0.5, "unchanged": 0.25,
+                                                    "broken": 1.0, "corrections": 5}
+    assert math.isnan(eval_stats.correction_rates(records[3:4])["fixed"])
+    counts = eval_stats.correction_counts([records, records[3:]], ["p"])
+    np.testing.assert_array_equal(counts, [[[4, 2, 1]], [[1, 0, 0]]])
+    np.testing.assert_array_equal(eval_stats.fix_rate(counts.sum(axis=1)), [0.5, 0.0])
+
+
+def test_outcome_matrices_by_hand():
+    """Per problem, the share of its runs with each outcome; some_right = 1 - never_right."""
+    runs = [[_record("p", 0, True, True, "accepted", [(True, [True])]),
+             _record("p", 1, True, False, "fallback", [(True, [False]), (False, [False])]),
+             _record("q", 0, False, True, "accepted", [(False, [False]), (True, [True])]),
+             _record("q", 1, False, False, "fallback", [(False, [False]), (True, [False]),
+                                                         (False, [False])])],
+            [_record("q", 0, False, False, "failed", []),
+             _record("q", 1, False, False, "fallback", [(False, [True])]),
+             _record("p", 0, True, True, "accepted", [(True, [True])]),
+             _record("p", 1, True, True, "accepted", [(True, [True])])]]
+    m = eval_stats.outcome_matrices(runs, ["p", "q"])
+    expected = {"kept": [[0.5, 0.0], [1.0, 0.0]], "lost": [[0.5, 0.0], [0.0, 0.0]],
+                "fixed": [[0.0, 0.5], [0.0, 0.0]], "unfixed": [[0.0, 0.5], [0.0, 1.0]],
+                "never_right": [[0.0, 0.0], [0.0, 1.0]], "some_right": [[1.0, 1.0], [1.0, 0.0]]}
+    assert set(m) == set(expected)
+    for name, values in expected.items():
+        np.testing.assert_array_equal(m[name], values, err_msg=name)
 
 
 def test_statistics_of_real_evaluation_records():
@@ -248,7 +278,8 @@ def test_statistics_of_real_evaluation_records():
     assert solver.mean() == summary["solver_avg_at_k"]
     assert eval_stats.outcome_rates(records)["accepted_rate"] == summary["accepted_rate"]
     assert eval_stats.solver_to_system(records) == {  # A's runs kept, B's fixed
-        "kept": 0.5, "lost": 0.0, "fixed": 0.5, "unfixed": 0.0, "never_right": 0.0}
+        "kept": 0.5, "lost": 0.0, "fixed": 0.5, "unfixed": 0.0, "never_right": 0.0,
+        "some_right": 1.0}
     assert eval_stats.mean_tokens(records) == summary["mean_tokens"]
     corrections = eval_stats.correction_rates(records)  # B's two runs: 2 -> 7, both fixed
     assert (corrections["fixed"], corrections["corrections"]) == (1.0, 2)

@@ -111,10 +111,13 @@ def test_report_tables_and_targets_from_records(study):
     # Base: Solver right on 0-23, System on 0-17 -> 30% kept, 10% lost, 0 fixed, 60% unfixed,
     # none of which ever had a right candidate.
     assert rows["base"]["solver_to_system"] == pytest.approx(
-        {"kept": 0.3, "lost": 0.1, "fixed": 0.0, "unfixed": 0.6, "never_right": 0.6})
+        {"kept": 0.3, "lost": 0.1, "fixed": 0.0, "unfixed": 0.6, "never_right": 0.6,
+         "some_right": 0.4})
     assert "| 30.0 / 10.0 / 0.0 / 60.0 (60.0) |" in text
     targets = {t["target"].split(",")[0]: t for t in summary["targets"]}
-    assert [t["met"] for t in summary["targets"]] == [True, False, True, True]
+    assert [t["met"] for t in summary["targets"]] == [True, False, True, True, False]
+    # The base revised no wrong candidate: its fix rate, and the gain over it, are undefined.
+    assert summary["targets"][4]["detail"].startswith("in-loop fix rate nan -> 100.0%")
     assert "+35.0" in targets["MarsRL System >= base System + 10 points"]["detail"]
     assert "+3.3" in targets["MarsRL System - MarsRL-S System >= +5 points"]["detail"]
     assert "(+50.0 [+50.0, +50.0]); acceptance 65.0%" in summary["targets"][3]["detail"]
@@ -141,7 +144,7 @@ def test_missing_rows_are_not_evaluated(tmp_path):
     _write(tmp_path, "marsrl", _records(*RUNS["marsrl_seed0"]))
     report.build_report(report.Settings(tmp_path, resamples=200), tmp_path / "out", run_eval=False)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert [t["met"] for t in summary["targets"]] == [True, None, True, True]
+    assert [t["met"] for t in summary["targets"]] == [True, None, True, True, False]
     assert summary["targets"][1]["detail"] == "no runs of marsrl_s"
     assert not (tmp_path / "out" / "selection.png").exists()
 
@@ -177,3 +180,75 @@ def test_records_must_hold_each_problem_k_times_once_each():
         report.check_complete("run", complete + complete[:1], 2)
     with pytest.raises(ValueError, match=r"without 2 samples: \['p59'\]"):
         report.check_complete("run", complete[:-1], 2)
+
+
+def _run(problem: str, sample: int, chain: list[tuple[bool, str]], returned: int | None) -> dict:
+    """One evaluated run: its candidates as (correct, answer), each verified once (passed iff
+    right), the System returning candidate `returned` (None: the Solver failed, no candidate)."""
+    candidates = [{"correct": ok, "answer": answer, "verdicts": [ok]} for ok, answer in chain]
+    correct = returned is not None and chain[returned][0]
+    return {"problem_id": problem, "sample": sample, "solver_correct": bool(chain) and chain[0][0],
+            "correct": correct, "status": "accepted" if correct else "fallback",
+            "iterations": max(1, len(chain)), "candidates": candidates,
+            "tokens": {"solver": 1, "verifier": len(chain), "corrector": len(chain) - 1}}
+
+
+R, W = True, False
+DECOMPOSITION = {
+    "base": [_run("p0", 0, [(R, "5")], 0),                       # kept
+             _run("p0", 1, [(R, "5"), (W, "6")], 1),             # lost (a right one broken)
+             _run("p1", 0, [(W, "3"), (W, "3")], 1),             # unfixed, revision unchanged
+             _run("p1", 1, [(W, "3"), (R, "4")], 1),             # fixed
+             _run("p2", 0, [(W, "7"), (R, "8"), (W, "9")], 2),   # unfixed, a right one dropped
+             _run("p2", 1, [], None)],                           # unfixed, the Solver failed
+    "marsrl": [_run("p0", 0, [(R, "5")], 0), _run("p0", 1, [(R, "5")], 0),   # kept, kept
+               _run("p1", 0, [(W, "3"), (R, "4")], 1),                       # fixed
+               _run("p1", 1, [(W, "2"), (R, "4")], 1),                       # fixed
+               _run("p2", 0, [(W, "7"), (R, "8")], 1),                       # fixed
+               _run("p2", 1, [(W, "7"), (W, "6")], 1)],                      # unfixed, changed
+}
+
+
+def test_decomposition_by_hand(tmp_path):
+    """Kept / lost / fixed / unfixed, the ceiling, the in-loop fix and unchanged rates and their
+    paired differences, against counts made by hand on 3 problems x 2 samples."""
+    for name, records in DECOMPOSITION.items():
+        _write(tmp_path, name, records)
+    text = report.build_report(report.Settings(tmp_path, resamples=300), tmp_path / "out",
+                               run_eval=False)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    base, marsrl = summary["rows"]["base"], summary["rows"]["marsrl"]
+    # Base: 1 kept, 1 lost, 1 fixed, 3 unfixed of 6 runs; a right candidate in p0 (both), p1
+    # sample 1 and p2 sample 0 (4 of 6). MarsRL: 2 kept, 3 fixed, 1 unfixed; some right 5 of 6.
+    expected = {"base": dict(kept=1, lost=1, fixed=1, unfixed=3, never_right=2, some_right=4),
+                "marsrl": dict(kept=2, lost=0, fixed=3, unfixed=1, never_right=1, some_right=5)}
+    for row, counts in expected.items():
+        got = summary["rows"][row]
+        assert got["solver_to_system"] == pytest.approx({k: v / 6 for k, v in counts.items()})
+        for name, count in counts.items():
+            assert got["outcomes"][name]["estimate"] == pytest.approx(count / 6), (row, name)
+    # Revisions of wrong candidates. Base: 3 -> 3 (unchanged), 3 -> 4 and 7 -> 8 (fixed): 2 of 3
+    # fixed, 1 of 3 unchanged; the right ones revised (5 -> 6, 8 -> 9) both broken. MarsRL:
+    # 3 -> 4, 2 -> 4, 7 -> 8 fixed, 7 -> 6 neither: 3 of 4.
+    assert (base["corrector"]["fixed"], base["corrector"]["unchanged"],
+            base["corrector"]["broken"]) == pytest.approx((2 / 3, 1 / 3, 1.0))
+    assert (marsrl["corrector"]["fixed"], marsrl["corrector"]["unchanged"]) == (0.75, 0.0)
+    assert base["corrector_fix_rate"]["estimate"] == pytest.approx(2 / 3)
+    # Paired over problems (per-problem shares p0, p1, p2): kept base (.5, 0, 0), MarsRL
+    # (1, 0, 0): +1/6; fixed (0, .5, 0) -> (0, 1, .5): +1/3; unfixed (0, .5, 1) -> (0, 0, .5):
+    # -1/3; lost -1/6; some right (1, .5, .5) -> (1, 1, .5): +1/6; fix rate 3/4 - 2/3.
+    vs_base = {k: v["estimate"] for k, v in
+               json.loads((tmp_path / "out" / "summary.json").read_text())["decomposition_vs_base"]
+               ["marsrl"].items()}
+    assert vs_base == pytest.approx({
+        "outcome/kept": 1 / 6, "outcome/lost": -1 / 6, "outcome/fixed": 1 / 3,
+        "outcome/unfixed": -1 / 3, "outcome/never_right": -1 / 6, "outcome/some_right": 1 / 6,
+        "corrector_fix_rate": 3 / 4 - 2 / 3,
+        # The oracle verdicts make both first verifications perfect.
+        "verifier_balanced_accuracy": 0.0})
+    # The table: base kept 16.7%; MarsRL fixed 50.0% (+33.3 paired).
+    assert "| SFT warm start | 16.7 [" in text and "| 50.0 [" in text and "(+33.3 [" in text
+    target = {t["target"]: t for t in summary["targets"]}[
+        "In-loop Corrector fix rate up over the warm start, interval excluding 0"]
+    assert target["detail"].startswith("in-loop fix rate 66.7 -> 75.0% (+8.3 [")
+    assert "wrong candidates left unchanged 33.3 -> 0.0%" in target["detail"]
