@@ -1,4 +1,5 @@
-"""What a run prints to the console: notes, the progress bar's per-role rewards, the summary.
+"""What a run prints to the console: notes, the progress bar's per-role rewards and truncation,
+the summary.
 
 The summary is read back from what the training job wrote in its workdir (`metrics.jsonl`, the
 `tensorboard/` and `checkpoints/` directories), so it describes a resumed run as a whole.
@@ -24,10 +25,20 @@ def note(message: str) -> None:
     tqdm.tqdm.write(message, file=sys.stdout)
 
 
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
-    """The progress bar's postfix: this step's mean reward of each role that had samples."""
-    values = {role: metrics.get(f"reward/{role}") for role in ROLES}
-    return {role: f"{v:.2f}" for role, v in values.items() if v is not None and math.isfinite(v)}
+    """The progress bar's postfix: this step's mean reward of each role that had samples, and
+    the share of its outputs cut off by the token budget when any was (`cut 75%`: a reward lost
+    to the budget, not to a wrong answer)."""
+    out = {}
+    for role in ROLES:
+        reward, cut = metrics.get(f"reward/{role}"), metrics.get(f"truncated/{role}")
+        if _finite(reward):
+            out[role] = f"{reward:.2f}" + (f" cut {cut:.0%}" if _finite(cut) and cut > 0 else "")
+    return out
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:
@@ -44,9 +55,10 @@ def window(rows: Sequence[dict]) -> int:
     return max(1, len(rows) // 4)
 
 
-def mean_reward(rows: Sequence[dict], role: str) -> float:
-    """Mean over `rows` of the steps' mean `role` reward (steps without that role left out)."""
-    values = [row[f"reward/{role}"] for row in rows if row.get(f"reward/{role}") is not None]
+def mean_reward(rows: Sequence[dict], role: str, metric: str = "reward") -> float:
+    """Mean over `rows` of the steps' `metric/role` (default: the mean reward; steps without
+    that role left out)."""
+    values = [row[f"{metric}/{role}"] for row in rows if _finite(row.get(f"{metric}/{role}"))]
     return float(np.mean(values)) if values else math.nan
 
 
@@ -69,6 +81,12 @@ def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
         if math.isfinite(first_mean) or math.isfinite(last_mean):
             lines.append(f"    {role:<15} {first_mean:.3f} -> {last_mean:.3f} "
                          f"({last_mean - first_mean:+.3f})")
+    cut = {role: [mean_reward(part, role, "truncated") for part in (rows[:k], rows[-k:])]
+           for role in ROLES}
+    cut = {role: ends for role, ends in cut.items() if any(map(math.isfinite, ends))}
+    if cut:
+        lines.append(f"  cut off by the token budget (no reward), first {k} -> last {k} steps")
+        lines += [f"    {role:<15} {first:.0%} -> {last:.0%}" for role, (first, last) in cut.items()]
     lines += [f"  metrics      {workdir / 'metrics.jsonl'}",
               f"  TensorBoard  tensorboard --logdir {workdir / 'tensorboard'}",
               f"  checkpoints  {workdir / 'checkpoints'}",

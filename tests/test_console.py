@@ -12,7 +12,8 @@ def test_summary_reports_steps_samples_rewards_and_paths(tmp_path):
     solver = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.9]  # 8 steps: windows of 2
     rows = [{"step": i + 1, "reward/solver": r, "samples/solver": 8, "samples/verifier": 4,
              "samples/corrector": 0, "samples/trained": 10, "policy_version": i + 1,
-             "reward/verifier": 0.5 if i else None, "reward/corrector": None}
+             "reward/verifier": 0.5 if i else None, "reward/corrector": None,
+             "truncated/solver": 0.0, "truncated/verifier": 0.25 * (i > 5)}
             for i, r in enumerate(solver)]
     probe = {"step": 0, "probe/solver_accuracy": 0.5}  # before training: not a step
     _write(tmp_path, rows[::-1] + [probe])  # read back in step order whatever the file order
@@ -23,6 +24,9 @@ def test_summary_reports_steps_samples_rewards_and_paths(tmp_path):
     assert "solver          0.150 -> 0.800 (+0.650)" in text  # (0.1+0.2)/2, (0.7+0.9)/2
     assert "verifier        0.500 -> 0.500 (+0.000)" in text  # step 1 has no Verifier reward
     assert "    corrector" not in text  # no Corrector reward at any step: no line
+    assert "cut off by the token budget (no reward), first 2 -> last 2 steps" in text
+    assert "    solver          0% -> 0%" in text
+    assert "    verifier        0% -> 25%" in text  # steps 7 and 8 cut a quarter off
     assert f"metrics      {tmp_path / 'metrics.jsonl'}" in text
     assert f"tensorboard --logdir {tmp_path / 'tensorboard'}" in text
     assert f"checkpoints  {tmp_path / 'checkpoints'}" in text
@@ -34,8 +38,9 @@ def test_summary_without_metrics_says_so(tmp_path):
 
 
 def test_postfix_shows_the_roles_that_had_samples():
-    metrics = {"reward/solver": 0.25, "reward/verifier": float("nan"), "reward/corrector": 1.0}
-    assert console.postfix(metrics) == {"solver": "0.25", "corrector": "1.00"}
+    metrics = {"reward/solver": 0.25, "reward/verifier": float("nan"), "reward/corrector": 1.0,
+               "truncated/solver": 0.0, "truncated/corrector": 0.75}
+    assert console.postfix(metrics) == {"solver": "0.25", "corrector": "1.00 cut 75%"}
 
 
 def test_a_line_cut_short_by_a_crash_ends_what_is_read(tmp_path):
