@@ -1,63 +1,92 @@
 #!/usr/bin/env bash
-# The whole toy study of experiments/RESULTS.md in one command, resumable:
+# A toy study of experiments/RESULTS.md in one command, resumable:
 #
-#   mkdir -p /tmp/mars_study && nohup nice -n 19 bash experiments/study.sh /tmp/mars_study \
-#     > /tmp/mars_study/study.log 2>&1 &
+#   mkdir -p /tmp/mars_study_weak && nohup nice -n 19 bash experiments/study.sh \
+#     /tmp/mars_study_weak weak > /tmp/mars_study_weak/study.log 2>&1 &      # Study 7
+#   bash experiments/study.sh /tmp/mars_study strong                        # Study 6
 #
-# warm start (the committed experiments/results/study/sft, copied to $ROOT/sft; with
-# RETRAIN_SFT=1, when $ROOT/sft has no model yet, study.py:sft trains it again from
-# experiments/results/study/warm_start) -> its
-# evaluation (the base row, in $OUT/base) -> RL runs in this order: marsrl_seed0,
-# marsrl_s_seed0, marsrl_seed1, marsrl_s_seed1 (the two-seed rows first), marsrl_vc_seed0, then
-# MarsRL with the two selection policies other than the config's (seed 0) -> experiments/report.py
-# (evaluates every model, writes the tables and plots to $OUT, default $ROOT/report; then
-# `report.py --root=$ROOT --skip_eval --out=experiments/results/study` for the repository's copy).
+# weak (experiments/configs/study_weak.py, the paper's regime: a weak critic at the start):
+#   Study 5's SFT model (extracted from the git history) -> study_weak.py:sft (750 steps,
+#   probed every 50) -> its step-WEAK_STEP model is the warm start, $ROOT/sft/model.
+# strong (experiments/configs/study.py): the committed experiments/results/study/sft, copied to
+#   $ROOT/sft (with RETRAIN_SFT=1, when $ROOT/sft has no model yet, study.py:sft trains it again
+#   from experiments/results/study/warm_start).
+# Then the warm start's evaluation (the base row, $OUT/base) -> RL runs in this order:
+# marsrl_seed0, marsrl_s_seed0, marsrl_seed1, marsrl_s_seed1 (the two-seed rows first),
+# marsrl_vc_seed0 (strong: then MarsRL with the two selection policies other than the config's,
+# seed 0) -> experiments/report.py, which evaluates every model and writes the tables and plots
+# to $OUT (default $ROOT/report). The repository's copies come from `python
+# experiments/report.py --root=$ROOT --config_module=<study_weak | study> --skip_eval
+# --out=<dir>`: experiments/results/study_weak/report (Study 7) and
+# experiments/results/study/four_rows, .../selection (Study 6).
 # Everything runs under `nice -n 19`. Re-running it skips runs finished with the same extra
 # arguments (a `done` file in the run directory holds them) and resumes an interrupted one, or one
 # finished with other arguments, from its newest checkpoint, or from the copy committed under
-# experiments/results/study/runs/<run> when $ROOT has none; the report's evaluation resumes from
-# its records. Extra arguments go to every RL run (e.g. --config.total_steps=3).
+# <results>/runs/<run> when $ROOT has none; the report's evaluation resumes from its records.
+# Extra arguments go to every RL run (e.g. --config.total_steps=3).
 set -euo pipefail
-ROOT=${1:-/tmp/mars_study}
-shift || true
+ROOT=${1:-/tmp/mars_study_weak}
+STUDY=${2:-weak}
+shift 2 || shift $# || true
 OUT=${OUT:-$ROOT/report}
-CONFIG=experiments/configs/study.py
 cd "$(dirname "$0")/.."
+case $STUDY in
+  weak) MODULE=study_weak ;;
+  strong) MODULE=study ;;
+  *) echo "study.sh: unknown study '$STUDY' (weak | strong)" >&2; exit 2 ;;
+esac
+CONFIG=experiments/configs/$MODULE.py
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+setting() { python -c "import sys; sys.path.insert(0, 'experiments/configs'); import $MODULE; \
+print($MODULE.$1)"; }
+RESULTS=$(setting RESULTS)
 mkdir -p "$ROOT"
 run() { echo "== $(date -u +%FT%TZ) $*"; nice -n 19 python "$@"; }
 
 if [[ ! -f $ROOT/sft/model/config.json ]]; then  # the sft job does not resume: it starts over
-  if [[ ${RETRAIN_SFT:-0} == 1 ]]; then
-    run experiments/run.py --config=$CONFIG:sft --workdir="$ROOT/sft"
+  if [[ $STUDY == weak ]]; then
+    p8=$(setting P8_PATH) commit=$(setting P8_COMMIT) step=$(setting WEAK_STEP)
+    mkdir -p "$ROOT/p8"
+    for f in config.json model.safetensors; do git show "$commit:$p8/$f" > "$ROOT/p8/$f"; done
+    [[ -f $ROOT/sft_run/model_step$step/config.json ]] ||
+      run experiments/run.py --config=$CONFIG:sft --workdir="$ROOT/sft_run" \
+        --config.model.checkpoint="$ROOT/p8"
+    rm -rf "$ROOT/sft.tmp" && mkdir -p "$ROOT/sft.tmp"
+    cp -r "$ROOT/sft_run/model_step$step" "$ROOT/sft.tmp/model"
+    cp "$ROOT/sft_run/metrics.jsonl" "$ROOT/sft.tmp/"
+  elif [[ ${RETRAIN_SFT:-0} == 1 ]]; then
+    run experiments/run.py --config=$CONFIG:sft --workdir="$ROOT/sft.tmp"
   else
     rm -rf "$ROOT/sft.tmp" && cp -r experiments/results/study/sft "$ROOT/sft.tmp"
-    rm -rf "$ROOT/sft" && mv "$ROOT/sft.tmp" "$ROOT/sft"  # whole or not at all
   fi
+  rm -rf "$ROOT/sft" && mv "$ROOT/sft.tmp" "$ROOT/sft"  # whole or not at all
 fi
 
-# Evaluations committed under experiments/results/study/eval (the base; runs committed under
-# experiments/results/study/runs, of their committed checkpoint) are reused, not redone.
-mkdir -p "$ROOT/eval" && cp -rn experiments/results/study/eval/. "$ROOT/eval/"
+# Evaluations committed under <results>/eval (the base; runs committed under <results>/runs, of
+# their committed checkpoint) are reused, not redone.
+mkdir -p "$ROOT/eval"
+[[ -d $RESULTS/eval ]] && cp -rn "$RESULTS/eval/." "$ROOT/eval/"
 
 # The warm start's row first (issue 17: report it before any RL): the report evaluates only the
 # base while no RL run has started.
 if [[ ! -f $ROOT/eval/base/eval/summary.json ]] && ! compgen -G "$ROOT/marsrl*" > /dev/null; then
-  run experiments/report.py --root="$ROOT" --config_module=study --out="$OUT/base"
+  run experiments/report.py --root="$ROOT" --config_module=$MODULE --out="$OUT/base"
 fi
 
-default_selection=$(python -c "import sys; sys.path.insert(0, 'experiments/configs'); \
-import study; print(study.get_config('marsrl').rollout.selection)")
 runs=(marsrl:0: marsrl_s:0: marsrl:1: marsrl_s:1: marsrl_vc:0:)
-for sel in adaptive balanced random; do
-  [[ $sel == "$default_selection" ]] || runs+=("marsrl:0:$sel")
-done
+if [[ $STUDY == strong ]]; then
+  default_selection=$(python -c "import sys; sys.path.insert(0, 'experiments/configs'); \
+import study; print(study.get_config('marsrl').rollout.selection)")
+  for sel in adaptive balanced random; do
+    [[ $sel == "$default_selection" ]] || runs+=("marsrl:0:$sel")
+  done
+fi
 for spec in "${runs[@]}"; do
   IFS=: read -r variant seed sel <<< "$spec"
   name=${variant}${sel:+_$sel}_seed$seed
   [[ -f $ROOT/$name/done && $(cat "$ROOT/$name/done") == "$*" ]] && {
     echo "== $name: done, skipped"; continue; }
-  saved=experiments/results/study/runs/$name  # a run committed part-way, resumed from there
+  saved=$RESULTS/runs/$name  # a run committed part-way, resumed from there
   if [[ ! -d $ROOT/$name && -d $saved ]]; then
     mkdir -p "$ROOT/$name" && cp -r "$saved/." "$ROOT/$name/"
   fi
@@ -67,5 +96,5 @@ for spec in "${runs[@]}"; do
   echo "$*" > "$ROOT/$name/done"
 done
 
-run experiments/report.py --root="$ROOT" --config_module=study --out="$OUT"
+run experiments/report.py --root="$ROOT" --config_module=$MODULE --out="$OUT"
 echo "== $(date -u +%FT%TZ) study finished: $OUT/tables.md"

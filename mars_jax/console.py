@@ -86,7 +86,8 @@ def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
     cut = {role: ends for role, ends in cut.items() if any(map(math.isfinite, ends))}
     if cut:
         lines.append(f"  cut off by the token budget (no reward), first {k} -> last {k} steps")
-        lines += [f"    {role:<15} {first:.0%} -> {last:.0%}" for role, (first, last) in cut.items()]
+        lines += [f"    {role:<15} {first:.0%} -> {last:.0%}"
+                  for role, (first, last) in cut.items()]
     lines += [f"  metrics      {workdir / 'metrics.jsonl'}",
               f"  TensorBoard  tensorboard --logdir {workdir / 'tensorboard'}",
               f"  checkpoints  {workdir / 'checkpoints'}",

@@ -17,6 +17,7 @@ from mars_jax.sft.job import ARCHS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "configs"))
 import study  # noqa: E402
+import study_weak  # noqa: E402
 from common import base_config  # noqa: E402
 
 ROLES = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
@@ -74,6 +75,50 @@ def test_study_configs_run_shrunk(tmp_path):
         assert all(r["reward/solver"] is not None for r in rows), variant
         # MarsRL-S stops after the Solver; the others verify step 1's solutions in step 2.
         assert (rows[-1]["reward/verifier"] is not None) == (variant != "marsrl_s"), variant
+
+
+@pytest.mark.parametrize("variant,roles", ROLES.items())
+def test_study_weak_variants_are_valid_and_run_as_the_paper(variant, roles):
+    config = study_weak.get_config(variant)
+    validate(config, base_config(), device_count=1)
+    assert config.rollout.roles_trained == roles
+    assert config.model.checkpoint == "/tmp/mars_study_weak/sft/model"
+    assert (config.rollout.selection, config.rollout.group_size) == ("adaptive", 8)
+    assert config.rollout.temperature == 1.0 and config.eval.num_problems >= 500
+    # Problems, budgets and the evaluation are the strong study's.
+    strong = study.get_config(variant)
+    assert dict(config.data.arith) == dict(strong.data.arith)
+    assert config.eval.to_dict() == {**strong.eval.to_dict(), "probe_every": 25}
+
+
+def test_study_weak_sft_continues_study5_and_probes_each_saved_step():
+    config = study_weak.get_config("sft")
+    checked = config.copy_and_resolve_references()
+    checked.job = "train"
+    validate(checked, base_config(), device_count=1)
+    assert config.model.checkpoint == "/tmp/mars_study_weak/p8"
+    assert config.sft.steps % config.sft.probe_every == 0
+    step = study_weak.WEAK_STEP
+    assert step % config.sft.probe_every == 0 < step < config.sft.steps
+    with pytest.raises(ValueError, match="unknown"):
+        study_weak.get_config("grpo")
+
+
+def test_study_weak_marsrl_runs_shrunk(tmp_path):
+    """Two MarsRL steps of `study_weak` (adaptive selection, T=1.0) from the committed study SFT
+    model, tiny sizes: every role's groups-without-gradient and truncation shares are logged."""
+    rl = study_weak.get_config("marsrl")
+    rl.model.checkpoint = str(Path(study.RESULTS) / "sft" / "model")
+    rl.total_steps, rl.checkpoint.every_steps, rl.eval.probe_every = 2, 2, 0
+    rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
+    rl.rollout.max_new_tokens.update(solver=study.MAX_NEW_TOKENS["solver"], verifier=16,
+                                     corrector=16)
+    trainer.train(rl, str(tmp_path / "marsrl"))
+    rows = console.read_metrics(tmp_path / "marsrl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("groups_all_wrong", "groups_all_right", "truncated"):
+        assert 0 <= rows[0][f"{key}/solver"] <= 1, key
+    assert rows[-1]["truncated/verifier"] == 1.0  # 16 tokens cut every Verifier reply
 
 
 # Hand-counted: embedding and LM head 2 x 272 x hidden, per layer q/k/v/o + SwiGLU (+ router and

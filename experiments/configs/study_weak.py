@@ -1,0 +1,54 @@
+r"""The toy study in the paper's regime (issue 55, Study 7 of experiments/RESULTS.md): a warm start
+whose Verifier and Corrector are weak, and RL as the paper runs it (CPU).
+
+  python experiments/run.py --config=experiments/configs/study_weak.py:sft \
+    --workdir=/tmp/mars_study_weak/sft_run
+  python experiments/run.py --config=experiments/configs/study_weak.py:marsrl \
+    --workdir=/tmp/mars_study_weak/marsrl_seed0
+  bash experiments/study.sh /tmp/mars_study_weak weak   # the whole study, resumable
+
+Problems, traces, model and evaluation are `study.py`'s. The warm start is the strong one's SFT
+run stopped early: `sft` continues Study 5's SFT model (`P8`, rebuilt by `study.sh` from the git
+history) on the current traces at lr 1e-3, cosine over 750 steps (Study 6's p9 recipe, whose
+step-750 model is `study.py`'s warm start), probing each role every 50 steps and saving
+`model_step<N>/`; the weak warm start is its step-`WEAK_STEP` model, chosen on those probes
+against the bar of experiments/RESULTS.md (Study 7) before any RL.
+
+RL differs from `study.py`'s where the paper's recipe does: `adaptive` selection (the Verifier
+judges a wrong solution whenever the group holds one), rollouts at T=1.0 (top_p 1.0) so that the
+groups of hard problems are not all wrong; and, for the session's budget, lr 1e-4 (32 problems a
+step, as Study 6's run B, whose held-out Solver ended where lr 3e-5's did) and probes of 256
+held-out problems every 25 steps.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import study  # noqa: E402
+
+ROOT = "/tmp/mars_study_weak"
+RESULTS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "results",
+                                        "study_weak"))
+# Study 5's SFT model, committed at this revision (study.sh extracts it to <root>/p8).
+P8_COMMIT, P8_PATH = "cbe1455", "experiments/results/study/sft/model"
+SFT_STEPS = 750
+WEAK_STEP = 250  # the probed SFT step taken as the warm start (Study 7 of experiments/RESULTS.md)
+
+
+def get_config(arg: str = "marsrl"):
+    if arg != "sft" and arg not in study.VARIANTS:
+        raise ValueError(f"study_weak config: unknown arg {arg!r} "
+                         f"(sft | {' | '.join(study.VARIANTS)})")
+    c = study.get_config(arg)
+    if arg == "sft":
+        c.model.checkpoint = f"{ROOT}/p8"
+        c.optimizer.learning_rate = 1e-3
+        c.sft.steps, c.sft.probe_every = SFT_STEPS, 50
+        return c
+    c.model.checkpoint = f"{ROOT}/sft/model"
+    c.rollout.selection = "adaptive"
+    c.rollout.temperature, c.rollout.top_p = 1.0, 1.0
+    c.optimizer.learning_rate = 1e-4
+    c.total_steps = 150
+    c.eval.probe_every, c.eval.probe_problems = 25, 256
+    return c
