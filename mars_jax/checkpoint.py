@@ -10,13 +10,19 @@ Integrity rules:
     `wait` or `close`, naming the step that failed and the previous intact one; the manager is
     re-read from disk, so it never points at the failed step.
   * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
-    position-weighted sum of the bits of every array, computed on device). Restore walks back
-    from the newest step and skips, with a warning, any checkpoint that fails to read, or whose
-    fingerprint does not match (truncated or corrupted files). A failed read is tried
-    1 + len(`READ_RETRY_WAITS`) times (a storage error that clears within those waits costs no
-    checkpoint); a fingerprint mismatch, a whole read of other bits, is not retried. A skipped
-    checkpoint is moved to `<directory>.unreadable/` so that the resumed run can save that step
-    again.
+    position-weighted sum of the bits of every array, computed on device), and one of its JSON
+    meta (a digest of its canonical text, the other fingerprints included).
+  * Only proof of damage sets a checkpoint aside: a step directory without orbax's commit marker
+    (`commit_success.txt`), bytes that do not decode (JSON, UTF-8, tensorstore's decoding
+    errors and damage status codes, `is_damage`), a file missing from a committed step, or a
+    fingerprint mismatch. Restore walks back from the newest step and moves each damaged one to
+    `<directory>.unreadable/` (so that the resumed run can save that step again). Any other
+    read error (storage unavailable, permissions, an unrecognised error) is tried
+    1 + len(`READ_RETRY_WAITS`) times and then raises `CheckpointUnavailable`, setting nothing
+    aside: rerun when the storage is back. A fingerprint mismatch is not retried.
+  * Restore returns None only when the directory holds no step directory: when every one is
+    damaged it raises `CheckpointUnavailable` after setting them aside, so a run never starts
+    from step 0 beside checkpoints.
   * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
     paths, shapes, dtypes of the state) with the state to restore into, and raises
     `CheckpointMismatch` naming the step and the differences when they differ; such a
@@ -27,8 +33,10 @@ Integrity rules:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -42,8 +50,15 @@ import orbax.checkpoint as ocp
 
 FINGERPRINT_KEY = "state_fingerprint"
 ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
-READ_RETRY_WAITS = (1.0, 4.0)  # seconds before each further attempt to read a checkpoint
+META_FINGERPRINT_KEY = "meta_fingerprint"  # absent in checkpoints written before it existed
+CONFIG_KEY = "config"  # the run's config (`Checkpointer(config=...)`), in every checkpoint's meta
+READ_RETRY_WAITS = (1.0, 4.0, 16.0)  # seconds before each further attempt to read a checkpoint
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # what orbax writes into every step directory
+COMMIT_MARKER = "commit_success.txt"  # what orbax writes into a step directory it committed
+# What tensorstore says of bytes it read that are not a valid checkpoint: a status code, or
+# (status UNKNOWN, no code) a decoding error.
+_DAMAGE_TEXT = re.compile(r"^(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|"
+                          r"FAILED_PRECONDITION):|Error decoding ")
 
 
 class Restored(NamedTuple):
@@ -68,16 +83,28 @@ class CorruptCheckpoint(ValueError):
 class CheckpointMismatch(ValueError):
     """A readable checkpoint whose state has another layout than the state to restore into."""
 
+    exit_code = 2  # a config error: restore with the settings it was saved with
+
+
+class CheckpointUnavailable(RuntimeError):
+    """Checkpoints exist but none could be restored: a read failed without proof of damage
+    (nothing was set aside), or every checkpoint was damaged (each was set aside)."""
+
+    exit_code = 74  # EX_IOERR: rerun the same command (a launcher may restart it) to resume
+
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints under `directory`."""
+    """Keeps the last `keep` checkpoints under `directory`; `config` (JSON), when given, is saved
+    in every checkpoint's meta under `CONFIG_KEY`."""
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
+                 config: dict | None = None):
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.config = config
         self._pending: int | None = None
 
     def save(self, step: int, state: Any, meta: dict, arrays: Any = None) -> None:
@@ -85,10 +112,13 @@ class Checkpointer:
         (raises if an earlier save failed)."""
         self.wait()
         meta = {**meta, FINGERPRINT_KEY: fingerprint(state)}
+        if self.config is not None:
+            meta[CONFIG_KEY] = self.config
         items = dict(state=ocp.args.StandardSave(state))
         if arrays is not None:
             meta[ARRAYS_FINGERPRINT_KEY] = fingerprint(arrays)
             items["arrays"] = ocp.args.StandardSave(arrays)
+        meta[META_FINGERPRINT_KEY] = meta_fingerprint(meta)
         self._pending = step
         try:
             self.manager.save(step, args=ocp.args.Composite(
@@ -113,24 +143,38 @@ class Checkpointer:
             "space) and rerun to resume from it") from error
 
     def restore_latest(self, abstract_state: Any,
-                       arrays_target: Callable[[dict], Any] | None = None) -> Restored | None:
-        """(step, state, meta, arrays) of the newest intact checkpoint, or None if there is none.
+                       arrays_target: Callable[[dict], Any] | None = None,
+                       check_meta: Callable[[int, dict], None] | None = None
+                       ) -> Restored | None:
+        """(step, state, meta, arrays) of the newest intact checkpoint, or None when the
+        directory holds no step directory.
 
-        `arrays_target(meta)` gives the abstract pytree (shapes, dtypes, shardings) of a
-        checkpoint's arrays item from its meta; without it, arrays are not read. Raises
-        `CheckpointMismatch` when the newest readable checkpoint's state has another layout
-        (tree paths, shapes, dtypes) than `abstract_state`, or `arrays_target` raises for its
-        meta (e.g. written by another number of hosts), and `ValueError` for one checkpoint's
-        files copied to the top of the directory."""
+        `check_meta(step, meta)` sees each checkpoint's meta (fingerprint checked) before its
+        state is read; what it raises propagates. `arrays_target(meta)` gives the abstract pytree
+        (shapes, dtypes, shardings) of a checkpoint's arrays item from its meta; without it,
+        arrays are not read. Raises `CheckpointUnavailable` when a read fails without proof of
+        damage, or every checkpoint was damaged; `CheckpointMismatch` when the newest readable
+        checkpoint's state has another layout (tree paths, shapes, dtypes) than
+        `abstract_state`, or `arrays_target` raises for its meta (e.g. written by another number
+        of hosts); `ValueError` for one checkpoint's files copied to the top of the directory."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        steps = sorted(self.manager.all_steps(), reverse=True)
+        steps, error = _agreed(self._steps, f"the checkpoint directory {self.directory}")
+        if error is not None:
+            raise error  # nothing is damage before a step is read
         if not steps and os.path.exists(os.path.join(self.directory, STEP_METADATA_FILE)):
             raise ValueError(
                 f"{self.directory} holds one checkpoint's files ({STEP_METADATA_FILE}) but no "
                 f"step directory: move them into {self.directory}/<its step>/ to resume from "
                 "it, or remove them to start afresh")
         for step in steps:
-            saved, error = _agreed(lambda: self._saved_layout(step))
+            what = f"checkpoint {step} in {self.directory}"
+            meta, error = _agreed(lambda: self._read_meta(step), what)
+            if error is not None:
+                self._skip(step, error)
+                continue
+            if check_meta is not None:
+                check_meta(step, meta)
+            saved, error = _agreed(lambda: self._saved_layout(step), what)
             if error is not None:
                 self._skip(step, error)
                 continue
@@ -140,14 +184,42 @@ class Checkpointer:
                     f"checkpoint at step {step} in {self.directory} does not fit the state to "
                     f"restore: {'; '.join(differences)}; restore with the model and optimizer "
                     "settings it was saved with, or use another directory to start afresh")
-            restored, error = _agreed(lambda: self._restore(step, target, arrays_target))
+            restored, error = _agreed(
+                lambda: self._restore(step, meta, target, arrays_target), what)
             if error is None:
                 return restored
             self._skip(step, error)
+        if steps:
+            raise CheckpointUnavailable(
+                f"every checkpoint in {self.directory} (steps {', '.join(map(str, steps))}) is "
+                f"damaged; each was moved to {self.directory}.unreadable/: rerun to start afresh "
+                "from step 0, or move an intact copy of a step back to resume from it")
         return None
 
     def _step_dir(self, step: int) -> Path:
         return Path(self.directory, str(step))
+
+    def _steps(self) -> list[int]:
+        """Every step directory, newest first: orbax's committed steps and any other directory
+        named by a step number (one orbax does not list, e.g. without its commit marker)."""
+        self.manager.reload()
+        named = {int(name) for name in os.listdir(self.directory)
+                 if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))}
+        return sorted(named | set(self.manager.all_steps()), reverse=True)
+
+    def _read_meta(self, step: int) -> dict:
+        """Checkpoint `step`'s meta, its fingerprint checked and removed (the state and arrays
+        fingerprints stay, for `_restore`); raises `CorruptCheckpoint` for a step directory
+        without its commit marker."""
+        if not os.path.exists(self._step_dir(step) / COMMIT_MARKER):
+            raise CorruptCheckpoint(f"its directory has no commit marker ({COMMIT_MARKER}): "
+                                    "it was not completely written")
+        meta = dict(self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta)
+        expected = meta.pop(META_FINGERPRINT_KEY, None)
+        if expected is not None and meta_fingerprint(meta) != expected:
+            raise CorruptCheckpoint("its meta differs from the one saved (fingerprint)")
+        return meta
 
     def _saved_layout(self, step: int) -> Any:
         """The metadata tree (paths, shapes, dtypes) of checkpoint `step`'s state."""
@@ -158,25 +230,22 @@ class Checkpointer:
             handler.close()
 
     def _skip(self, step: int, error: Exception) -> None:
-        logging.warning("checkpoint at step %d is unreadable (%s); trying an older one",
+        logging.warning("checkpoint at step %d is damaged (%s); set aside, trying an older one",
                         step, error)
         self._set_aside(step)
 
-    def _restore(self, step: int, target: Any, arrays_target: Callable[[dict], Any] | None
-                 ) -> Restored:
-        items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        if arrays_target is not None:
-            saved = self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore())).meta
-            if ARRAYS_FINGERPRINT_KEY in saved:
-                try:
-                    abstract_arrays = arrays_target(dict(saved))
-                except Exception as e:  # noqa: BLE001 - the caller's rule for its own meta
-                    raise CheckpointMismatch(f"checkpoint at step {step} in {self.directory}: "
-                                             f"its arrays do not fit this run: {e}") from e
-                items["arrays"] = ocp.args.StandardRestore(abstract_arrays)
+    def _restore(self, step: int, meta: dict, target: Any,
+                 arrays_target: Callable[[dict], Any] | None) -> Restored:
+        meta = dict(meta)
+        items = dict(state=ocp.args.StandardRestore(target))
+        if arrays_target is not None and ARRAYS_FINGERPRINT_KEY in meta:
+            try:
+                abstract_arrays = arrays_target(dict(meta))
+            except Exception as e:  # noqa: BLE001 - the caller's rule for its own meta
+                raise CheckpointMismatch(f"checkpoint at step {step} in {self.directory}: "
+                                         f"its arrays do not fit this run: {e}") from e
+            items["arrays"] = ocp.args.StandardRestore(abstract_arrays)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        meta = dict(restored.meta)
         expected = meta.pop(FINGERPRINT_KEY, None)
         if expected is not None and fingerprint(restored.state) != expected:
             raise CorruptCheckpoint("its state differs from the one saved (fingerprint)")
@@ -208,37 +277,62 @@ class Checkpointer:
             self.manager.close()
 
 
-def _agreed(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
-    """(`read()`, None), or (None, the error) when it failed (`_read_with_retries`) on this or
-    another process: every process gets the same outcome, so all skip a checkpoint together. A
-    `CheckpointMismatch` on any process is raised on every one."""
-    value, error = _read_with_retries(read)
+def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
+            ) -> tuple[Any, Exception | None]:
+    """(`read()`, None), or (None, the damage) when reading `what` failed with proof of damage
+    (`_read_with_retries`) on this or another process: every process gets the same outcome, so
+    all skip a checkpoint together. A `CheckpointUnavailable` or `CheckpointMismatch` on any
+    process is raised on every one."""
+    value, error = _read_with_retries(read, what)
     if jax.process_count() > 1:
         from mars_jax.distributed import any_process
-        if any_process(isinstance(error, CheckpointMismatch)):
-            raise error if isinstance(error, CheckpointMismatch) else CheckpointMismatch(
-                "another process's checkpoint does not fit its state (see its error)")
+        for kind in (CheckpointUnavailable, CheckpointMismatch):
+            if any_process(isinstance(error, kind)):
+                raise error if isinstance(error, kind) else kind(
+                    "reading a checkpoint failed on another process (see its error)")
         if any_process(error is not None) and error is None:
-            value, error = None, CorruptCheckpoint("unreadable on another process")
-    elif isinstance(error, CheckpointMismatch):
+            value, error = None, CorruptCheckpoint("damaged on another process")
+    elif isinstance(error, (CheckpointUnavailable, CheckpointMismatch)):
         raise error
     return value, error
 
 
-def _read_with_retries(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
-    """(`read()`, None), or (None, the last error) when every attempt failed; waits
-    `READ_RETRY_WAITS` between attempts. A `CheckpointMismatch` or `CorruptCheckpoint` (the
-    read completed; the bits differ from the ones saved) is returned at once."""
-    for wait in (*READ_RETRY_WAITS, None):
+def _read_with_retries(read: Callable[[], Any], what: str = "a checkpoint"
+                       ) -> tuple[Any, Exception | None]:
+    """(`read()`, None); (None, the error) for a `CheckpointMismatch` or proof of damage
+    (`is_damage`), at once; (None, `CheckpointUnavailable`) when every attempt failed otherwise,
+    waiting `READ_RETRY_WAITS` between attempts."""
+    for attempt, wait in enumerate((*READ_RETRY_WAITS, None)):
         try:
             return read(), None
-        except (CheckpointMismatch, CorruptCheckpoint) as e:
+        except CheckpointMismatch as e:
             return None, e
-        except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
-            if wait is None:
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
+            if is_damage(e):
                 return None, e
+            if wait is None:
+                unavailable = CheckpointUnavailable(
+                    f"reading {what} failed {attempt + 1} times without proof of damage "
+                    f"(last error: {e!r}); nothing was set aside: rerun when the storage is "
+                    "back (a launcher may restart the run) to resume from the newest checkpoint")
+                unavailable.__cause__ = e
+                return None, unavailable
             logging.warning("reading a checkpoint failed (%s); trying again in %g s", e, wait)
             time.sleep(wait)
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) proves that a checkpoint's files are
+    damaged: a fingerprint mismatch, bytes that do not decode, a file missing from a committed
+    step, or a tensorstore status saying so. Anything else may be the storage's fault."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (CorruptCheckpoint, json.JSONDecodeError, UnicodeDecodeError,
+                              FileNotFoundError)) or _DAMAGE_TEXT.search(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:
@@ -257,6 +351,13 @@ def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:
     if len(found) > limit:
         found = found[:limit] + [f"{len(found) - limit} more"]
     return found
+
+
+def meta_fingerprint(meta: dict) -> str:
+    """A digest of `meta` as JSON text with sorted keys, after one JSON round trip (so that
+    tuples and lists, int and str keys, digest alike before saving and after reading)."""
+    text = json.dumps(json.loads(json.dumps(meta)), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def fingerprint(state: Any) -> str:

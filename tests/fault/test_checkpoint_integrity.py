@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mars_jax.checkpoint import CheckpointMismatch, Checkpointer, CheckpointSaveError
+from mars_jax.checkpoint import (CheckpointMismatch, Checkpointer, CheckpointSaveError,
+                                 CheckpointUnavailable)
 from tests.fault import harness
 
 
@@ -73,7 +75,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
 
     with caplog.at_level(logging.WARNING):
         checkpointer = _assert_restores(directory, 2)
-    assert "checkpoint at step 3 is unreadable" in caplog.text
+    assert "checkpoint at step 3 is damaged" in caplog.text
     if damage == "flip_bytes":
         assert "fingerprint" in caplog.text
     # The damaged step is set aside, so the resumed run can write step 3 again.
@@ -213,18 +215,24 @@ def test_a_checkpoint_copied_without_its_step_directory_raises(tmp_path):
     checkpointer.close()
 
 
-def test_restore_latest_when_every_checkpoint_is_damaged_is_none(tmp_path, caplog):
+def test_restore_latest_when_every_checkpoint_is_damaged_raises_then_starts_afresh(tmp_path,
+                                                                                 caplog):
+    """Damaged checkpoints are set aside, but a run never starts from step 0 beside them: the
+    restore that set the last one aside fails; the next one finds no step and starts afresh."""
     directory = tmp_path / "checkpoints"
     _save_steps(directory, [1, 2])
     for step in (1, 2):
         data = _largest_file(directory / str(step))
         data.write_bytes(data.read_bytes()[:100])
     checkpointer = Checkpointer(directory, keep=5)
-    with caplog.at_level(logging.WARNING):
-        assert checkpointer.restore_latest(_state(0)) is None
-    assert "step 2 is unreadable" in caplog.text and "step 1 is unreadable" in caplog.text
+    with caplog.at_level(logging.WARNING), pytest.raises(
+            CheckpointUnavailable, match=r"every checkpoint in .*checkpoints \(steps 2, 1\) is "
+                                         r"damaged; each was moved to .*checkpoints.unreadable/"):
+        checkpointer.restore_latest(_state(0))
+    assert "step 2 is damaged" in caplog.text and "step 1 is damaged" in caplog.text
     assert _steps_on_disk(directory) == []
     assert sorted(p.name for p in (tmp_path / "checkpoints.unreadable").iterdir()) == ["1", "2"]
+    assert checkpointer.restore_latest(_state(0)) is None
     checkpointer.save(1, _state(1), {"step": 1})  # a fresh start can write step 1 again
     checkpointer.close()
     _assert_restores(directory, 1).close()
@@ -282,7 +290,7 @@ def test_a_legacy_checkpoint_without_a_fingerprint_restores(tmp_path, caplog):
     assert (step, meta) == (7, {"step": 7, "data": [1, 2]})
     for key, value in _state(7).items():
         np.testing.assert_array_equal(np.asarray(state[key]), np.asarray(value))
-    assert "unreadable" not in caplog.text
+    assert "damaged" not in caplog.text
 
 
 def _routing(seed: int) -> dict[str, np.ndarray]:
@@ -336,7 +344,7 @@ def test_damaged_arrays_fall_back_to_the_previous_checkpoint(tmp_path, caplog):
         _flip_bytes(data, at=data.stat().st_size // 2 - 8)  # decoding or the fingerprint fails
     with caplog.at_level(logging.WARNING):
         step, back = _restore_with_routing(tmp_path)
-    assert step == 1 and "checkpoint at step 2 is unreadable" in caplog.text
+    assert step == 1 and "checkpoint at step 2 is damaged" in caplog.text
     _assert_routing_equal(back, 1)
 
 
@@ -355,7 +363,8 @@ def test_arrays_that_do_not_fit_this_run_raise_and_set_nothing_aside(tmp_path):
 def test_processes_agree_to_skip_a_checkpoint_one_of_them_cannot_read(monkeypatch):
     from mars_jax import checkpoint, distributed
     monkeypatch.setattr(checkpoint.jax, "process_count", lambda: 2)
-    answers = iter([False, True])  # no process has a mismatch; another one failed to read
+    # No process's storage failed, none has a mismatch; another one found damage.
+    answers = iter([False, False, True])
     monkeypatch.setattr(distributed, "any_process", lambda flag: next(answers))
     value, error = checkpoint._agreed(lambda: "read here")
     assert value is None and isinstance(error, checkpoint.CorruptCheckpoint)
@@ -380,7 +389,7 @@ def test_a_read_that_fails_once_restores_the_newest_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(ocp.CheckpointManager, "restore", flaky_restore)
     with caplog.at_level(logging.WARNING):
         _assert_restores(directory, 3).close()
-    assert "connection reset" in caplog.text and "unreadable" not in caplog.text
+    assert "connection reset" in caplog.text and "damaged" not in caplog.text
     assert not (tmp_path / "checkpoints.unreadable").exists()
 
 
@@ -393,9 +402,126 @@ def test_a_checkpoint_whose_fingerprint_differs_is_read_once(tmp_path, monkeypat
     real_restore = ocp.CheckpointManager.restore
 
     def counted_restore(self, step, *args, **kwargs):
-        reads.append(step)
+        if "state" in kwargs["args"].keys():
+            reads.append(step)
         return real_restore(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "restore", counted_restore)
     _assert_restores(directory, 2).close()
     assert reads == [3, 2]
+
+
+def _save_with_meta(directory: Path, steps) -> None:
+    checkpointer = Checkpointer(directory, keep=5, config={"rollout": {"group_size": 8}})
+    for step in steps:
+        checkpointer.save(step, _state(step), {"step": step, "data": {"next_index": 5 * step}})
+    checkpointer.close()
+
+
+@pytest.mark.parametrize("damage", ["edit_a_value", "flip_a_byte"])
+def test_a_damaged_meta_sets_its_step_aside_and_restores_the_previous_one(tmp_path, caplog,
+                                                                         damage):
+    directory = tmp_path / "checkpoints"
+    _save_with_meta(directory, [1, 2])
+    meta_file = directory / "2" / "meta" / "metadata"
+    text = meta_file.read_bytes()
+    if damage == "edit_a_value":  # still valid JSON: only the meta fingerprint can tell
+        assert text.count(b'"next_index": 10') == 1
+        meta_file.write_bytes(text.replace(b'"next_index": 10', b'"next_index": 11'))
+    else:
+        at = text.index(b'"group_size": 8') + len(b'"group_size": ')
+        meta_file.write_bytes(text[:at] + bytes([text[at] ^ 0x01]) + text[at + 1:])  # 8 -> 9
+    checkpointer = Checkpointer(directory, keep=5)
+    with caplog.at_level(logging.WARNING):
+        step, _, meta, _ = checkpointer.restore_latest(_state(0))
+    checkpointer.close()
+    assert (step, meta["data"], meta["config"]) == (1, {"next_index": 5}, {"rollout": {"group_size": 8}})
+    assert "checkpoint at step 2 is damaged (its meta differs from the one saved" in caplog.text
+    assert _steps_on_disk(directory) == [1]
+    assert (tmp_path / "checkpoints.unreadable/2").is_dir()
+
+
+def test_a_step_without_its_commit_marker_is_set_aside(tmp_path, caplog):
+    """A step directory whose commit never happened (e.g. copied in part), listed by orbax on a
+    local disk or not, is damage: the previous step is restored."""
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    (directory / "2" / "commit_success.txt").unlink()
+    with caplog.at_level(logging.WARNING):
+        _assert_restores(directory, 1).close()
+    assert "step 2 is damaged (its directory has no commit marker" in caplog.text
+    assert _steps_on_disk(directory) == [1]
+
+
+class _Outage:
+    """Reads of checkpoints fail with an I/O error until `seconds` have passed on a clock that
+    only the retry waits advance."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.now, self.failed_reads = seconds, 0.0, 0
+        self.real_restore = ocp.CheckpointManager.restore
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def restore(self, manager, step, *args, **kwargs):
+        if self.now < self.seconds:
+            self.failed_reads += 1
+            raise OSError(errno.EIO, f"storage unavailable (injected, t={self.now:g}s)")
+        return self.real_restore(manager, step, *args, **kwargs)
+
+
+def test_a_storage_outage_fails_the_restore_sets_nothing_aside_and_a_restart_resumes(
+        tmp_path, monkeypatch, caplog):
+    """Reads fail for 60 s (simulated) then recover: each start during the outage fails after
+    its bounded retries, naming the directory, and sets nothing aside; the first start after it
+    restores the newest step."""
+    from mars_jax import checkpoint
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2, 3])
+    outage = _Outage(60.0)
+    monkeypatch.setattr(checkpoint, "READ_RETRY_WAITS", (1.0, 4.0, 16.0))
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(sleep=outage.sleep))
+    monkeypatch.setattr(ocp.CheckpointManager, "restore",
+                        lambda self, step, *a, **k: outage.restore(self, step, *a, **k))
+    starts = []
+    while True:  # a launcher restarting the run after each failure
+        starts.append(outage.now)
+        checkpointer = Checkpointer(directory, keep=5)
+        try:
+            step, state, _, _ = checkpointer.restore_latest(_state(0))
+            break
+        except CheckpointUnavailable as e:
+            assert (f"reading checkpoint 3 in {directory} failed 4 times without proof of damage"
+                    in str(e)) and "storage unavailable (injected" in str(e)
+            assert "nothing was set aside: rerun when the storage is back" in str(e)
+            assert _steps_on_disk(directory) == [1, 2, 3]
+        finally:
+            checkpointer.close()
+    assert starts == [0.0, 21.0, 42.0]  # each start: 4 reads, 1 + 4 + 16 s of waits
+    assert step == 3 and outage.failed_reads == 4 + 4 + 3
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(_state(3)["w"]))
+    assert not (tmp_path / "checkpoints.unreadable").exists()
+    assert "damaged" not in caplog.text
+
+
+@pytest.mark.parametrize("error, damage", [
+    (OSError(errno.EIO, "Input/output error"), False),
+    (ConnectionResetError("connection reset"), False),
+    (PermissionError(errno.EACCES, "Permission denied"), False),
+    (ValueError("UNAVAILABLE: GCS returned 503"), False),
+    (ValueError("DEADLINE_EXCEEDED: read timed out"), False),
+    (RuntimeError("something orbax has not said before"), False),
+    (FileNotFoundError(errno.ENOENT, "No such file", "meta/metadata"), True),
+    (json.JSONDecodeError("Unterminated string", '{"a', 1), True),
+    (ValueError("DATA_LOSS: Error decoding manifest"), True),
+    (ValueError('Error opening "zarr" driver: Error decoding b-tree node: Data corruption'), True),
+])
+def test_only_errors_that_prove_damage_are_damage(error, damage):
+    from mars_jax.checkpoint import CorruptCheckpoint, is_damage
+    assert is_damage(error) is damage
+    try:  # as orbax wraps tensorstore's errors
+        raise Exception("Encountered error while reading array index") from error
+    except Exception as wrapped:  # noqa: BLE001
+        assert is_damage(wrapped) is damage
+    assert is_damage(CorruptCheckpoint("fingerprint"))
