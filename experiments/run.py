@@ -8,11 +8,18 @@ r"""Entry point of every mars_jax job: MarsRL training, V–C system evaluation 
 workdir resumes it. A training config with `warm_start.sft` first builds (or reuses) its cached SFT
 model (`mars_jax.sft.warm_start`). The console shows notes, progress bars and, after training, a
 summary (`mars_jax.console`); library INFO logs (orbax, absl) appear only with `--verbosity=0`
-(the default here shows warnings and errors). Exit codes: 2 the config is invalid (checked before anything is built; the
-message lists each field with its fix), 65 too many steps with non-finite updates in a row, 74 a checkpoint
-could not be saved, 75 preempted (SIGTERM) after a final checkpoint.
+(the default here shows warnings and errors). A resumed training run whose config changes a
+field that changes what its checkpoint means (`mars_jax.config_diff.RESUME_FIELDS`: scheduler,
+group size, model, data, ...) stops, naming each field, unless `--allow_config_change=field,...`
+lists it; other changes are noted. Exit codes: 2 the config is invalid (checked before anything
+is built; the message lists each field with its fix: unknown or mistyped `--config.` overrides,
+values out of range, a resume that changes such fields or does not fit the checkpoint), 65 too
+many steps with non-finite updates in a row, 74 a checkpoint could not be saved, or checkpoints
+exist but none could be read (storage unavailable, or all damaged and set aside): rerun to
+resume, 75 preempted (SIGTERM) after a final checkpoint.
 """
 import os
+import re
 import sys
 import time
 
@@ -20,9 +27,9 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mars_jax import console, distributed, eval_job
-from mars_jax.checkpoint import CheckpointSaveError
-from mars_jax.config_validation import ConfigError, validate
+from mars_jax import config_diff, console, distributed, eval_job
+from mars_jax.checkpoint import CheckpointMismatch, CheckpointSaveError, CheckpointUnavailable
+from mars_jax.config_validation import ConfigError, Problem, field_problem, field_type, validate
 from mars_jax.rl import trainer
 from mars_jax.sft import job as sft_job
 from mars_jax.sft import warm_start
@@ -33,7 +40,12 @@ from common import base_config  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and outputs.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
+    "allow_config_change", [], "Config fields (or sections) a resumed training run may change "
+    "although they change what its checkpoint holds (mars_jax.config_diff.RESUME_FIELDS), e.g. "
+    "rollout.group_size,rollout.scheduler.")
 flags.mark_flags_as_required(["config", "workdir"])
+_OVERRIDE = re.compile(r"--(?:no)?config\.([^=\s]+)")
 
 
 def main(argv):
@@ -45,6 +57,7 @@ def main(argv):
     config = _CONFIG.value
     try:  # jax.device_count() starts the backend: keep this after any distributed init
         validate(_as_validated(config), base_config(), device_count=jax.device_count())
+        config_diff.check_allowed(_ALLOW_CONFIG_CHANGE.value, config)
     except ConfigError as e:
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)
@@ -56,8 +69,12 @@ def main(argv):
         if config.warm_start.sft:
             config.model.checkpoint = str(warm_start.ensure(config))
         try:
-            trainer.train(config, _WORKDIR.value)
-        except (trainer.Preempted, trainer.NonFiniteUpdates, CheckpointSaveError) as e:
+            trainer.train(config, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+        except ConfigError as e:  # config_diff.ConfigChanged
+            print(e, file=sys.stderr)
+            sys.exit(e.exit_code)
+        except (trainer.Preempted, trainer.NonFiniteUpdates, CheckpointSaveError,
+                CheckpointUnavailable, CheckpointMismatch) as e:
             logging.error("%s: %s", type(e).__name__, e)
             sys.exit(e.exit_code)
         if jax.process_index() == 0:
@@ -81,5 +98,33 @@ def _as_validated(config):
     return checked
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, except that `--config.<field>` overrides naming no field of
+    `common.base_config()`, or whose value does not parse as the field's type, exit 2 naming
+    each field (absl would print a traceback or its own error and exit 1)."""
+    schema = base_config()
+    overrides = {m.group(1): arg for arg in argv[1:] if (m := _OVERRIDE.match(arg))}
+    problems = [p for field in overrides if (p := field_problem(field, schema))]
+    unknown = {overrides[p.field] for p in problems}
+    if unknown:  # parsed without them (the config flag reads its overrides from sys.argv)
+        argv = sys.argv = [arg for arg in argv if arg not in unknown]
+    try:
+        args = flags.FLAGS(argv)
+    except flags.Error as e:
+        field = next((f for f, arg in overrides.items() if str(e).startswith(f"flag {arg}:")),
+                     None)
+        if field is None and not problems:
+            return app.parse_flags_with_usage(argv)  # not an override: absl's own message
+        if field is not None:
+            want = field_type(schema, field).__name__
+            reason = str(e).removeprefix(f"flag {overrides[field]}: ")
+            problems.append(Problem(field, f"{overrides[field]} does not parse as {want} "
+                                           f"({reason})", f"give it a value of type {want}"))
+    if not problems:
+        return args
+    print(ConfigError(problems), file=sys.stderr)
+    sys.exit(ConfigError.exit_code)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

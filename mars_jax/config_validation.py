@@ -6,10 +6,10 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
 
   schema       unknown fields (with the closest valid name), missing fields, wrong types
                (an int field takes int, a float field int or float, a placeholder also None);
-  choices      enumerated strings (job, rollout.mode, rollout.selection, ...);
-  ranges       counts and sizes that must be positive or at least some minimum (a placeholder
-               left None is not checked);
-  consistency  GRPO group size >= 2, fan_out <= group_size, seq-mean-token-sum-norm has its
+  choices      enumerated strings (job, rollout.mode, rollout.selection, model.preset, ...);
+  ranges       every numeric field but the mesh's has a `Range` in `RANGES` (finite, within
+               its bounds; a tuple's every element; a placeholder left None is not checked);
+  consistency  fan_out <= group_size, seq-mean-token-sum-norm has its
                constant divisor, the mesh (or its rollout / training split) fits the devices,
                the segment budget fits every role's max_new_tokens, no pipeline output needs
                more segments than the staleness bound allows, the streaming scheduler runs on
@@ -18,7 +18,9 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                has a server URL and model name, a warm start (`warm_start.sft`) has a cache
                directory and no `model.checkpoint`.
 
-Rules that read a field with a schema problem are skipped, so one wrong type yields one message.
+Rules that read a field with a schema or range problem are skipped, so one wrong value yields
+one message. `field_problem` and `field_type` check a `--config.<field>` override's name and
+give its type (experiments/run.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from mars_jax import sharding
 from mars_jax.agents.prompts import STYLES
 from mars_jax.agents.system import FALLBACKS
 from mars_jax.layers.paged_kv import KERNELS
+from mars_jax.models.config import ATTENTION_IMPLS, DTYPES, MOE_IMPLS
+from mars_jax.models.presets import PRESETS
 from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.pipeline import MODES, ROLES_TRAINED
@@ -83,36 +87,107 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "eval.policy": ("sampler", "http"),
     "eval.fallback": FALLBACKS,
     "rollout.engine_paged_attention": ("auto",) + KERNELS,
+    "model.preset": tuple(PRESETS),
+    "model.dtype": ("",) + DTYPES, "model.param_dtype": ("",) + DTYPES,
+    "model.moe_impl": ("",) + MOE_IMPLS, "model.attention_impl": ("",) + ATTENTION_IMPLS,
 }
-AT_LEAST: dict[str, float] = {
-    "total_steps": 1, "max_nonfinite_updates": 1,
-    "rollout.prompts_per_step": 1, "rollout.fan_out": 1, "rollout.max_stages": 1,
-    **{f"rollout.max_new_tokens.{role}": 1 for role in ("solver", "verifier", "corrector")},
-    "rollout.segment_tokens": 0, "rollout.max_decode_rows": 0, "rollout.staleness_bound": 0,
-    "rollout.engine_slots": 0, "rollout.engine_chunk_steps": 1,
-    "rollout.engine_admit_batch": 1, "rollout.engine_prefill_ahead": 0,
-    "rollout.engine_kv_pages": 0, "rollout.engine_page_size": 1,
-    "rollout.max_prompt_tokens": 1, "rollout.max_inflight_rows": 0,
-    "rollout.samples_per_update": 0,
-    "rollout.top_k": 0,
-    "learner.micro_batch_size": 1, "learner.min_length": 1, "learner.min_micro_batches": 1,
-    "learner.logits_chunk": 1,
-    "learner.ppo_epochs": 1, "learner.mini_batches": 1, "learner.length_halvings": 0,
-    "loss.max_response_len": 0,
-    "loss.behaviour_weight_cap": 0,
-    "optimizer.learning_rate": 0, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0,
-    "optimizer.max_grad_norm": 0,
-    "warm_start.learning_rate": 0, "warm_start.warmup_steps": 0,
-    "checkpoint.every_steps": 1, "checkpoint.keep": 1,
-    "eval.num_problems": 0, "eval.num_samples": 1, "eval.k_accept": 1, "eval.max_iterations": 0,
-    "eval.max_retries": 0, "eval.max_concurrency": 1, "eval.engine_slots": 0,
-    "eval.probe_every": 0, "eval.probe_problems": 1,
-    "sft.probe_every": 0, "sft.probe_slots": 1, "sft.rows": 1, "sft.row_tokens": 1,
-    "sft.short_rows": 0, "sft.short_row_tokens": 0, "sft.holdout_problems": 1,
-    "sft.eval_every": 1,
-    "model.moe_block_size": 1, "model.moe_dense_max_tokens": 0, "model.moe_chunk_tokens": 0,
-    "model.attention_block": 1,
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The finite values a numeric field takes (each element, for a tuple): from `low` to
+    `high`, each end included unless open; with `off`, also 0 (the term switched off)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    off: bool = False
+    why: str = ""  # what the bound protects, shown with the problem
+
+    def holds(self, value) -> bool:
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        return all(isinstance(v, (int, float)) and math.isfinite(v)
+                   and ((self.off and v == 0) or self._within(v)) for v in values)
+
+    def _within(self, v: float) -> bool:
+        above = v > self.low if self.low_open else v >= self.low
+        below = v < self.high if self.high_open else v <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            bound = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        else:
+            bound = (f"in {'(' if self.low_open else '['}{_number(self.low)}, "
+                     f"{_number(self.high)}{')' if self.high_open else ']'}")
+        return f"0 (off) or {bound}" if self.off else bound
+
+    @property
+    def fix(self) -> str:
+        if self.high == math.inf and not self.off:
+            return (f"set it above {_number(self.low)}" if self.low_open
+                    else f"set it to {_number(self.low)} or more")
+        bound = dataclasses.replace(self, off=False)
+        return f"set it to {'0 (off) or ' if self.off else ''}a number {bound}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+_ROLES = ("solver", "verifier", "corrector")
+_PROBABILITY = Range(0, 1)
+_ADAM_BETA = Range(0, 1, high_open=True)
+# Every numeric field of common.py, except the mesh's (the mesh rule checks those).
+RANGES: dict[str, Range] = {
+    "seed": Range(0), "total_steps": Range(1), "max_nonfinite_updates": Range(1),
+    "data.arith.num_ops": Range(1), "data.arith.max_operand": Range(0),
+    "data.arith.sizes": Range(1),
+    "rollout.prompts_per_step": Range(1),
+    "rollout.group_size": Range(2, why="a GRPO advantage compares samples within a group, so "
+                                       "one sample has none"),
+    "rollout.fan_out": Range(1), "rollout.max_stages": Range(1),
+    **{f"rollout.max_new_tokens.{role}": Range(1) for role in _ROLES},
+    "rollout.segment_tokens": Range(0), "rollout.max_decode_rows": Range(0),
+    "rollout.staleness_bound": Range(0),
+    "rollout.engine_slots": Range(0), "rollout.engine_chunk_steps": Range(1),
+    "rollout.engine_admit_batch": Range(1), "rollout.engine_prefill_ahead": Range(0),
+    "rollout.engine_kv_pages": Range(0), "rollout.engine_page_size": Range(1),
+    "rollout.max_prompt_tokens": Range(1), "rollout.max_inflight_rows": Range(0),
+    "rollout.samples_per_update": Range(0), "rollout.truncated_reward": Range(-1, 1),
+    "rollout.temperature": Range(0, low_open=True, why="log-probabilities are computed at "
+                                                       "logits / T"),
+    "rollout.top_p": Range(0, 1, low_open=True), "rollout.top_k": Range(0),
+    "loss.clip_low": Range(0, 1, high_open=True), "loss.clip_high": Range(0),
+    "loss.clip_c": Range(1, low_open=True, off=True), "loss.kl_coef": Range(0),
+    "loss.max_response_len": Range(0), "loss.behaviour_weight_cap": Range(0),
+    "loss.mastered_mask_prob": Range(0, 1, high_open=True), "loss.target_entropy": Range(0),
+    "loss.entropy_coef": Range(0),
+    "optimizer.learning_rate": Range(0), "optimizer.warmup_steps": Range(0),
+    "optimizer.decay_steps": Range(0), "optimizer.b1": _ADAM_BETA, "optimizer.b2": _ADAM_BETA,
+    "optimizer.eps": Range(0, low_open=True), "optimizer.weight_decay": Range(0),
+    "optimizer.max_grad_norm": Range(0),
+    "learner.micro_batch_size": Range(1), "learner.min_length": Range(1),
+    "learner.min_micro_batches": Range(1), "learner.logits_chunk": Range(1),
+    "learner.ppo_epochs": Range(1), "learner.mini_batches": Range(1),
+    "learner.length_halvings": Range(0),
+    "checkpoint.every_steps": Range(1), "checkpoint.keep": Range(1),
+    "eval.num_problems": Range(0), "eval.num_samples": Range(1), "eval.k_accept": Range(1),
+    "eval.max_iterations": Range(0), "eval.max_retries": Range(0),
+    **{f"eval.max_new_tokens.{role}": Range(1) for role in _ROLES},
+    "eval.temperature": Range(0), "eval.top_p": Range(0, 1, low_open=True),
+    "eval.timeout_s": Range(0, low_open=True), "eval.max_concurrency": Range(1),
+    "eval.engine_slots": Range(0), "eval.probe_every": Range(0), "eval.probe_problems": Range(1),
+    "warm_start.learning_rate": Range(0), "warm_start.warmup_steps": Range(0),
+    "sft.steps": Range(1), "sft.rows": Range(1), "sft.row_tokens": Range(1),
+    "sft.short_rows": Range(0), "sft.short_row_tokens": Range(0),
+    "sft.solver_error_rate": _PROBABILITY, "sft.verifier_flawed_rate": _PROBABILITY,
+    **{f"sft.keep.{role}": _PROBABILITY for role in _ROLES},
+    "sft.holdout_problems": Range(1), "sft.eval_every": Range(1), "sft.probe_every": Range(0),
+    "sft.probe_slots": Range(1),
+    "model.moe_block_size": Range(1), "model.moe_dense_max_tokens": Range(0),
+    "model.moe_chunk_tokens": Range(0), "model.attention_block": Range(1),
 }
+RULE_CHECKED = ("mesh",)  # numeric fields whose values a rule checks instead of RANGES
 
 Rule = Callable[[ConfigDict, int], Iterator[Problem]]
 _RULES: list[tuple[tuple[str, ...], Rule]] = []
@@ -121,6 +196,7 @@ _RULES: list[tuple[tuple[str, ...], Rule]] = []
 def validate(config: ConfigDict, schema: ConfigDict, *, device_count: int) -> None:
     """Raises `ConfigError` listing every problem of `config`; returns None when it can run."""
     problems = list(_schema_problems(config, schema))
+    problems += _range_problems(config, {p.field for p in problems})
     bad = {p.field for p in problems}
     for fields, rule in _RULES:
         if not any(_overlap(f, b) for f in fields for b in bad):
@@ -153,6 +229,40 @@ def _schema_problems(config: ConfigDict, schema: ConfigDict, prefix: str = ""
             want = _field_type(default)
             yield Problem(name, f"expected {want.__name__}, got {type(value).__name__} {value!r}",
                           f"give it a {want.__name__} value, like the default {_plain(default)!r}")
+
+
+def _range_problems(config: ConfigDict, bad: set[str]) -> Iterator[Problem]:
+    for field, allowed in RANGES.items():
+        if any(_overlap(field, b) for b in bad):
+            continue
+        value = _get(config, field)
+        if value is not None and not allowed.holds(value):
+            why = f" ({allowed.why})" if allowed.why else ""
+            what = "has an element that is" if isinstance(value, tuple) else "is"
+            yield Problem(field, f"{value!r} {what} not a finite number {allowed}{why}",
+                          allowed.fix)
+
+
+def field_problem(field: str, schema: ConfigDict) -> Problem | None:
+    """A `Problem` when the dotted `field` names no field of `schema` (with the closest name),
+    else None."""
+    node, prefix = schema, ""
+    for part in field.split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            names = list(node.keys()) if isinstance(node, ConfigDict) else []
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            return Problem(field, "unknown field", f"remove it{hint}")
+        node, prefix = node[part], f"{prefix}{part}."
+    return None
+
+
+def field_type(schema: ConfigDict, field: str) -> type:
+    """The type of the dotted `field` of `schema` (a field `field_problem` accepts)."""
+    *sections, name = field.split(".")
+    for part in sections:
+        schema = schema[part]
+    return _field_type(dict(schema.items(preserve_field_references=True))[name])
 
 
 def _plain(default):
@@ -205,26 +315,12 @@ def _choice(field: str, allowed: tuple[str, ...]) -> Rule:
     return rule
 
 
-def _at_least(field: str, minimum: float) -> Rule:
-    def rule(config: ConfigDict, device_count: int) -> Iterator[Problem]:
-        value = _get(config, field)
-        if value is not None and not (math.isfinite(value) and value >= minimum):
-            yield Problem(field, f"{value!r} is not a finite number >= {minimum}",
-                          f"set it to {minimum} or more")
-    return rule
-
-
 _RULES += [((field,), _choice(field, allowed)) for field, allowed in CHOICES.items()]
-_RULES += [((field,), _at_least(field, minimum)) for field, minimum in AT_LEAST.items()]
 
 
 @_rule("rollout.group_size", "rollout.fan_out", "rollout.max_stages")
 def _groups(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     r = config.rollout
-    if r.group_size < 2:
-        yield Problem("rollout.group_size", f"{r.group_size} < 2: a GRPO advantage compares "
-                      "samples within a group, so one sample has none",
-                      "set it to 2 or more (e.g. 8)")
     if r.fan_out > r.group_size:
         yield Problem("rollout.fan_out", f"{r.fan_out} > rollout.group_size={r.group_size}: the "
                       "first Verifier stage picks its parents among the Solver's group",
@@ -232,17 +328,6 @@ def _groups(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     if r.max_stages > len(STAGE_ROLES):
         yield Problem("rollout.max_stages", f"{r.max_stages} > {len(STAGE_ROLES)} stages "
                       f"{STAGE_ROLES}", f"set it to {len(STAGE_ROLES)} or less")
-
-
-@_rule("rollout.temperature", "rollout.top_p")
-def _sampling(config: ConfigDict, device_count: int) -> Iterator[Problem]:
-    r = config.rollout
-    if not 0 < r.temperature < math.inf:
-        yield Problem("rollout.temperature", f"{r.temperature!r} is not > 0 (log-probabilities "
-                      "are computed at logits / T)", "set it to a positive number, e.g. 1.0")
-    if not 0 < r.top_p <= 1:
-        yield Problem("rollout.top_p", f"{r.top_p!r} is not in (0, 1]", "set it to 1.0 (off) or "
-                      "a fraction like 0.95")
 
 
 @_rule("loss.aggregation", "loss.max_response_len")
@@ -402,7 +487,7 @@ def _http_eval(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       "set it to the model name the server serves")
 
 
-@_rule("job", "warm_start.sft", "warm_start.cache_dir", "model.checkpoint", "sft.steps")
+@_rule("job", "warm_start.sft", "warm_start.cache_dir", "model.checkpoint")
 def _warm_start(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     w = config.warm_start
     if config.job != "train" or not w.sft:
@@ -415,9 +500,6 @@ def _warm_start(config: ConfigDict, device_count: int) -> Iterator[Problem]:
         yield Problem("warm_start.cache_dir", "empty, but warm_start.sft is on",
                       "set it to a directory for cached warm starts, e.g. "
                       "~/.cache/mars_jax/warm_start")
-    if config.sft.steps < 1:
-        yield Problem("sft.steps", f"{config.sft.steps} SFT steps build no warm start",
-                      "set it to 1 or more")
 
 
 @_rule("sft.row_tokens", "sft.short_rows", "sft.short_row_tokens")
@@ -427,3 +509,4 @@ def _sft_rows(config: ConfigDict, device_count: int) -> Iterator[Problem]:
         yield Problem("sft.short_row_tokens", f"{s.short_row_tokens} is not between 0 and "
                       f"sft.row_tokens ({s.row_tokens}), but sft.short_rows is {s.short_rows}",
                       "set it below row_tokens, or short_rows to 0 for one row length")
+

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 MOE_IMPLS = ("auto", "dense", "sorted", "ragged")
 ATTENTION_IMPLS = ("auto", "dense", "flash")
+DTYPES = ("float32", "bfloat16", "float16")  # of activations and of parameters
 # transformers' Qwen3Config / Qwen3MoeConfig defaults that depend on the model type (a Qwen3-MoE
 # head_dim defaults to hidden_size // num_attention_heads).
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -76,7 +77,7 @@ class Qwen3Config:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                              f"got {self.num_experts_per_tok}")
         for field in ("dtype", "param_dtype"):
-            if getattr(self, field) not in ("float32", "bfloat16", "float16"):
+            if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}: unsupported dtype {getattr(self, field)!r}")
 
     @property

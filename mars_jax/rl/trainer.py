@@ -39,9 +39,9 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, console, distributed, sharding, weight_sync
+from mars_jax import builders, config_diff, console, distributed, sharding, weight_sync
 from mars_jax.agents.eval_stats import confusion
-from mars_jax.checkpoint import Checkpointer
+from mars_jax.checkpoint import CONFIG_KEY, Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.rl.advantages import group_advantages_np
@@ -266,9 +266,11 @@ def _catch_sigterm() -> Iterator[_SigtermFlag]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def train(config: ConfigDict, workdir: str) -> dict[str, float]:
+def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str] = ()
+          ) -> dict[str, float]:
     """Trains for `config.total_steps` steps (resuming if `workdir` has checkpoints); returns the
-    last step's metrics.
+    last step's metrics. A resume whose config changes fields of `config_diff.RESUME_FIELDS`
+    not in `allow_config_change` raises `config_diff.ConfigChanged`.
 
     Raises `Preempted` after SIGTERM (final checkpoint saved), `NonFiniteUpdates` after
     `config.max_nonfinite_updates` steps in a row with a non-finite update (each such update
@@ -276,10 +278,11 @@ def train(config: ConfigDict, workdir: str) -> dict[str, float]:
     and `CheckpointSaveError` when a save fails.
     """
     with _catch_sigterm() as sigterm:
-        return _train(config, Path(workdir), sigterm)
+        return _train(config, Path(workdir), sigterm, tuple(allow_config_change))
 
 
-def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dict[str, float]:
+def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
+           allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
     split = rollout_mesh is not mesh
@@ -298,11 +301,14 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag) -> dic
     rollouts = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed,
                                encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save)
+                                async_save=config.checkpoint.async_save,
+                                config=config_diff.record(config))
     learner = learner_config(config)
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
-        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])})
+        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])},
+        check_meta=lambda step, saved: config_diff.check_resume(
+            saved.get(CONFIG_KEY), config, step=step, allowed=allow_config_change))
     model_config = model.config
     del model  # a restored run must not keep the initial weights alive beside the restored ones
     if restored is not None:

@@ -4,10 +4,10 @@ import sys
 import time
 
 import pytest
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
 from experiments.configs import common, eval_system, quickstart, smoke
-from mars_jax.config_validation import ConfigError, validate
+from mars_jax.config_validation import RANGES, RULE_CHECKED, ConfigError, validate
 from tests.fault import harness
 
 
@@ -79,19 +79,20 @@ def test_an_unknown_eval_fallback_is_named_with_the_choices():
 
 def test_inconsistent_values_are_all_reported_at_once(tmp_path):
     config = smoke.get_config()
-    config.rollout.group_size = 1
+    config.rollout.group_size = 2
     config.rollout.fan_out = 3
+    config.sft.keep.solver = 7.0
     config.mesh.data, config.mesh.tensor = 2, 2
     config.rollout.segment_tokens = 64                # max_new_tokens are 48
     config.data.manual_dir = str(tmp_path / "missing")
     config.rollout.mode = "pipelined"
     config.optimizer.learning_rate = float("nan")
     problems = _problems(config, device_count=8)
-    assert set(problems) == {"rollout.group_size", "rollout.fan_out", "mesh",
+    assert set(problems) == {"sft.keep.solver", "rollout.fan_out", "mesh",
                              "rollout.segment_tokens", "data.manual_dir", "rollout.mode",
                              "optimizer.learning_rate"}
-    assert "fix: set it to 2 or more" in problems["rollout.group_size"]
-    assert "set rollout.fan_out <= 1" in problems["rollout.fan_out"]
+    assert "fix: set it to a number in [0, 1]" in problems["sft.keep.solver"]
+    assert "set rollout.fan_out <= 2" in problems["rollout.fan_out"]
     assert "product of axis sizes" in problems["mesh"] and "8" in problems["mesh"]
     assert "set it to at most 48" in problems["rollout.segment_tokens"]
     assert "does not exist" in problems["data.manual_dir"]
@@ -154,15 +155,91 @@ def test_run_py_exits_2_with_the_message_before_building_anything(tmp_path):
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(harness.RUN), f"--config={config_file}", f"--workdir={workdir}",
-         "--config.rollout.group_size=1"],
+         "--config.rollout.group_size=1", "--config.loss.clip_low=-5",
+         "--config.model.preset=qwen3_30b"],
         env=harness.env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert ("rollout.fanout: unknown field; fix: remove it (did you mean rollout.fan_out?)"
             in result.stderr)
-    assert "rollout.group_size: 1 < 2" in result.stderr
+    assert "rollout.group_size: 1 is not a finite number >= 2 (a GRPO advantage" in result.stderr
+    assert "loss.clip_low: -5.0 is not a finite number in [0, 1)" in result.stderr
+    assert "model.preset: 'qwen3_30b' is not one of" in result.stderr
     assert "Traceback" not in result.stderr
     assert not workdir.exists()  # nothing was built
     print(f"run.py rejected the config in {time.monotonic() - start:.1f}s")
+
+
+def _numeric_fields(schema: ConfigDict, prefix: str = ""):
+    """The dotted names of `schema`'s int and float fields (placeholders and tuples of numbers
+    included)."""
+    for key, value in schema.items(preserve_field_references=True):
+        name = prefix + key
+        if isinstance(value, ConfigDict):
+            yield from _numeric_fields(value, name + ".")
+            continue
+        kind = value.get_type() if isinstance(value, FieldReference) else type(value)
+        if kind in (int, float) or (kind is tuple and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            yield name
+
+
+def test_every_numeric_field_has_a_range():
+    numeric = set(_numeric_fields(common.base_config()))
+    unranged = {f for f in numeric - RANGES.keys()
+                if not any(f.startswith(section + ".") for section in RULE_CHECKED)}
+    assert not unranged, f"give these fields a Range in config_validation.RANGES: {unranged}"
+    assert not RANGES.keys() - numeric, "RANGES names fields that are not numeric fields"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("eval.temperature", -1.0, "-1.0 is not a finite number >= 0; fix: set it to 0 or more"),
+    ("eval.max_new_tokens.solver", -4, "-4 is not a finite number >= 1"),
+    ("eval.timeout_s", -1.0, "-1.0 is not a finite number > 0; fix: set it above 0"),
+    ("optimizer.b2", 1.5, "1.5 is not a finite number in [0, 1); fix: set it to a number in "
+                          "[0, 1)"),
+    ("sft.keep.solver", 7.0, "7.0 is not a finite number in [0, 1]"),
+    ("loss.kl_coef", float("nan"), "nan is not a finite number >= 0"),
+    ("loss.clip_low", -5.0, "-5.0 is not a finite number in [0, 1)"),
+    ("loss.clip_c", 0.5, "0.5 is not a finite number 0 (off) or > 1; fix: set it to 0 (off) or "
+                         "a number > 1"),
+    ("optimizer.learning_rate", float("inf"), "inf is not a finite number >= 0"),
+    ("rollout.group_size", 1, "1 is not a finite number >= 2 (a GRPO advantage compares"),
+    ("rollout.temperature", 0.0, "0.0 is not a finite number > 0 (log-probabilities"),
+    ("data.arith.num_ops", (0, 3), "(0, 3) has an element that is not a finite number >= 1"),
+    ("seed", -1, "-1 is not a finite number >= 0"),
+    ("model.preset", "qwen3_30b", "'qwen3_30b' is not one of ('tiny', 'bench', "
+                                  "'qwen3_30b_a3b'); fix: set it to 'qwen3_30b_a3b'"),
+    ("model.moe_impl", "sparse", "'sparse' is not one of ('', 'auto', 'dense'"),
+])
+def test_a_value_out_of_its_range_is_named_with_its_bounds(field, value, words):
+    config = smoke.get_config()
+    *sections, name = field.split(".")
+    node = config
+    for part in sections:
+        node = node[part]
+    node[name] = value
+    problems = _problems(config)
+    assert set(problems) == {field}
+    assert f"{field}: {words}" in problems[field]
+
+
+def test_run_py_exits_2_naming_unknown_and_mistyped_overrides(tmp_path):
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(harness.RUN), f"--config={harness.REPO}/experiments/configs/smoke.py",
+         f"--workdir={workdir}", "--config.rollout.groupsize=3", "--config.evall.temperature=1",
+         "--config.rollout.group_size=2.5"],
+        env=harness.env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    for line in ("rollout.groupsize: unknown field; fix: remove it (did you mean "
+                 "rollout.group_size?)",
+                 "evall.temperature: unknown field; fix: remove it (did you mean eval?)",
+                 "rollout.group_size: --config.rollout.group_size=2.5 does not parse as int "
+                 "(invalid literal for int() with base 10: '2.5'); fix: give it a value of type "
+                 "int"):
+        assert line in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not workdir.exists()  # nothing was built
 
 
 def _streaming_smoke():
