@@ -521,8 +521,12 @@ TITLES = {"verifier/pass_rate": "verifier/pass_rate (~acceptance)"}
 def plot_training(runs: dict[str, list[list[dict]]], out: Path) -> None:
     """Per metric, a moving-average curve of every run, one colour per row (label -> runs'
     metrics); `verifier/pass_rate` is the share of Correct verdicts, the training analogue of
-    the acceptance rate; `probe/*` are held-out decisions (`eval.probe_every`), unsmoothed."""
+    the acceptance rate; `probe/*` are held-out decisions (`eval.probe_every`), unsmoothed. A
+    plot none of whose metrics any run logged is not written."""
     for name, (keys, unit_range, window) in TRAINING_PLOTS.items():
+        if not any(m.get(key) is not None for seeds in runs.values() for lines in seeds
+                   for m in lines for key in keys):
+            continue
         fig, axes = plt.subplots(1, len(keys), figsize=(4.4 * len(keys), 3.6))
         for ax, key in zip(axes, keys):
             for color, (label, seeds) in enumerate(runs.items()):
