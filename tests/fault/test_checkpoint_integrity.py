@@ -435,7 +435,8 @@ def test_a_damaged_meta_sets_its_step_aside_and_restores_the_previous_one(tmp_pa
     with caplog.at_level(logging.WARNING):
         step, _, meta, _ = checkpointer.restore_latest(_state(0))
     checkpointer.close()
-    assert (step, meta["data"], meta["config"]) == (1, {"next_index": 5}, {"rollout": {"group_size": 8}})
+    assert (step, meta["data"]) == (1, {"next_index": 5})
+    assert meta["config"] == {"rollout": {"group_size": 8}}
     assert "checkpoint at step 2 is damaged (its meta differs from the one saved" in caplog.text
     assert _steps_on_disk(directory) == [1]
     assert (tmp_path / "checkpoints.unreadable/2").is_dir()

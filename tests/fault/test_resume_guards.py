@@ -55,7 +55,8 @@ def test_a_resume_that_changes_the_group_size_or_scheduler_exits_2_naming_them(t
     workdir = _copy(two_steps, tmp_path)
     changed = subprocess.run(
         harness.command(workdir, "--config.total_steps=3", "--config.rollout.group_size=4",
-                        "--config.rollout.scheduler=stream", "--config.rollout.decode_engine=engine",
+                        "--config.rollout.scheduler=stream",
+                        "--config.rollout.decode_engine=engine",
                         "--config.rollout.segment_tokens=0"),
         env=harness.env(), capture_output=True, text=True, timeout=900)
     assert changed.returncode == 2, changed.stderr[-3000:]
