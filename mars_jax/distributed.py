@@ -15,12 +15,16 @@ backend. Every process then executes the same jitted programs on global arrays:
     arrays never collide even where their names do; `host_arrays_target` is its restore target;
   * `any_process` lets data-dependent loops (sequential rollouts) stop on every host together;
   * `allgather_json` lets the sampler decode every host's requests in one SPMD program (whose
-    results `sharding.fetch` reads back on every host).
+    results `sharding.fetch` reads back on every host);
+  * `HostGroup` lets the streaming scheduler's per-host engines agree on host-side decisions
+    (update cadence, staleness, barriers) through the coordination service's key-value store,
+    with no device program, so it never waits behind an update running on another thread.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -249,3 +253,32 @@ def unpack_host_arrays(index: dict, array: jax.Array) -> dict[str, np.ndarray]:
     dtype = np.dtype(index["dtype"])
     return {name: np.ascontiguousarray(np.moveaxis(block[start:stop], 0, 1)).astype(dtype)
             for name, (start, stop) in index["rows"].items()}
+
+
+class HostGroup:
+    """Every process of the job exchanging small JSON values in numbered rounds: `gather(value)`
+    returns each process's value of the same round, in process order. Values travel through
+    `jax.distributed`'s key-value store (no device program runs); each process must call
+    `gather` equally often. One process: `[value]`, nothing exchanged. `seconds` adds up the
+    time spent waiting in `gather`."""
+
+    def __init__(self, name: str, timeout_s: float = 6 * 3600):
+        self.name, self.count, self.index = name, jax.process_count(), jax.process_index()
+        self.timeout_ms = int(timeout_s * 1000)
+        self.seconds = 0.0
+        self._round = 0
+
+    def gather(self, value) -> list:
+        if self.count == 1:
+            return [value]
+        from jax._src import distributed as jax_distributed  # the coordination service client
+        client = jax_distributed.global_state.client
+        start, key = time.perf_counter(), f"mars_jax/{self.name}/{self._round}"
+        client.key_value_set(f"{key}/{self.index}", json.dumps(value))
+        values = [json.loads(client.blocking_key_value_get(f"{key}/{p}", self.timeout_ms))
+                  for p in range(self.count)]
+        if self._round >= 2:  # everyone has read it: they have written this round's value
+            client.key_value_delete(f"mars_jax/{self.name}/{self._round - 2}/{self.index}")
+        self._round += 1
+        self.seconds += time.perf_counter() - start
+        return values

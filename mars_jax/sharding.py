@@ -160,10 +160,14 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class MeshSplit:
-    """The config's `mesh` section: one mesh shared by rollout and training
-    (`rollout_devices == 0`), or the devices split into two disjoint meshes: a training mesh of
-    `train`'s axis sizes over the first devices and a rollout mesh of `rollout`'s over the last
-    `rollout_devices`. Each resolves its own -1 axis; only a shared mesh may span slices (`dcn`).
+    """The config's `mesh` section: the training mesh's axis sizes (`train`) and the rollout
+    engine's (`rollout`), over the same devices (`rollout_devices == 0`) or the devices split
+    into two disjoint meshes: a training mesh over the first devices and a rollout mesh over
+    the last `rollout_devices`. With several processes the engine is per host: its mesh is
+    over that host's own devices (all of them, or its last `rollout_devices`), and the
+    training mesh over every host's (remaining) devices. Each resolves its own -1 axis; only a
+    shared training mesh may span slices (`dcn`). Unset rollout sizes on a shared mesh: one
+    process decodes on the training mesh itself; several take data=-1 per host.
     """
 
     train: MeshConfig = MeshConfig()
@@ -184,47 +188,72 @@ class MeshSplit:
     def split(self) -> bool:
         return self.rollout_devices > 0
 
-    def resolve(self, num_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Full axis sizes of the training and the rollout mesh (the same when shared); raises
-        ValueError naming the field when they do not fit `num_devices`."""
+    def resolve(self, num_devices: int, processes: int = 1
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Full axis sizes of the training mesh (over every process's devices) and of one rollout
+        mesh (over one process's); raises ValueError naming the field when they do not fit
+        `num_devices` devices split evenly over `processes` processes."""
         if self.rollout_devices < 0:
             raise ValueError(f"mesh.rollout.devices: must be 0 (one shared mesh) or positive, "
                              f"got {self.rollout_devices}")
+        local = num_devices // processes
         if not self.split:
-            if self.rollout != MeshConfig():
-                raise ValueError("mesh.rollout: axis sizes are set but mesh.rollout.devices is 0 "
-                                 "(one shared mesh, laid out by mesh.data/fsdp/tensor/expert)")
             shape = self.train.resolve(num_devices)
-            return shape, shape
-        if self.rollout_devices >= num_devices:
+            if processes == 1 and self.rollout == MeshConfig(field="mesh.rollout"):
+                return shape, shape
+            return shape, self.rollout.resolve(local)
+        if self.rollout_devices >= local:
             raise ValueError(f"mesh.rollout.devices: {self.rollout_devices} leaves none of the "
-                             f"{num_devices} devices for training")
+                             f"{local} devices{' per host' if processes > 1 else ''} for training")
         if self.train.num_slices > 1:
             raise ValueError("mesh.dcn: a mesh split into rollout and training submeshes spans "
                              f"one slice; got dcn sizes {dict(zip(MESH_AXES, self.train.dcn))}")
+        train_devices = num_devices - self.rollout_devices * processes
         try:
-            train = self.train.resolve(num_devices - self.rollout_devices)
+            train = self.train.resolve(train_devices)
         except ValueError as e:
             raise ValueError(f"{e} (training submesh: {num_devices} devices less "
-                             f"mesh.rollout.devices={self.rollout_devices})") from None
+                             f"mesh.rollout.devices={self.rollout_devices}"
+                             f"{f' on each of {processes} hosts' if processes > 1 else ''})"
+                             ) from None
         return train, self.rollout.resolve(self.rollout_devices)
 
 
 def make_meshes(split: MeshSplit | Mapping[str, Any],
-                devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh]:
-    """(training mesh, rollout mesh) over `devices` (default: all): the same :func:`make_mesh`
-    twice when not split, else two meshes over disjoint devices, the training one over the
-    first `len(devices) - split.rollout_devices` in `devices` order, the rollout one over the
-    rest."""
+                devices: Sequence[jax.Device] | None = None,
+                process: int | None = None) -> tuple[Mesh, Mesh]:
+    """(training mesh, this process's rollout mesh) over `devices` (default: all), as
+    `MeshSplit` describes: the same mesh twice when one process shares it with unset rollout
+    sizes, else a rollout mesh of its own over `process`'s devices (default: this process;
+    one process: all) or their last `rollout_devices`, and a training mesh over the rest of
+    every process's devices. Devices keep their order within a process."""
     if not isinstance(split, MeshSplit):
         split = MeshSplit.from_mapping(split)
     devices = list(jax.devices() if devices is None else devices)
-    split.resolve(len(devices))
+    by_process = devices_by_process(devices)
+    split.resolve(len(devices), len(by_process))
+    process = jax.process_index() if process is None else process
+    own = by_process[process] if len(by_process) > 1 else devices
     if not split.split:
         mesh = make_mesh(split.train, devices)
-        return mesh, mesh
-    cut = len(devices) - split.rollout_devices
-    return make_mesh(split.train, devices[:cut]), make_mesh(split.rollout, devices[cut:])
+        if len(by_process) == 1 and split.rollout == MeshConfig(field="mesh.rollout"):
+            return mesh, mesh
+        return mesh, make_mesh(split.rollout, own)
+    cut = len(own) - split.rollout_devices
+    train = [d for block in by_process.values() for d in block[:len(block) - split.rollout_devices]]
+    return make_mesh(split.train, train), make_mesh(split.rollout, own[cut:])
+
+
+def devices_by_process(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
+    """`devices` grouped by `process_index`, in process order, each group in `devices` order;
+    raises ValueError when processes hold different numbers of them."""
+    groups: dict[int, list[jax.Device]] = {}
+    for device in devices:
+        groups.setdefault(getattr(device, "process_index", 0), []).append(device)
+    if len({len(group) for group in groups.values()}) > 1:
+        raise ValueError(f"mesh: processes hold different numbers of devices "
+                         f"{ {p: len(g) for p, g in groups.items()} }")
+    return dict(sorted(groups.items()))
 
 
 class _Active(threading.local):
@@ -339,7 +368,9 @@ def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
 
 def fetch(tree):
     """`tree`'s arrays as numpy on this host, whole even when sharded over other hosts' devices
-    (a collective when several processes run: call it on every process)."""
-    if jax.process_count() == 1:
+    (then a collective: call it on every process); arrays on this host's devices alone (a
+    per-host engine's) are read locally."""
+    local = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
+    if jax.process_count() == 1 or local:
         return jax.device_get(tree)
     return multihost_utils.process_allgather(tree, tiled=True)

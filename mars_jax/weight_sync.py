@@ -4,6 +4,11 @@ With the devices split, the rollout engine decodes on its own devices with its o
 weights; after each update :func:`copy_weights` puts the new parameters there (`jax.device_put`
 to :func:`rollout_shardings`: the same logical axes resolved on the rollout mesh). On one shared
 mesh the shardings are the trainer's own, so nothing moves and the copy is the same arrays.
+
+With several processes every host's engine holds a whole copy on its own devices
+(:class:`HostCopies`): one program over the training mesh gathers the parameters into a
+per-host layout (replicated across hosts, split within each host), whose shards on this host's
+devices then make this host's arrays (moved to its rollout devices when those are others).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import sharding
+from mars_jax.sharding import MESH_AXES, Mesh, NamedSharding
 from mars_jax.models import Qwen3
 
 
@@ -67,3 +73,55 @@ def rollout_model(graphdef: nnx.GraphDef, params: nnx.State) -> Qwen3:
     """The model over the copied parameters (`graphdef` from `nnx.split(model, nnx.Param)`),
     e.g. for `sampling.Engine(model, mesh=rollout_mesh)` or `Engine.update_weights`."""
     return nnx.merge(graphdef, params)
+
+
+class HostCopies:
+    """Copies of the trainer's parameters (on the global training mesh) on every host's own
+    rollout mesh (a collective: every process calls `copy` together).
+
+    Staging: per host, its training devices laid out as its rollout mesh is (when they are the
+    same number of devices) or all on `fsdp`; one jitted program on the training mesh's devices
+    reshards the parameters into that layout, replicated over hosts. This host's shards of the
+    result are its staged copy; `jax.device_put` then moves it to the rollout shardings (nothing
+    moves when those are the staging devices and layout)."""
+
+    def __init__(self, params: nnx.State, train_mesh: Mesh, rollout_mesh: Mesh,
+                 rules: sharding.Rules | None = None):
+        self.target = rollout_shardings(params, rollout_mesh, rules)
+        blocks = sharding.devices_by_process(list(train_mesh.devices.flat))
+        meshes = {p: self._staging_mesh(sorted(devices, key=lambda d: d.id), rollout_mesh)
+                  for p, devices in blocks.items()}
+        local = meshes[jax.process_index()]
+        grid = np.stack([meshes[p].devices for p in sorted(meshes)])
+        staging = Mesh(grid, ("hosts",) + MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * (1 + len(MESH_AXES)))
+        local_shardings = jax.tree.leaves(rollout_shardings(params, local, rules))
+        self._local = local_shardings
+        self._reshard = jax.jit(lambda leaves: leaves, out_shardings=[
+            NamedSharding(staging, s.spec) for s in local_shardings])
+
+    @staticmethod
+    def _staging_mesh(devices: list[jax.Device], rollout_mesh: Mesh) -> Mesh:
+        if len(devices) == rollout_mesh.devices.size:
+            return sharding.make_mesh(dict(rollout_mesh.shape), devices)
+        return sharding.make_mesh({"data": 1, "fsdp": -1}, devices)
+
+    def copy(self, params: nnx.State) -> tuple[nnx.State, Transfer]:
+        """`params` on this host's rollout shardings, waited for, and the bytes written on this
+        host's rollout devices."""
+        leaves, treedef = jax.tree.flatten(params)
+        start = time.perf_counter()
+        staged = self._reshard(leaves)
+        targets = jax.tree.leaves(self.target)
+        local = [jax.make_array_from_single_device_arrays(
+            x.shape, s, [shard.data for shard in x.addressable_shards])
+            for x, s in zip(staged, self._local, strict=True)]
+        copied = jax.block_until_ready(jax.device_put(local, targets))
+        seconds = time.perf_counter() - start
+        per_device: collections.Counter = collections.Counter()
+        for x, target in zip(copied, targets):
+            for device in target.device_set:
+                per_device[device] += (math.prod(target.shard_shape(tuple(x.shape)))
+                                       * np.dtype(x.dtype).itemsize)
+        return (jax.tree.unflatten(treedef, copied),
+                Transfer(seconds, sum(per_device.values()), max(per_device.values(), default=0)))

@@ -34,6 +34,18 @@ output keeps its slot across updates instead of holding one.
 Order: the engine streams the outputs of one decode chunk in submission order and every choice
 here (admission, spawn order, sequence seeds, selection) follows from the order of outputs, so a
 run is reproducible whatever slots the requests landed in.
+
+Several hosts (`hosts`: a `distributed.HostGroup`): each runs its own engine on its own problems
+(host h of P takes the problems numbered h, h + P, h + 2P, ...: uids 'p{n}' as one host would
+number them) and grades, selects and admits on its own. Pipeline mode decodes in rounds of one
+engine chunk; after each round the hosts exchange their complete groups' trained-sample counts
+and their oldest untrained rollout's version, and from those every host takes the same
+decision: the update is due when the global count reaches `samples_per_update` and no rollout of
+any host would lag beyond the bound; the groups handed out are chosen host by host in turn,
+each in completion order. Sequential mode's batches are global (`prompts_per_step` problems of
+consecutive numbers over all hosts) and its stage barriers wait for every host. Nothing a host
+decides alone ever steers another host, so hosts never disagree (grading runs against
+wall-clock timeouts and may differ between hosts, but each host grades only its own).
 """
 from __future__ import annotations
 
@@ -44,6 +56,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from mars_jax.distributed import HostGroup
 from mars_jax.rl.pipeline import ROLES_TRAINED
 from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, Rollout
 
@@ -87,6 +100,23 @@ class StreamBatch:
     inflight: int                        # rollouts in flight when it returned
     staleness: list[int]                 # version - first_version per trained sample
     occupancy: float                     # generated tokens / (decode steps x slots)
+    sync_seconds: float = 0.0            # of `seconds`, waiting for the other hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agreed:
+    """What every host knows after a round: each host's complete groups as (trained samples,
+    lags beyond the bound at the next update) in completion order, the oldest untrained
+    rollout's first version over all hosts, and whether any host has work (or, in pipeline
+    mode, may admit a problem)."""
+
+    ready: list[list[tuple[int, bool]]]
+    oldest: int | None
+    busy: bool
+
+    @property
+    def samples(self) -> int:
+        return sum(size for host in self.ready for size, _ in host)
 
 
 class StreamingRollouts:
@@ -96,7 +126,8 @@ class StreamingRollouts:
                  *, mode: str, prompts_per_step: int, samples_per_update: int,
                  max_inflight_rows: int, staleness_bound: int, resume: str, roles_trained: str,
                  drop_zero_variance: bool, sampling: dict, stop_ids: Sequence[int],
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 hosts: HostGroup | None = None):
         if mode not in MODES:
             raise ValueError(f"rollout.mode: {mode!r} is not one of {MODES}")
         if resume not in RESUME_MODES:
@@ -115,31 +146,37 @@ class StreamingRollouts:
         self.roles = ROLES_TRAINED[roles_trained]
         self.drop_zero_variance = drop_zero_variance
         self.sampling, self.stop_ids, self.clock = dict(sampling), tuple(stop_ids), clock
-        self.problems_admitted = 0                   # problems taken so far (uids 'p{n}')
+        self.hosts = hosts or HostGroup("stream")
+        self.problems_admitted = 0                   # problems this host took so far
+        self.batches = 0                             # sequential batches started (all hosts)
         self._inflight: dict[int, Rollout] = {}      # engine request id -> rollout
         self._ready: list[list[Rollout]] = []        # complete groups not yet handed out
+        self._others_ready = 0                       # other hosts' ready samples, last agreed
+        self._others_oldest: int | None = None       # and their oldest untrained version
 
     # --- one update's worth ----------------------------------------------------------------
 
     def collect(self, version: int) -> StreamBatch:
         """Decodes until an update is due (module docstring) and returns what completed."""
         start, tokens = self.clock(), self.engine.stats["tokens"]
-        slot_steps = self.engine.stats["slot_steps"]
+        slot_steps, synced = self.engine.stats["slot_steps"], self.hosts.seconds
         admitted, deferred_since, deferred = self.problems_admitted, None, 0.0
         while True:
-            if self._ready_samples() >= self.samples_per_update:
-                if self._fresh_enough(version):
+            agreed = self._agree(version)
+            if agreed.samples >= self.samples_per_update:
+                if self._fresh_enough(agreed, version):
                     break
                 deferred_since = self.clock() if deferred_since is None else deferred_since
             if self.mode == "pipeline":
-                if not self._decode_pipeline(version, until=lambda: self._due(version)):
+                if not agreed.busy:
                     raise RuntimeError("stream: nothing to decode and no update due "
-                                       f"({self._ready_samples()} trained samples ready)")
+                                       f"({agreed.samples} trained samples ready)")
+                self._round(version, until=lambda: self._due_here(version))
             else:
                 self._decode_sequential_batch(version)
         if deferred_since is not None:
             deferred = self.clock() - deferred_since
-        groups, self._ready = self._hand_out(version)
+        groups, self._ready = self._hand_out(agreed, version)
         trained = [g for g in groups if g[0].role in self.roles]
         generated = self.engine.stats["tokens"] - tokens
         return StreamBatch(
@@ -147,20 +184,22 @@ class StreamingRollouts:
             occupancy=generated / max(1, self.engine.stats["slot_steps"] - slot_steps),
             seconds=self.clock() - start, deferred_seconds=deferred,
             problems_admitted=self.problems_admitted - admitted, inflight=len(self._inflight),
-            staleness=[version - r.first_version for g in trained if self._size(g) for r in g])
+            staleness=[version - r.first_version for g in trained if self._size(g) for r in g],
+            sync_seconds=self.hosts.seconds - synced)
 
     def decode_while(self, busy: Callable[[], bool], version: int) -> None:
         """Pipeline mode: keeps decoding and admitting while `busy()` (the update to
         `version + 1` running on other devices; checked after every decode chunk); what completes
         meanwhile is handed out by the next `collect`. Work started now is trained one version
         later at the earliest, so with `staleness_bound=0` nothing starts (and by the staleness
-        gate nothing is in flight): the run then trains exactly what one shared mesh trains."""
+        gate nothing is in flight): the run then trains exactly what one shared mesh trains.
+        Hosts do not wait for each other here (each host's update ends when it ends)."""
         if self.mode != "pipeline":
             raise ValueError("decode_while: only pipeline mode overlaps rollout with an update")
         if self.staleness_bound < 1:
             return
         while busy():
-            if not self._decode_pipeline(version, until=lambda: not busy()):
+            if not self._round(version, until=lambda: not busy()):
                 return
 
     def weights_updated(self, model, version: int) -> None:
@@ -172,43 +211,55 @@ class StreamingRollouts:
 
     # --- decoding --------------------------------------------------------------------------
 
-    def _decode_pipeline(self, version: int, *, until: Callable[[], bool]) -> bool:
-        """Admits, submits and streams until `until()` or the engine runs dry; False when there
-        was nothing to decode."""
+    def _round(self, version: int, until: Callable[[], bool]) -> bool:
+        """Admits, submits and decodes one engine chunk, absorbing what finished and, until
+        `until()`, admitting and submitting again after each output; False when there was
+        nothing to decode."""
         self._admit()
         self._submit(version)
         if not self._inflight:
             return False
-        for request_id, output in self.engine.stream(stop=until):
+        chunks = iter((False,))  # `stream` asks before each chunk: one chunk, then stop
+        holding = False
+        for request_id, output in self.engine.stream(stop=lambda: next(chunks, True)):
             self._absorb(request_id, output, version)
-            if until():
-                break
-            self._admit()
-            self._submit(version)
-        for request_id, output in self.engine.finished():
-            self._absorb(request_id, output, version)
+            holding = holding or until()
+            if not holding:
+                self._admit()
+                self._submit(version)
         return True
 
     def _decode_sequential_batch(self, version: int) -> None:
-        """One synchronous batch: `prompts_per_step` problems decoded stage level by stage level
-        (the engine drains between levels) until every trajectory is complete."""
-        for _ in range(self.prompts_per_step):
+        """One synchronous batch: `prompts_per_step` problems (over all hosts) decoded stage
+        level by stage level (every host's engine drains between levels) until every
+        trajectory is complete."""
+        end = (self.batches + 1) * self.prompts_per_step
+        self.batches += 1
+        while self._problem_number(self.problems_admitted) < end:
             self._take_problem()
-        while self.rollouts.pending:
+        while any(self.hosts.gather(bool(self.rollouts.pending))):
             self._submit(version)
             for request_id, output in self.engine.stream():
                 self._absorb(request_id, output, version)
 
+    def _problem_number(self, taken: int) -> int:
+        """The job-wide number of this host's `taken`-th problem (module docstring)."""
+        return taken * self.hosts.count + self.hosts.index
+
     def _take_problem(self) -> None:
-        uid = f"p{self.problems_admitted}"
+        uid = f"p{self._problem_number(self.problems_admitted)}"
         self.problems_admitted += 1
         self.rollouts.add_problems([next(self.problems)], [uid])
 
+    def _can_admit(self) -> bool:
+        """Pipeline: a new problem may start (rows in flight below this host's cap, and no
+        update due by the samples ready on every host as last agreed)."""
+        return (len(self._inflight) + len(self.rollouts.pending) < self.max_inflight_rows
+                and self._ready_samples() + self._others_ready < self.samples_per_update)
+
     def _admit(self) -> None:
-        """Pipeline: new problems while rows in flight are below the cap, unless an update is
-        due (then only the work in flight continues)."""
-        while (len(self._inflight) + len(self.rollouts.pending) < self.max_inflight_rows
-               and self._ready_samples() < self.samples_per_update):
+        """Pipeline: new problems while `_can_admit` (then only the work in flight continues)."""
+        while self._can_admit():
             self._take_problem()
 
     def _submit(self, version: int) -> None:
@@ -253,35 +304,64 @@ class StreamingRollouts:
             return 0
         return len(group)
 
-    def _hand_out(self, version: int) -> tuple[list[list[Rollout]], list[list[Rollout]]]:
-        """(groups for this update, groups kept for the next). Sequential: all. Pipeline: in
-        completion order until `samples_per_update` trained samples, plus every group that
-        would lag beyond the bound at the next update and every group with nothing to train."""
-        if self.mode == "sequential":
-            return self._ready, []
+    def _agree(self, version: int) -> _Agreed:
+        """Exchanges every host's ready groups and oldest untrained version (a round)."""
         oldest = version + 1 - self.staleness_bound
-        now, later, count = [], [], 0
-        for group in self._ready:
-            size = self._size(group)
-            if (not size or count < self.samples_per_update
-                    or min(r.first_version for r in group) < oldest):
-                now.append(group)
+        mine = [(self._size(g), min(r.first_version for r in g) < oldest) for g in self._ready]
+        first = min((r.first_version for r in self._untrained()), default=None)
+        busy = bool(self._inflight or self.rollouts.pending) or (
+            self.mode == "pipeline" and self._can_admit())
+        everyone = self.hosts.gather([mine, first, busy])
+        ready = [[tuple(group) for group in host[0]] for host in everyone]
+        self._others_ready = sum(size for h, host in enumerate(ready) if h != self.hosts.index
+                                 for size, _ in host)
+        others = [host[1] for h, host in enumerate(everyone)
+                  if h != self.hosts.index and host[1] is not None]
+        self._others_oldest = min(others, default=None)
+        return _Agreed(ready, min(others + ([] if first is None else [first]), default=None),
+                       any(host[2] for host in everyone))
+
+    def _hand_out(self, agreed: _Agreed, version: int
+                  ) -> tuple[list[list[Rollout]], list[list[Rollout]]]:
+        """(groups for this update, groups kept for the next). Sequential: all. Pipeline: the
+        hosts' groups taken in turn (host 0's first, host 1's first, ..., host 0's second, ...),
+        each host's in completion order, until `samples_per_update` trained samples, plus every
+        group that would lag beyond the bound at the next update and every group with nothing to
+        train."""
+        if self.mode == "sequential":
+            self._others_ready = 0
+            return self._ready, []
+        turns = [(h, i) for i in range(max(map(len, agreed.ready), default=0))
+                 for h in range(len(agreed.ready)) if i < len(agreed.ready[h])]
+        taken, count = set(), 0
+        for h, i in turns:
+            size, stale = agreed.ready[h][i]
+            if not size or count < self.samples_per_update or stale:
+                taken.add((h, i))
                 count += size
-            else:
-                later.append(group)
+        me = self.hosts.index
+        self._others_ready = sum(agreed.ready[h][i][0] for h, i in turns
+                                 if h != me and (h, i) not in taken)
+        now = [g for i, g in enumerate(self._ready) if (me, i) in taken]
+        later = [g for i, g in enumerate(self._ready) if (me, i) not in taken]
         return now, later
 
     def _ready_samples(self) -> int:
         return sum(self._size(g) for g in self._ready)
 
-    def _fresh_enough(self, version: int) -> bool:
-        """An update to `version + 1` keeps every rollout still to be trained within the bound."""
+    def _due_here(self, version: int) -> bool:
+        """Whether an update is due by this host's groups and the other hosts' as last agreed
+        (the round's outputs then stop admitting and submitting)."""
+        if self._ready_samples() + self._others_ready < self.samples_per_update:
+            return False
         oldest = version + 1 - self.staleness_bound
-        return all(r.first_version >= oldest for r in self._untrained())
+        return ((self._others_oldest is None or self._others_oldest >= oldest)
+                and all(r.first_version >= oldest for r in self._untrained()))
 
-    def _due(self, version: int) -> bool:
-        return (self._ready_samples() >= self.samples_per_update
-                and self._fresh_enough(version))
+    def _fresh_enough(self, agreed: _Agreed, version: int) -> bool:
+        """An update to `version + 1` keeps every rollout of every host still to be trained
+        within the bound."""
+        return agreed.oldest is None or agreed.oldest >= version + 1 - self.staleness_bound
 
     def _untrained(self) -> Iterator[Rollout]:
         """Rollouts in flight (or restored from a checkpoint, not yet resubmitted) and finished
@@ -309,7 +389,7 @@ class StreamingRollouts:
         state = self.rollouts.state_dict()
         state["pending"] = inflight + state["pending"]
         return dict(rollouts=state, problems_admitted=self.problems_admitted,
-                    ready=[[r.to_json() for r in g] for g in self._ready])
+                    batches=self.batches, ready=[[r.to_json() for r in g] for g in self._ready])
 
     def routing(self) -> dict:
         """Recorded expert ids, by uid, of every rollout still to be trained that has them."""
@@ -324,5 +404,6 @@ class StreamingRollouts:
         routing = routing or {}
         self.rollouts.load_state_dict(state["rollouts"], routing)
         self.problems_admitted = state["problems_admitted"]
+        self.batches = state.get("batches", self.problems_admitted // self.prompts_per_step)
         self._ready = [[dataclasses.replace(Rollout(**r), expert_ids=routing.get(r["uid"]))
                         for r in g] for g in state.get("ready", [])]

@@ -202,7 +202,7 @@ def test_a_restored_stream_holds_the_update_for_a_stale_request_as_the_uninterru
         advance(uninterrupted, version)
         advance(first, version)
     assert first._ready_samples() >= first.samples_per_update
-    assert not first._fresh_enough(3)  # the state this test is about
+    assert not first._due_here(3)  # the state this test is about
     problems = _problems()
     for _ in range(first.problems_admitted):
         next(problems)

@@ -1,0 +1,49 @@
+"""experiments/run.py with parity rewards (`tests/fault/parity_reward_run.py`) that records, on
+each host, what it trains and whether each weight copy reached its engine intact, as lines of
+`{workdir}/record{process}.jsonl`: {"trained": [[uid, response ids, reward], ...]} per update,
+{"copy_equal": bool, "bytes": int} per copy of the weights to this host's engine. Test helper."""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from mars_jax import weight_sync
+from mars_jax.rl import trainer
+from tests.fault import parity_reward_run
+
+
+def _record(entry: dict) -> None:
+    workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+    with open(Path(workdir) / f"record{jax.process_index()}.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def install() -> None:
+    training_samples = trainer.training_samples
+
+    def recorded_samples(groups, **kwargs):
+        _record({"trained": [[r.uid, list(map(int, r.response_ids)), r.reward]
+                             for g in groups for r in g]})
+        return training_samples(groups, **kwargs)
+
+    copy = weight_sync.HostCopies.copy
+
+    def checked_copy(self, params):
+        copied, transfer = copy(self, params)
+        whole = multihost_utils.process_allgather(params, tiled=True)  # the trainer's, gathered
+        equal = all(np.array_equal(np.asarray(a), np.asarray(b))
+                    for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(whole), strict=True))
+        _record({"copy_equal": equal, "bytes": transfer.bytes})
+        return copied, transfer
+
+    trainer.training_samples = recorded_samples
+    weight_sync.HostCopies.copy = checked_copy
+
+
+if __name__ == "__main__":
+    parity_reward_run.install()
+    install()
+    parity_reward_run.run()

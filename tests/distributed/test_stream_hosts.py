@@ -1,0 +1,143 @@
+"""The streaming scheduler on two processes (4 fake CPU devices each, one engine per host) run
+through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`):
+
+* sequential mode trains what one process on 8 devices trains (token ids and rewards per
+  rollout uid), and its parameters after 3 updates agree within float32 summation order;
+* pipeline mode with a rollout submesh per host (2 of each host's 4 devices) keeps every trained
+  sample within the staleness bound, and each copy of the weights reaches every host's engine
+  equal to the trainer's;
+* both processes SIGKILLed mid-run and restarted end with the metrics of an uninterrupted run.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.cpu_env import cpu_env
+from tests.fault import harness
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("recorded_stream_run.py")
+OVERRIDES = [
+    "--config.total_steps=3", "--config.rollout.scheduler=stream",
+    "--config.rollout.decode_engine=engine", "--config.rollout.segment_tokens=0",
+    "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=2",
+    "--config.rollout.max_new_tokens.solver=16", "--config.rollout.max_new_tokens.verifier=16",
+    "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.max_stages=3",
+    "--config.rollout.engine_slots=8", "--config.data.shuffle=False",
+    "--config.checkpoint.every_steps=1",
+]
+TIMING = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_seconds",
+          "sync/seconds")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _command(workdir: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--config=experiments/configs/smoke.py",
+            f"--workdir={workdir}",
+            f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}",
+            *OVERRIDES, *extra]
+
+
+def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]:
+    env = cpu_env(devices=8 // processes, PYTHONPATH=str(ROOT))
+    hosts = [] if processes == 1 else [f"--coordinator_address=localhost:{_free_port()}",
+                                       f"--num_processes={processes}"]
+    return [subprocess.Popen(
+        _command(workdir, *extra, *hosts, *([f"--process_id={pid}"] if hosts else [])),
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in range(processes)]
+
+
+def _finish(runs: list[subprocess.Popen]) -> None:
+    try:
+        outputs = [run.communicate(timeout=900)[0] for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    for pid, (run, output) in enumerate(zip(runs, outputs)):
+        assert run.returncode == 0, f"process {pid} failed:\n{output[-4000:]}"
+
+
+def _records(workdir: Path, process: int, key: str) -> list:
+    lines = (workdir / f"record{process}.jsonl").read_text().splitlines()
+    return [entry[key] for entry in map(json.loads, lines) if key in entry]
+
+
+def _trained(workdir: Path, processes: int) -> list[dict[str, tuple]]:
+    """Per update: uid -> (response ids, reward) over every host."""
+    per_host = [_records(workdir, p, "trained") for p in range(processes)]
+    assert len({len(updates) for updates in per_host}) == 1
+    return [{uid: (tuple(ids), reward) for host in update for uid, ids, reward in host}
+            for update in zip(*per_host)]
+
+
+def _metrics(workdir: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING)}
+            for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
+    sequential = ["--config.rollout.mode=sequential"]
+    runs = (_start(tmp_path / "one", 1, *sequential, "--config.learner.micro_batch_size=8")
+            + _start(tmp_path / "two", 2, *sequential, "--config.learner.micro_batch_size=4"))
+    _finish(runs)
+    one, two = _trained(tmp_path / "one", 1), _trained(tmp_path / "two", 2)
+    assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in two]
+    assert one == two
+    rewards = [reward for update in one for _, reward in update.values()]
+    assert 0 < np.mean(rewards) < 1  # rewards vary within groups: the updates move weights
+    assert {uid.split("/")[0] for uid in two[0]} == {"p0", "p1"}  # one problem per host
+    assert all(row["update/grad_norm"] > 0.1 for row in _metrics(tmp_path / "two"))
+    _, single, _ = harness.latest_checkpoint(tmp_path / "one")
+    step, multi, version = harness.latest_checkpoint(tmp_path / "two")
+    assert step == 3 and version == 3
+    for a, b in zip(single, multi, strict=True):  # the same sums in another order
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
+def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
+    runs = _start(tmp_path, 2, "--config.rollout.mode=pipeline",
+                  "--config.rollout.staleness_bound=1", "--config.mesh.rollout.devices=2",
+                  "--config.learner.micro_batch_size=4")
+    _finish(runs)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    hosts = [rows] + [[json.loads(line) for line in
+                       (tmp_path / "host1" / "metrics.jsonl").read_text().splitlines()]]
+    for host in hosts:
+        assert [r["policy_version"] for r in host] == [1, 2, 3]
+        assert max(r["staleness/max"] for r in host) <= 1
+        assert all(r["sync/bytes"] > 0 for r in host)
+    for process in range(2):  # the initial copy and one after each update
+        assert _records(tmp_path, process, "copy_equal") == [True] * 4
+
+
+def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
+    pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4",
+                "--config.learner.micro_batch_size=4"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _finish(_start(straight, 2, *pipeline))
+    runs = _start(killed, 2, *pipeline)
+    deadline = time.time() + 600
+    while not ((killed / "metrics.jsonl").exists()
+               and len((killed / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert all(run.poll() is None for run in runs) and time.time() < deadline
+        time.sleep(0.2)
+    for run in runs:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+    assert len((killed / "metrics.jsonl").read_text().splitlines()) < 4
+    _finish(_start(killed, 2, *pipeline))
+    assert _metrics(killed) == _metrics(straight)
+    assert _metrics(killed / "host1") == _metrics(straight / "host1")
