@@ -15,7 +15,25 @@ from mars_jax.agents.http_policy import HttpPolicy
 from mars_jax.agents.policy import ChatRequest
 
 
-class FakeServer:
+class _Loopback:
+    """Serves `server` on 127.0.0.1 from a thread while in a `with` block."""
+
+    def _serve(self, server: socketserver.TCPServer) -> None:
+        server.daemon_threads = True
+        self.server = server
+        self.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeServer(_Loopback):
     """Answers /v1/chat/completions; `plans[content]` lists what to do on each attempt for that user content.
 
     A plan step is "ok", "length", "think", ("sleep", seconds), or an HTTP status code (int).
@@ -71,21 +89,10 @@ class FakeServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and went away
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True)
+        self._serve(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler))
 
     def attempts(self, content):
         return sum(body["messages"][-1]["content"] == content for _, _, body in self.received)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def req(content, role="solver", max_new_tokens=16):
@@ -165,11 +172,10 @@ def test_empty_batch_and_bad_arguments():
 
 
 class _ThreadingServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
     request_queue_size = 64  # every request of a batch connects at once
 
 
-class HostileServer:
+class HostileServer(_Loopback):
     """A raw-socket HTTP server that answers each request by the behaviour its user content
     names (`BEHAVIOURS`), sending bytes as they are, however broken or slow."""
 
@@ -194,9 +200,7 @@ class HostileServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up, as it should
 
-        self.server = _ThreadingServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True)
+        self._serve(_ThreadingServer(("127.0.0.1", 0), Handler))
 
     @staticmethod
     def _json(out, reply, status=b"200 OK"):
@@ -258,14 +262,6 @@ class HostileServer:
 
     def body_200_mb_chunked(self, out):
         self._body_200_mb(out, b"Transfer-Encoding: chunked\r\n")
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 HOSTILE = ("list_message", "list_usage", "number_content", "list_choices_entry", "not_json",
