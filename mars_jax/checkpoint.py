@@ -103,7 +103,11 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager, error = _read_with_retries(  # it lists the directory's steps
+            lambda: ocp.CheckpointManager(self.directory, options=options),
+            f"the checkpoint directory {self.directory}")
+        if error is not None:
+            raise error
         self.config = config
         self._pending: int | None = None
 

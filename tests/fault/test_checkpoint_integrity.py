@@ -506,6 +506,16 @@ def test_a_storage_outage_fails_the_restore_sets_nothing_aside_and_a_restart_res
     assert "damaged" not in caplog.text
 
 
+def test_a_directory_that_cannot_be_listed_raises_naming_it(tmp_path, monkeypatch):
+    def unavailable(self, directory, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error", str(directory))
+
+    monkeypatch.setattr(ocp.CheckpointManager, "__init__", unavailable)
+    with pytest.raises(CheckpointUnavailable, match=f"reading the checkpoint directory "
+                                                    f"{tmp_path} failed 3 times .*rerun when "):
+        Checkpointer(tmp_path)
+
+
 @pytest.mark.parametrize("error, damage", [
     (OSError(errno.EIO, "Input/output error"), False),
     (ConnectionResetError("connection reset"), False),
