@@ -16,7 +16,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                the engine, the job's dataset can be found (manual dir or a prepared TFDS dir;
                `data` for train and sft, `eval.dataset` for eval_system), an HTTP evaluation
                has a server URL and model name, a warm start (`warm_start.sft`) has a cache
-               directory and no `model.checkpoint`.
+               directory and no `model.checkpoint`, the optimizer state is offloaded only on
+               one shared mesh.
 
 Rules that read a field with a schema or range problem are skipped, so one wrong value yields
 one message. `field_problem` and `field_type` check a `--config.<field>` override's name and
@@ -510,3 +511,12 @@ def _sft_rows(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       f"sft.row_tokens ({s.row_tokens}), but sft.short_rows is {s.short_rows}",
                       "set it below row_tokens, or short_rows to 0 for one row length")
 
+
+@_rule("learner.offload_optimizer", "mesh.rollout.devices")
+def _offload(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    """Offloading makes room for the engine beside the update's state: on one shared mesh only."""
+    if config.learner.offload_optimizer and config.mesh.rollout.devices:
+        yield Problem("learner.offload_optimizer",
+                      f"True with mesh.rollout.devices={config.mesh.rollout.devices}: the "
+                      "training devices never decode, so offloading frees nothing the engine uses",
+                      "set it to False, or mesh.rollout.devices=0 for one shared mesh")

@@ -103,11 +103,13 @@ def base_config() -> ConfigDict:
     # micro-batch is micro_batch_size rows, cut to the shortest of its width / 2**k,
     # k <= length_halvings, that holds them; fine_cuts adds the 3/4 points (rl.update.cut_lengths).
     # A batch has at least min_length columns and min_micro_batches micro-batches (padding ones
-    # skip their forward and backward), so that fewer shapes compile.
+    # skip their forward and backward), so that fewer shapes compile. offload_optimizer: on one
+    # shared mesh the optimizer state (and the KL reference parameters) wait in pinned host
+    # memory while the engine decodes and return for the update (mars_jax.offload).
     c.learner = ConfigDict(dict(ppo_epochs=1, mini_batches=1, micro_batch_size=8, min_length=32,
                                 min_micro_batches=1, pack=True,
                                 logits_chunk=256, routing_replay=False, length_halvings=2,
-                                fine_cuts=False))
+                                fine_cuts=False, offload_optimizer=False))
 
     c.checkpoint = ConfigDict(dict(every_steps=1, keep=3, async_save=True))
 

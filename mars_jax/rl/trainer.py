@@ -39,7 +39,7 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, config_diff, console, distributed, sharding, weight_sync
+from mars_jax import builders, config_diff, console, distributed, offload, sharding, weight_sync
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
@@ -362,6 +362,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
+            if config.learner.offload_optimizer:  # on the host while the engine decodes
+                state, ref_params = offload.move_update_state(state, ref_params, "host")
             if stream is not None:
                 batch = stream.collect(version)
                 all_groups, groups = batch.all_groups, batch.groups
@@ -373,6 +375,8 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
                     problems, eos, mesh, inflight_cap)
                 generator = metrics.pop("generator")
             t1 = time.perf_counter()
+            if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
+                state, ref_params = offload.move_update_state(state, ref_params, "device")
             samples = training_samples(groups, drop_zero_variance=config.rollout.drop_zero_variance,
                                        normalize_std=config.rollout.normalize_std,
                                        mask_truncated=config.loss.mask_truncated)
