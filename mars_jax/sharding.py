@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -142,8 +143,12 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
         if slices > 1:
             logging.warning("mesh: devices span %d slices but mesh.dcn is unset, so every axis "
                             "may cross the data-centre network; set mesh.dcn", slices)
-        device_array = mesh_utils.create_device_mesh(shape, devices,
-                                                     allow_split_physical_axes=True)
+        try:
+            device_array = mesh_utils.create_device_mesh(shape, devices,
+                                                         allow_split_physical_axes=True)
+        except (AssertionError, ValueError, NotImplementedError):
+            # Not a whole physical block (e.g. 2 chips of every host): devices in their order.
+            device_array = np.asarray(devices, dtype=object).reshape(shape)
     else:
         granules = {d.slice_index if slices > 1 else d.process_index for d in devices}
         if len(granules) != config.num_slices:

@@ -14,17 +14,28 @@ tokenizer) and `runlocal`. `get_sweep()` is the hyper-parameter grid x seeds tha
 `launch/xm_launch.py` expands.
 
 Paper settings: lr 1e-6 constant, 128 prompts x group 8, temperature 0.85, top_p 1.0, 32k input,
-64k output decoded in 4 x 16k segments, 5 stages (Solver, then Verifier/Corrector rounds), bf16.
-Update: GRPO with seq-mean-token-mean aggregation (Eq. 2), 4 mini-batches per step, pi_old
-recomputed at the start of the step (decoupled objective, behaviour weight capped at 2).
+64k output, 5 stages (Solver, then Verifier/Corrector rounds), bf16. Update: GRPO with
+seq-mean-token-mean aggregation (Eq. 2), 4 mini-batches per step, pi_old recomputed at the start
+of the step (decoupled objective, behaviour weight capped at 2).
 
-At 64k: each pipeline step decodes one 16k segment of every pending output, so an output finishes
-within 4 steps of its first segment (a partial one is re-prefilled and continued under the latest
-policy, never restarted) and its group trains at most 3 policy versions after it started:
-`staleness_bound=3` (the config check rejects less). New problems are admitted while fewer than
-128 x 8 x (1 + 2 x 4) x 4 = 36,864 rows are pending (`max_inflight_rows=0`, the automatic cap).
-An output that reaches 64k without a stop token earns 0 and is never verified; the template's
-generation prompt opens `<think>`, so text before `</think>` is never read as answer or verdict.
+Rollouts: the streaming scheduler in pipeline mode (`rollout.scheduler='stream'`,
+`mars_jax.rl.streaming`), one continuous-batching engine per host (4 chips) on the last 2 of its
+chips (`mesh.rollout.devices=2`, experts split over the 2: `mesh.rollout.expert=2`), the update on
+the other 2 chips of every host (the global training mesh), overlapped with decoding. Each
+agent's outputs go to training as soon as their group completes; an update runs every
+128 x 8 = 1,024 trained samples over all hosts. KV cache paged (`engine_kv_pages`): outputs are
+long-tailed, so slots that reserved 96k positions each would mostly sit empty.
+What a "segment" is now: nothing is cut. The paper decodes a 64k output in 16k segments, each
+continued under the then-latest policy; here an output keeps its slot across updates, and after
+each update its KV is recomputed under the new weights (`rollout.resume='recompute'`: the same
+re-prefill a new segment had, at every update instead of every 16k tokens). The paper's
+staleness rule applies to the trained sample: an update to version v + 1 waits while any rollout
+still to be trained (on any host) started before v + 1 - 3 (`staleness_bound=3`), so no trained
+sample lags its first token by more than 3 versions. New problems are admitted while fewer than
+128 x 8 x (1 + 2 x 4) = 9,216 rows are in flight (`max_inflight_rows=0`, the automatic cap),
+divided evenly over the hosts. An output that reaches 64k without a stop token earns 0 and is
+never verified; the template's generation prompt opens `<think>`, so text before `</think>` is
+never read as answer or verdict.
 
 Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128, vocab 151,936):
   parameters bf16                 61 GB   sharded over half the chips (fsdp = 128 on 256)
@@ -89,10 +100,21 @@ def get_config(arg: str | None = None):
     # experts, so decode runs them expert-parallel and gathers none (fsdp = 256 cannot split
     # them: 7.85 vs 1.25 GB accessed per layer per chip, benchmarks/RESULTS.md).
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 2, -1, 1, 1
+    # Per host (4 chips): the engine on 2 of them with the experts split over the 2 (dense
+    # weights replicated: ~32 GB of bf16 weights a chip), the training mesh on the other 2.
+    c.mesh.rollout.devices = 2
+    c.mesh.rollout.data, c.mesh.rollout.expert = 1, -1
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).
     c.data.name, c.data.split = "dsr_sub", "train"
     # Rollouts.
-    c.rollout.mode = "pipeline"
+    c.rollout.scheduler, c.rollout.decode_engine, c.rollout.mode = "stream", "engine", "pipeline"
+    c.rollout.resume = "recompute"
+    # Per host: 32 slots over 12,288 pages of 64 positions (6,144 per chip's pool: 393k
+    # positions, 38.7 GB of bf16 KV a chip; a 32k + 64k request fits one pool alone).
+    c.rollout.engine_slots = 32
+    c.rollout.engine_kv_pages, c.rollout.engine_page_size = 12288, 64
+    c.rollout.engine_chunk_steps = 64
+    c.rollout.engine_precompile = True
     c.rollout.prompts_per_step = 128
     c.rollout.group_size = 8
     c.rollout.max_stages = 5
@@ -100,13 +122,13 @@ def get_config(arg: str | None = None):
     c.rollout.max_prompt_tokens = 32 * 1024
     for role in ("solver", "verifier", "corrector"):
         c.rollout.max_new_tokens[role] = 64 * 1024
-    c.rollout.segment_tokens = 16 * 1024
-    c.rollout.staleness_bound = 3  # 4 segments: trained at most 3 versions after the first
+    c.rollout.segment_tokens = 0  # streamed: an output keeps its slot across updates
+    c.rollout.staleness_bound = 3  # a trained sample lags its first token by <= 3 versions
     c.rollout.enable_thinking = True
     # Optimizer: constant 1e-6.
     c.optimizer.learning_rate = 1e-6
     c.optimizer.schedule = "constant"
-    c.learner.micro_batch_size = 256  # one row per chip of a 256-chip slice
+    c.learner.micro_batch_size = 128  # one row per training chip of a 256-chip slice
     c.learner.logits_chunk = 512
     # The update (the paper's Eq. 2): per-sequence token means averaged over the mini-batch;
     # 4 optimizer updates per step (verl's usual train / mini-batch ratio). Without routing
@@ -122,9 +144,13 @@ def get_config(arg: str | None = None):
         c.model.preset, c.model.checkpoint, c.tokenizer = "tiny", "", "tiny"
         c.model.dtype = c.model.param_dtype = ""
         c.mesh.data, c.mesh.fsdp = -1, 1
+        c.mesh.rollout.devices = 0
+        c.mesh.rollout.data, c.mesh.rollout.expert = -1, 1
+        c.rollout.engine_slots, c.rollout.engine_kv_pages = 8, 0
+        c.rollout.engine_chunk_steps, c.rollout.engine_precompile = 16, False
         c.data.name = "arith"
         c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_stages = 2, 4, 3
-        c.rollout.max_prompt_tokens, c.rollout.segment_tokens = 512, 24
+        c.rollout.max_prompt_tokens = 512
         c.rollout.prompt_style = "compact"
         c.rollout.enable_thinking = False
         for role in ("solver", "verifier", "corrector"):

@@ -88,12 +88,17 @@ class SamplerGenerator:
                                             result.finish_reasons, experts)]
 
 
+def batch_shards(mesh=None) -> int:
+    """How many ways the mesh's batch axes split an engine's slots (its page pools)."""
+    return _batch_multiple(mesh)
+
+
 def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:
     """(slots, positions per slot) of a config's engine: `rollout.engine_slots` (0:
     `max_decode_rows`, else 16) rounded up to the mesh's batch shards; the longest prompt plus
     the largest budget."""
     r = config.rollout
-    multiple = _batch_multiple(mesh)
+    multiple = batch_shards(mesh)
     slots = r.engine_slots or r.max_decode_rows or 16
     return (-(-slots // multiple) * multiple,
             r.max_prompt_tokens + max(dict(r.max_new_tokens).values()))

@@ -61,9 +61,10 @@ def _aot(tmp_path: Path, *args: str, env: dict[str, str] | None = None
 def test_paper_shapes():
     shapes = aot_compile.step_shapes(marsrl_qwen3_30b_a3b.get_config())
     assert (shapes.decode_batch, shapes.prompt_len, shapes.new_tokens, shapes.segment) == (
-        1024, 32768, 65536, 16384)
-    # One mini-batch of the step's 1,024 rows: 4 mini-batches of 256 rows, one micro-batch each.
-    assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (256, 1, 131072)
+        1024, 32768, 65536, 65536)  # streamed: no segments
+    # One mini-batch of the step's 1,024 rows: 4 mini-batches of 256 rows, two micro-batches of
+    # 128 (one row per training chip of v5p-512) each.
+    assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (128, 2, 131072)
 
 
 def test_shapes_follow_the_sampler_bucket_and_the_learner_minimums():
@@ -166,6 +167,8 @@ def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
     compiles inside the decode chunk (on each batch shard's rows and pool)."""
     result, _ = _aot(tmp_path, "--topology=v5p:2x2x1",
                      "--config=experiments/configs/marsrl_qwen3_30b_a3b.py", "--num_layers=1",
+                     "--config.mesh.rollout.devices=0", "--config.mesh.rollout.data=-1",
+                     "--config.mesh.rollout.expert=1",
                      "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=8",
                      "--config.rollout.max_prompt_tokens=128", "--config.rollout.segment_tokens=0",
                      *(f"--config.rollout.max_new_tokens.{role}=128"
@@ -187,6 +190,8 @@ def test_30b_decode_on_fsdp_gathers_tokens_not_experts(tmp_path):
     result, _ = _aot(tmp_path, "--topology=v5p:2x2x1",
                      "--config=experiments/configs/marsrl_qwen3_30b_a3b.py", "--num_layers=1",
                      "--config.mesh.data=1", "--config.mesh.fsdp=4",
+                     "--config.mesh.rollout.devices=0", "--config.mesh.rollout.data=-1",
+                     "--config.mesh.rollout.expert=1",
                      "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=128",
                      "--config.rollout.max_prompt_tokens=128", "--config.rollout.segment_tokens=0",
                      *(f"--config.rollout.max_new_tokens.{role}=128"
