@@ -16,7 +16,8 @@ is built; the message lists each field with its fix: unknown or mistyped `--conf
 values out of range, a resume that changes such fields or does not fit the checkpoint), 65 too
 many steps with non-finite updates in a row, 74 a checkpoint could not be saved, or checkpoints
 exist but none could be read (storage unavailable, or all damaged and set aside): rerun to
-resume, 75 preempted (SIGTERM) after a final checkpoint.
+resume, 75 preempted (SIGTERM) after a final checkpoint (eval_system: after the records of the
+pairs finished so far).
 """
 import os
 import re
@@ -27,7 +28,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mars_jax import config_diff, console, distributed, eval_job
+from mars_jax import config_diff, console, distributed, eval_job, preemption
 from mars_jax.checkpoint import CheckpointMismatch, CheckpointSaveError, CheckpointUnavailable
 from mars_jax.config_validation import ConfigError, Problem, field_problem, field_type, validate
 from mars_jax.rl import trainer
@@ -81,7 +82,11 @@ def main(argv):
             console.note(console.summary(_WORKDIR.value, ["python", *sys.argv],
                                          time.perf_counter() - started))
     elif config.job == "eval_system":
-        eval_job.run(config, _WORKDIR.value)
+        try:
+            eval_job.run(config, _WORKDIR.value)
+        except preemption.Preempted as e:
+            logging.error("%s: %s", type(e).__name__, e)
+            sys.exit(e.exit_code)
     elif config.job == "sft":
         sft_job.run(config, _WORKDIR.value)
     else:

@@ -141,6 +141,7 @@ _ADAM_BETA = Range(0, 1, high_open=True)
 # Every numeric field of common.py, except the mesh's (the mesh rule checks those).
 RANGES: dict[str, Range] = {
     "seed": Range(0), "total_steps": Range(1), "max_nonfinite_updates": Range(1),
+    "preemption_grace_s": Range(0, low_open=True),
     "data.arith.num_ops": Range(1), "data.arith.max_operand": Range(0),
     "data.arith.sizes": Range(1),
     "rollout.prompts_per_step": Range(1),

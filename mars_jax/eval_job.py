@@ -2,7 +2,9 @@
 
 Writes `workdir/eval/records.jsonl` (every candidate, verdict, chosen answer, correctness, tokens
 per agent; appended as pairs finish, so a rerun resumes), `workdir/eval/summary.json` and
-TensorBoard scalars under `workdir/eval/tensorboard`.
+TensorBoard scalars under `workdir/eval/tensorboard`. After SIGTERM it stops before the next
+V–C round and raises `preemption.Preempted` (exit 75) within `preemption_grace_s`: the recorded
+pairs are kept, a rerun evaluates the rest.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import tqdm
 from ml_collections import ConfigDict
 from tensorboardX import SummaryWriter
 
-from mars_jax import builders, sharding
+from mars_jax import builders, preemption, sharding
 from mars_jax.agents.eval import EvalProblem, evaluate
 from mars_jax.agents.http_policy import HttpPolicy
 from mars_jax.agents.policy import Policy, RoutedPolicy
@@ -50,7 +52,8 @@ def load_eval_problems(config: ConfigDict) -> list[EvalProblem]:
 
 def run(config: ConfigDict, workdir: str) -> dict:
     """Evaluates and returns the summary (also written to `workdir/eval/summary.json`). One
-    process only: its records file is written and resumed by that process alone."""
+    process only: its records file is written and resumed by that process alone. Raises
+    `preemption.Preempted` after SIGTERM (module docstring)."""
     if jax.process_count() > 1:
         raise ValueError(f"eval_system runs on one process, not {jax.process_count()}: for a "
                          "model larger than one host, serve it and set eval.policy='http'")
@@ -68,10 +71,16 @@ def run(config: ConfigDict, workdir: str) -> dict:
         bar.n = info.finished
         bar.refresh()
 
-    records, summary = evaluate(problems, build_policy(config), num_samples=e.num_samples,
-                                config=loop, records_path=str(out / "records.jsonl"),
-                                on_round=on_round)
-    bar.close()
+    with preemption.catch_sigterm(config.preemption_grace_s) as notice:
+        try:
+            records, summary = evaluate(problems, build_policy(config), num_samples=e.num_samples,
+                                        config=loop, records_path=str(out / "records.jsonl"),
+                                        on_round=on_round, should_stop=notice)
+        except preemption.Stopped as stopped:
+            raise preemption.Preempted(f"SIGTERM: {stopped}; the finished pairs are recorded in "
+                                       f"{out / 'records.jsonl'}") from None
+        finally:
+            bar.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     with SummaryWriter(str(out / "tensorboard")) as writer:
         for key, value in summary.items():

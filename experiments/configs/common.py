@@ -10,6 +10,10 @@ def base_config() -> ConfigDict:
     c.seed = 0
     c.total_steps = 100
     c.max_nonfinite_updates = 3
+    # Seconds from SIGTERM (a preemption notice) to the exit with code 75: loops stop between
+    # decode rounds, mini-batches and V-C rounds and save what a rerun resumes from
+    # (mars_jax.preemption); a watchdog exits when they run out.
+    c.preemption_grace_s = 25.0
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
     c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)
     # jax_default_matmul_precision: 'default' is JAX's own, which computes float32 matmuls in

@@ -49,6 +49,7 @@ def evaluate(
     records_path: str | None = None,
     max_in_flight: int | None = None,
     on_round: Callable[[RoundInfo], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[Record], dict[str, Any]]:
     """Runs `num_samples` V-C loops per problem and scores them.
 
@@ -58,7 +59,7 @@ def evaluate(
       num_samples: k of avg@k.
       config: loop parameters (defaults to `LoopConfig()`).
       records_path: JSONL file written as pairs finish and read back to resume.
-      max_in_flight, on_round: passed to `run_system`.
+      max_in_flight, on_round, should_stop: passed to `run_system`.
 
     Returns:
       (records of all requested pairs in (problem, sample) order, summary).
@@ -82,7 +83,7 @@ def evaluate(
                 out.flush()
 
         run_system([p.problem for p, _ in todo], policy, config, max_in_flight=max_in_flight,
-                   on_round=on_round, on_result=on_result)
+                   on_round=on_round, on_result=on_result, should_stop=should_stop)
     records = [done[(p.id, s)] for p, s in wanted]
     return records, summarize(records)
 

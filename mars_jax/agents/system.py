@@ -28,7 +28,9 @@ Rules (per problem), those of the released MarsRL loop (`vc_reasoning_system.py`
 Rounds: `run_system` advances every problem in flight together. Each round makes
 exactly one policy call that carries the next request of every unfinished
 problem, whatever its stage, so the number of policy calls equals the number of
-rounds, not problems x rounds.
+rounds, not problems x rounds. `should_stop` (a preemption notice, `mars_jax.preemption`) is
+asked before each round; when it says so, `Stopped` is raised: problems finished so far have
+been passed to `on_result`, those in flight are dropped (a rerun starts them again).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Callable, Mapping, Sequence
 
 from mars_jax.agents import stages
 from mars_jax.agents.policy import ROLES, ChatRequest, Completion, Policy, check_batch
+from mars_jax.preemption import Stopped
 
 ACCEPTED, FALLBACK, FAILED = "accepted", "fallback", "failed"
 FALLBACKS = ("most_passed", "most_verified")
@@ -271,6 +274,7 @@ def run_system(
     max_in_flight: int | None = None,
     on_round: Callable[[RoundInfo], None] | None = None,
     on_result: Callable[[int, SystemResult], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[SystemResult]:
     """Runs the V-C loop on every problem, advancing all problems in flight together.
 
@@ -282,6 +286,7 @@ def run_system(
         slot is refilled from the queue on the next round. None: all at once.
       on_round: called after every round (e.g. to drive a progress bar).
       on_result: called with (problem index, result) as each problem finishes.
+      should_stop: asked before each round; True raises `Stopped` (module docstring).
 
     Returns:
       One `SystemResult` per problem, in order.
@@ -299,6 +304,9 @@ def run_system(
             started += 1
         if not active:
             break
+        if should_stop is not None and should_stop():
+            raise Stopped(f"V-C loop: stopped before round {round_index + 1}, {finished} of "
+                          f"{len(problems)} problems finished")
         round_index += 1
         requests = [loop.next_request() for loop in active.values()]
         completions = policy.complete(requests)
