@@ -17,6 +17,12 @@ On the first update of a step the parameters are those at its start: with 'recom
 ratio is 1 up to the rounding of the two forwards; with 'sampler' it is 1 up to the
 sampler/trainer difference for samples decoded under these parameters (stale samples start off
 it). From the second update on the ratio departs from 1 and the clip acts.
+
+Stopping (a preemption notice, `mars_jax.preemption`): `should_stop` is asked before every
+forward of pi_old and every optimizer update; when it says so the update raises `UpdateStopped`
+carrying the state it started from, so that the step can be redone from its start. Updates
+donate the state they read, so with more than one update per step a copy of the starting state
+(parameters and optimizer state) waits in host memory (pinned_host) while the update runs.
 """
 from __future__ import annotations
 
@@ -24,10 +30,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 from flax import nnx
 
+from mars_jax.preemption import Stopped
 from mars_jax.rl.batching import TrainSample
 from mars_jax.rl.update import TrainBatch, TrainState, UpdateConfig, policy_logprobs, train_step
 
@@ -50,6 +58,20 @@ class LearnerConfig:
             raise ValueError(f"pi_old must be one of {PI_OLD}, got {self.pi_old!r}")
 
 
+class UpdateStopped(Stopped):
+    """`ppo_update` stopped before its end; `state` is the state it started from (on device)."""
+
+    def __init__(self, state: Any, updates_done: int) -> None:
+        super().__init__(f"update stopped after {updates_done} optimizer updates; the state "
+                         "from before the step's update is kept")
+        self.state = state
+
+
+def _to_memory(tree: Any, kind: str) -> Any:
+    """A copy of every array of `tree` in memory `kind` of the devices holding it."""
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), tree))
+
+
 def mini_batch_indices(num_samples: int, mini_batches: int, rng: np.random.Generator
                        ) -> list[np.ndarray]:
     """A seeded shuffle of `range(num_samples)` split into `mini_batches` near-equal parts (some
@@ -60,22 +82,39 @@ def mini_batch_indices(num_samples: int, mini_batches: int, rng: np.random.Gener
 def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
                build_batch: Callable[[Sequence[TrainSample]], TrainBatch], ref_params: Any,
                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-               update_config: UpdateConfig, learner: LearnerConfig, rng: np.random.Generator
+               update_config: UpdateConfig, learner: LearnerConfig, rng: np.random.Generator,
+               should_stop: Callable[[], bool] | None = None
                ) -> tuple[TrainState, list[dict[str, float]]]:
     """`learner.ppo_epochs * learner.mini_batches` optimizer updates on `samples`; returns the new
     state and each update's metrics, in order. `build_batch` turns a (possibly empty) list of
     samples into the mini-batch's `TrainBatch` (in a multi-host run: the global batch, so every
-    host makes the same number of updates)."""
+    host makes the same number of updates). `should_stop` (module docstring) is called equally
+    often on every host and must answer alike on all; when it says so, raises `UpdateStopped`."""
     parts = mini_batch_indices(len(samples), learner.mini_batches, rng)
     batches = [build_batch([samples[i] for i in part]) for part in parts]
+    start = state
+    if should_stop is not None and learner.ppo_epochs * len(batches) > 1:
+        start = _to_memory(state, "pinned_host")  # the updates donate `state`
+
+    def check(done: int) -> None:
+        if should_stop is not None and should_stop():
+            if done == 0:
+                raise UpdateStopped(state, done)
+            for x in jax.tree.leaves(state):  # make room for the starting state
+                x.delete()
+            raise UpdateStopped(_to_memory(start, "device"), done)
+
     if learner.pi_old == "recompute":  # every mini-batch's pi_old before the first update
-        batches = [batch.replace(old_logprobs=policy_logprobs(state.params, batch,
-                                                              graphdef=graphdef,
-                                                              config=update_config))
-                   for batch in batches]
+        with_old = []
+        for batch in batches:
+            check(0)
+            with_old.append(batch.replace(old_logprobs=policy_logprobs(
+                state.params, batch, graphdef=graphdef, config=update_config)))
+        batches = with_old
     history = []
     for _ in range(learner.ppo_epochs):
         for batch in batches:
+            check(len(history))
             state, metrics = train_step(state, batch, ref_params, graphdef=graphdef,
                                         optimizer=optimizer, config=update_config)
             history.append({k: float(v) for k, v in metrics.items()})
