@@ -15,6 +15,8 @@ sequential  The barriers of synchronous training on the same engine: `prompts_pe
             (of every problem of the batch) has finished, and `collect` returns only when every
             trajectory of its batches is complete (more batches while the trained samples are
             fewer than `samples_per_update`). Both modes train on the same update size.
+            A batch stopped mid-way (a preemption, below) is finished before the next starts,
+            its restored requests before the next stage level's.
 
 Trained samples: members of complete groups of the roles trained whose rewards differ (a
 zero-variance group adds no gradient).
@@ -46,6 +48,14 @@ each in completion order. Sequential mode's batches are global (`prompts_per_ste
 consecutive numbers over all hosts) and its stage barriers wait for every host. Nothing a host
 decides alone ever steers another host, so hosts never disagree (grading runs against
 wall-clock timeouts and may differ between hosts, but each host grades only its own).
+
+Preemption (`should_stop`, `mars_jax.preemption`): every round's exchange (pipeline mode's
+`_agree`, sequential mode's per-chunk barrier) carries each host's `should_stop()`; when any host
+says so, every host raises `Stopped` at that round, between two engine chunks. `state_dict` then
+holds the requests in flight as partial outputs, and a restored scheduler decodes what the
+uninterrupted one would have (up to the KV of a re-prefill). After `collect` and before the
+update, `state_dict(put_back=True)` is the state from before the hand-out: the handed-out groups
+are ready again, so a step whose update was stopped is redone from its start.
 """
 from __future__ import annotations
 
@@ -57,6 +67,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from mars_jax.distributed import HostGroup
+from mars_jax.preemption import Stopped
 from mars_jax.rl.pipeline import ROLES_TRAINED
 from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, Rollout
 
@@ -107,12 +118,13 @@ class StreamBatch:
 class _Agreed:
     """What every host knows after a round: each host's complete groups as (trained samples,
     lags beyond the bound at the next update) in completion order, the oldest untrained
-    rollout's first version over all hosts, and whether any host has work (or, in pipeline
-    mode, may admit a problem)."""
+    rollout's first version over all hosts, whether any host has work (or, in pipeline
+    mode, may admit a problem) and whether any host was asked to stop."""
 
     ready: list[list[tuple[int, bool]]]
     oldest: int | None
     busy: bool
+    stop: bool
 
     @property
     def samples(self) -> int:
@@ -127,7 +139,8 @@ class StreamingRollouts:
                  max_inflight_rows: int, staleness_bound: int, resume: str, roles_trained: str,
                  drop_zero_variance: bool, sampling: dict, stop_ids: Sequence[int],
                  clock: Callable[[], float] = time.perf_counter,
-                 hosts: HostGroup | None = None):
+                 hosts: HostGroup | None = None,
+                 should_stop: Callable[[], bool] = lambda: False):
         if mode not in MODES:
             raise ValueError(f"rollout.mode: {mode!r} is not one of {MODES}")
         if resume not in RESUME_MODES:
@@ -147,12 +160,17 @@ class StreamingRollouts:
         self.drop_zero_variance = drop_zero_variance
         self.sampling, self.stop_ids, self.clock = dict(sampling), tuple(stop_ids), clock
         self.hosts = hosts or HostGroup("stream")
+        self.should_stop = should_stop
         self.problems_admitted = 0                   # problems this host took so far
         self.batches = 0                             # sequential batches started (all hosts)
         self._inflight: dict[int, Rollout] = {}      # engine request id -> rollout
         self._ready: list[list[Rollout]] = []        # complete groups not yet handed out
         self._others_ready = 0                       # other hosts' ready samples, last agreed
         self._others_oldest: int | None = None       # and their oldest untrained version
+        # `_ready` before the last hand-out (until the update), and how many of its groups were
+        # kept (now the head of `_ready`)
+        self._before_hand_out: list[list[Rollout]] | None = None
+        self._kept = 0
 
     # --- one update's worth ----------------------------------------------------------------
 
@@ -161,9 +179,13 @@ class StreamingRollouts:
         start, tokens = self.clock(), self.engine.stats["tokens"]
         slot_steps, synced = self.engine.stats["slot_steps"], self.hosts.seconds
         admitted, deferred_since, deferred = self.problems_admitted, None, 0.0
+        self._before_hand_out = None
         while True:
             agreed = self._agree(version)
-            if agreed.samples >= self.samples_per_update:
+            if agreed.stop:
+                raise Stopped("stream: stopped between two decode rounds")
+            batch_open = self.mode == "sequential" and agreed.busy  # one restored mid-way
+            if agreed.samples >= self.samples_per_update and not batch_open:
                 if self._fresh_enough(agreed, version):
                     break
                 deferred_since = self.clock() if deferred_since is None else deferred_since
@@ -176,7 +198,9 @@ class StreamingRollouts:
                 self._decode_sequential_batch(version)
         if deferred_since is not None:
             deferred = self.clock() - deferred_since
+        self._before_hand_out = self._ready
         groups, self._ready = self._hand_out(agreed, version)
+        self._kept = len(self._ready)
         trained = [g for g in groups if g[0].role in self.roles]
         generated = self.engine.stats["tokens"] - tokens
         return StreamBatch(
@@ -193,18 +217,20 @@ class StreamingRollouts:
         meanwhile is handed out by the next `collect`. Work started now is trained one version
         later at the earliest, so with `staleness_bound=0` nothing starts (and by the staleness
         gate nothing is in flight): the run then trains exactly what one shared mesh trains.
-        Hosts do not wait for each other here (each host's update ends when it ends)."""
+        Hosts do not wait for each other here (each host's update ends when it ends); a host
+        asked to stop stops decoding (the update decides for all hosts)."""
         if self.mode != "pipeline":
             raise ValueError("decode_while: only pipeline mode overlaps rollout with an update")
         if self.staleness_bound < 1:
             return
-        while busy():
+        while busy() and not self.should_stop():
             if not self._round(version, until=lambda: not busy()):
                 return
 
     def weights_updated(self, model, version: int) -> None:
         """Decodes with `model` from now on; requests in slots go on per `resume`."""
         del version  # requests keep their first_version; the next submissions get the new one
+        self._before_hand_out = None  # what was handed out is trained
         self.engine.update_weights(model)
         if self.resume == "recompute":
             self.engine.recompute(self.engine.in_slots())
@@ -219,28 +245,55 @@ class StreamingRollouts:
         self._submit(version)
         if not self._inflight:
             return False
-        chunks = iter((False,))  # `stream` asks before each chunk: one chunk, then stop
         holding = False
-        for request_id, output in self.engine.stream(stop=lambda: next(chunks, True)):
-            self._absorb(request_id, output, version)
+
+        def after_output() -> None:
+            nonlocal holding
             holding = holding or until()
             if not holding:
                 self._admit()
                 self._submit(version)
+
+        self._chunk(version, after_output)
         return True
+
+    def _chunk(self, version: int, after_output: Callable[[], None] = lambda: None) -> None:
+        """Decodes one engine chunk, absorbing each output (then calling `after_output`)."""
+        chunks = iter((False,))  # `stream` asks before each chunk: one chunk, then stop
+        for request_id, output in self.engine.stream(stop=lambda: next(chunks, True)):
+            self._absorb(request_id, output, version)
+            after_output()
 
     def _decode_sequential_batch(self, version: int) -> None:
         """One synchronous batch: `prompts_per_step` problems (over all hosts) decoded stage
         level by stage level (every host's engine drains between levels) until every
-        trajectory is complete."""
+        trajectory is complete, in rounds of one engine chunk whose barrier also carries the
+        hosts' `should_stop`. A batch restored mid-way is finished instead of starting one: its
+        restored requests first (on every host), then the next levels."""
+        started = False
+        while True:
+            restored = any(r.first_version is not None for r in self.rollouts.pending)
+            everyone = self.hosts.gather([bool(self._inflight), bool(self.rollouts.pending),
+                                          restored, self.should_stop()])
+            inflight, pending, restored, stop = (any(column) for column in zip(*everyone))
+            if stop:
+                raise Stopped("stream: stopped between two decode chunks")
+            if inflight:
+                if self._inflight:
+                    self._chunk(version)
+            elif pending:
+                self._submit(version, restored_only=restored)
+            elif started:
+                return
+            else:
+                self._start_sequential_batch()
+            started = True
+
+    def _start_sequential_batch(self) -> None:
         end = (self.batches + 1) * self.prompts_per_step
         self.batches += 1
         while self._problem_number(self.problems_admitted) < end:
             self._take_problem()
-        while any(self.hosts.gather(bool(self.rollouts.pending))):
-            self._submit(version)
-            for request_id, output in self.engine.stream():
-                self._absorb(request_id, output, version)
 
     def _problem_number(self, taken: int) -> int:
         """The job-wide number of this host's `taken`-th problem (module docstring)."""
@@ -262,10 +315,16 @@ class StreamingRollouts:
         while self._can_admit():
             self._take_problem()
 
-    def _submit(self, version: int) -> None:
-        """Submits every pending rollout: members of a group spawned together as one request
-        group (prompt prefilled once), a restored partial output as a continuation."""
+    def _submit(self, version: int, restored_only: bool = False) -> None:
+        """Submits every pending rollout (with `restored_only`, only the restored ones: those
+        submitted before the checkpoint, ahead of the others): members of a group spawned
+        together as one request group (prompt prefilled once), a restored partial output as a
+        continuation."""
         pending, self.rollouts.pending = self.rollouts.pending, []
+        if restored_only:
+            cut = next((i for i, r in enumerate(pending) if r.first_version is None),
+                       len(pending))
+            pending, self.rollouts.pending = pending[:cut], pending[cut:]
         budgets = self.rollouts.config.max_new_tokens
 
         def key(item):
@@ -311,7 +370,7 @@ class StreamingRollouts:
         first = min((r.first_version for r in self._untrained()), default=None)
         busy = bool(self._inflight or self.rollouts.pending) or (
             self.mode == "pipeline" and self._can_admit())
-        everyone = self.hosts.gather([mine, first, busy])
+        everyone = self.hosts.gather([mine, first, busy, self.should_stop()])
         ready = [[tuple(group) for group in host[0]] for host in everyone]
         self._others_ready = sum(size for h, host in enumerate(ready) if h != self.hosts.index
                                  for size, _ in host)
@@ -319,7 +378,7 @@ class StreamingRollouts:
                   if h != self.hosts.index and host[1] is not None]
         self._others_oldest = min(others, default=None)
         return _Agreed(ready, min(others + ([] if first is None else [first]), default=None),
-                       any(host[2] for host in everyone))
+                       any(host[2] for host in everyone), any(host[3] for host in everyone))
 
     def _hand_out(self, agreed: _Agreed, version: int
                   ) -> tuple[list[list[Rollout]], list[list[Rollout]]]:
@@ -376,10 +435,19 @@ class StreamingRollouts:
 
     # --- checkpointing ---------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def _ready_groups(self, put_back: bool) -> list[list[Rollout]]:
+        """Complete groups not yet handed out; with `put_back`, also those the last `collect`
+        handed out, in the order they completed (module docstring)."""
+        if not put_back:
+            return self._ready
+        if self._before_hand_out is None:
+            raise ValueError("put_back: no hand-out since the last update")
+        return self._before_hand_out + self._ready[self._kept:]
+
+    def state_dict(self, put_back: bool = False) -> dict:
         """JSON-serialisable state: the rollouts (in-flight ones as pending partial outputs, in
         submission order, ahead of those not yet submitted), complete groups not yet handed out
-        and counters (recorded routing apart: `routing`)."""
+        (`put_back`: `_ready_groups`) and counters (recorded routing apart: `routing`)."""
         inflight = []
         for request_id in sorted(self._inflight):
             rollout = dataclasses.replace(self._inflight[request_id])
@@ -389,11 +457,14 @@ class StreamingRollouts:
         state = self.rollouts.state_dict()
         state["pending"] = inflight + state["pending"]
         return dict(rollouts=state, problems_admitted=self.problems_admitted,
-                    batches=self.batches, ready=[[r.to_json() for r in g] for g in self._ready])
+                    batches=self.batches,
+                    ready=[[r.to_json() for r in g] for g in self._ready_groups(put_back)])
 
-    def routing(self) -> dict:
-        """Recorded expert ids, by uid, of every rollout still to be trained that has them."""
-        ready = {r.uid: r.expert_ids for g in self._ready for r in g if r.expert_ids is not None}
+    def routing(self, put_back: bool = False) -> dict:
+        """Recorded expert ids, by uid, of every rollout still to be trained that has them
+        (`put_back`: as `state_dict`)."""
+        ready = {r.uid: r.expert_ids for g in self._ready_groups(put_back) for r in g
+                 if r.expert_ids is not None}
         return {**self.rollouts.routing(), **ready}
 
     def load_state_dict(self, state: dict, routing=None) -> None:
