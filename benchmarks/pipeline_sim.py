@@ -5,14 +5,18 @@ engine whose clock follows a roofline cost model (`benchmarks/sim/`).
   python benchmarks/pipeline_sim.py --hardware=h200x8 --progress=0 --updates=4
   python benchmarks/pipeline_sim.py --profile=cpu         # calibration: this CPU's measured costs
   python benchmarks/pipeline_sim.py --kv=paged            # what a paged KV cache would buy
-  python benchmarks/pipeline_sim.py --hardware=v5p-64 --rows="bound: decode only"   # some rows
+  python benchmarks/pipeline_sim.py --hardware=v5p-64 --rows="sequential, KV freed,sync"  # rows
+  python benchmarks/pipeline_sim.py --hardware=h200x64,v5p-1024 --sigma=1.3   # any size
 
+Hardware: `h200xN` (N H200s, 8 a node) or `v5p-N` (N / 2 TPU v5p chips, Google's naming).
 Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
-(Solver, V, C, V, C), 64k output budget per role decoded in 16k segments, 32k prompt cap,
+(Solver, V, C, V, C), 64k output budget per role, each output decoded in one go (the streaming
+scheduler cuts no segments; `rollout.segment_tokens` must be 0 with it), 32k prompt cap,
 `adaptive` selection, every role trained. Output lengths: `sim.lengths.LengthModel`; grading:
 `sim.agents.SimRollouts` (seeded correctness per role). The scheduler:
 `mars_jax.rl.streaming.StreamingRollouts` (admission, selection, stage barriers, staleness gate,
-keep / recompute), driving `sim.engine.SimEngine`.
+keep / recompute), driving `sim.engine.SimEngine`, which decodes in chunks of `--chunk_steps`
+steps as `Engine` does (a finished request's slot is refilled at the end of its chunk).
 
 Rows (every one on the whole machine; slots per chip = (0.9 x HBM - resident) / KV bytes of one
 slot of 32k + 64k positions, reserved in full as `Engine` does):
@@ -30,6 +34,20 @@ slot of 32k + 64k positions, reserved in full as `Engine` does):
   pipeline, KV freed    the same with `resume='recompute'`: in-flight requests are re-prefilled
                         after each update anyway, so their KV need not survive it (resident as
                         `sequential, KV freed`).
+  sync                  the baseline AReaL and verl compare against (`sim.sync.SyncRollouts`):
+                        one mesh, one barrier per training step (a step's 128 problems admitted
+                        together, the update waits for all their trajectories, nothing of the
+                        next step starts before it), no stage barriers (each problem's next
+                        stage submitted as its group completes, continuous batching). The
+                        optimizer state is offloaded while decoding (`mars_jax.offload`) and the
+                        engine is empty at the barrier, so only the bf16 weights are resident
+                        while decoding (as a rollout submesh); the update needs the train state
+                        + temporaries on all chips (the slot cache released for it, as the `KV
+                        freed` rows assume; `Engine` keeps it allocated today). The copy of
+                        AdamW's mu and nu (4 B per parameter) to the device and back is charged
+                        per update at the host link's rate (`Chip.host_bandwidth`).
+  pipeline, offloaded   `pipeline, KV freed` with the optimizer state offloaded as `sync`'s
+                        (resident: the bf16 weights; the offload charged the same way).
   pipeline+overlap r:t  r rollout chips (resident: the bf16 weights' share) + t training chips
                         (must hold the train-state share + the update temporaries); the engine
                         keeps decoding (`decode_while`) while the update runs, then waits for the
@@ -66,6 +84,7 @@ from benchmarks.sim.cost import CHIPS, GB, MeshCost, ModelCost, ProfileCost, kv_
 from benchmarks.pipeline import UPDATE as BENCH_UPDATE  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
+from benchmarks.sim.sync import SyncRollouts  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
 from mars_jax.rl.batching import pow2_at_least  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
@@ -74,6 +93,7 @@ from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
 
 GiB = 1 << 30
 TRAIN_STATE_BYTES_PER_PARAM = 8  # bf16 weights + AdamW mu, nu (param dtype) + gradients
+OFFLOADED_BYTES_PER_PARAM = 4    # AdamW mu, nu: what `mars_jax.offload` moves to the host
 USABLE_HBM = 0.9                 # of each chip's HBM, for the resident bytes and the KV cache
 
 
@@ -92,6 +112,21 @@ HARDWARE = {
 }
 
 
+def hardware(name: str) -> Hardware:
+    """`HARDWARE[name]`, or `h200xN` / `v5p-N` (N / 2 chips) of any size with no overlap split;
+    the update's temporaries per chip as the AOT record's (one update row per chip)."""
+    if name in HARDWARE:
+        return HARDWARE[name]
+    kind, sep, count = name.partition("x" if name.startswith("h200") else "-")
+    if kind not in ("h200", "v5p") or not sep or not count.isdigit():
+        raise ValueError(f"--hardware: {name!r} is not h200xN or v5p-N")
+    chips = int(count) // (2 if kind == "v5p" else 1)
+    if chips < 1:
+        raise ValueError(f"--hardware: {name!r} has no chips")
+    like = HARDWARE["h200x8" if kind == "h200" else "v5p-64"]
+    return dataclasses.replace(like, chips=chips, splits=())
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     prompts_per_step: int = 128
@@ -99,7 +134,7 @@ class Workload:
     fan_out: int = 2
     max_stages: int = 5
     max_new_tokens: int = 64 * 1024
-    segment_tokens: int = 16 * 1024
+    segment_tokens: int | None = None  # streamed outputs are never cut (rl/streaming.py)
     max_prompt_tokens: int = 32 * 1024
     problem_words: int = 150
     answer_tokens: tuple = (("solver", 1000), ("verifier", 600), ("corrector", 1000))
@@ -153,6 +188,8 @@ def check_train_memory(hw: Hardware, model: ModelCost, chips: int) -> None:
 
 
 BOUND = "bound: decode only"
+SYNC = "sync"
+PIPELINE_OFFLOADED = "pipeline, offloaded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,18 +197,22 @@ class Variant:
     """One row of the table: a scheduling mode on a layout of the machine."""
 
     label: str
-    mode: str                        # 'sequential' | 'pipeline'
+    mode: str                        # 'sequential' | 'pipeline' | 'sync'
     split: tuple[int, int] | None    # rollout, training chips (overlap), or None: one mesh
     resident: str                    # see `mesh_slots`
     update_free: bool = False        # the bound: updates cost nothing
     resume: str | None = None        # overrides --resume
+    offload: bool = False            # optimizer state on the host while decoding
 
 
 def variants(hw: Hardware) -> list[Variant]:
     rows = [Variant("sequential", "sequential", None, "train_state+update"),
             Variant("sequential, KV freed", "sequential", None, "train_state"),
             Variant("pipeline", "pipeline", None, "train_state+update"),
-            Variant("pipeline, KV freed", "pipeline", None, "train_state", resume="recompute")]
+            Variant("pipeline, KV freed", "pipeline", None, "train_state", resume="recompute"),
+            Variant(SYNC, "sync", None, "weights", offload=True),
+            Variant(PIPELINE_OFFLOADED, "pipeline", None, "weights", resume="recompute",
+                    offload=True)]
     rows += [Variant(f"pipeline+overlap {r}:{t}", "pipeline", (r, t), "weights")
              for r, t in hw.splits]
     rows.append(Variant(BOUND, "pipeline", None, "weights", update_free=True))
@@ -189,13 +230,15 @@ class Costs:
     kv_tokens: int | None = None   # paged KV: positions the rollout chips' cache holds
     kv_reserve: float = 0.0        # paged KV: see `SimEngine`
     train_chips: int = 1
+    offload_seconds: float = 0.0   # per update: the optimizer state to the device and back
+    chunk_steps: int | None = None # the engine decodes in chunks of this many steps (`SimEngine`)
 
 
 def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> Costs:
     model = ModelCost.of(get_preset("qwen3_30b_a3b"))
     chip = CHIPS[hw.chip]
     rollout_chips, train_chips = variant.split or (hw.chips, hw.chips)
-    if variant.split:
+    if variant.split or variant.offload:
         check_train_memory(hw, model, train_chips)
     make = lambda n, mfu=args.update_mfu: MeshCost(
         model, chip, n, step_overhead_s=args.step_overhead_ms / 1e3,
@@ -210,8 +253,11 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
                            positions=positions)
     copy = make(train_chips).weight_copy_seconds(rollout_chips) if variant.split else 0.0
     train = make(train_chips, float("inf")) if variant.update_free else make(train_chips)
+    offload = (2 * train.host_copy_seconds(model.total_params * OFFLOADED_BYTES_PER_PARAM)
+               if variant.offload else 0.0)
     return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split),
-                 kv_tokens, args.kv_reserve, train_chips)
+                 kv_tokens, args.kv_reserve, train_chips, offload,
+                 None if args.kv == "paged" else args.chunk_steps or None)
 
 
 def is_trained(group, drop_zero_variance: bool) -> bool:
@@ -235,20 +281,45 @@ def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int,
     return out
 
 
+class _SizeMemo:
+    """`StreamingRollouts._size` remembered per group (by its first member's uid): a complete
+    group's rewards no longer change, and the scheduler sizes every ready group after each
+    decode chunk, the simulation's hottest loop. Same results, less time."""
+
+    def _size(self, group):
+        sizes = self.__dict__.setdefault("_sizes", {})
+        key = group[0].uid
+        if key not in sizes:
+            sizes[key] = super()._size(group)
+        return sizes[key]
+
+
+class MemoStreaming(_SizeMemo, StreamingRollouts):
+    pass
+
+
+class MemoSync(_SizeMemo, SyncRollouts):
+    pass
+
+
 def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthModel, updates: int,
              warmup: int, samples_per_update: int, max_inflight_rows: int, resume: str = "keep",
              staleness_bound: int = 3, seed: int = 0) -> dict:
-    """Runs `updates` updates of `mode`; returns the measured window's figures."""
+    """Runs `updates` updates of `mode` ('sync': `SyncRollouts`); returns the measured window's
+    figures."""
     tokenizer = SimTokenizer(byte_level=workload.byte_level)
     rollouts = SimRollouts(tokenizer, workload.rollout_config(), seed=seed, encode=sim_encode,
                            correct_rates=dict(workload.correct_rates))
     max_length = workload.max_prompt_tokens + workload.max_new_tokens
     engine = SimEngine(costs.decode, lengths, num_slots=costs.slots, max_length=max_length,
                        role_of=role_of_prompt, answer_tokens=dict(workload.answer_tokens),
-                       kv_tokens=costs.kv_tokens, kv_reserve=costs.kv_reserve)
+                       kv_tokens=costs.kv_tokens, kv_reserve=costs.kv_reserve,
+                       chunk_steps=costs.chunk_steps)
     overlap = costs.overlap
-    scheduler = StreamingRollouts(
-        rollouts, engine, problems(workload.problem_words, seed), mode=mode,
+    schedule = MemoSync if mode == "sync" else MemoStreaming
+    scheduler = schedule(
+        rollouts, engine, problems(workload.problem_words, seed),
+        mode="sequential" if mode == "sync" else mode,
         prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
         max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
         roles_trained="all", drop_zero_variance=workload.drop_zero_variance,
@@ -280,7 +351,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
             train_free = end
             engine.advance(costs.copy_seconds)
         else:
-            engine.advance(seconds)
+            engine.advance(seconds + costs.offload_seconds)
         version += 1
         scheduler.weights_updated(None, version)
         ends.append(engine.now)
@@ -313,36 +384,63 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
         truncated_share=truncated / samples)
 
 
+def select_rows(text: str, labels: Sequence[str]) -> list[str]:
+    """The labels named in the comma-separated `text`, where a label may itself hold commas
+    ('sequential, KV freed'): at each point the longest run of comma-separated parts that is a
+    label is taken."""
+    parts, chosen, i = text.split(","), [], 0
+    while i < len(parts):
+        end = next((j for j in range(len(parts), i, -1)
+                    if ",".join(parts[i:j]).strip() in labels), None)
+        if end is None:
+            raise ValueError(f"--rows: no row {parts[i].strip()!r}; rows: {list(labels)}")
+        chosen.append(",".join(parts[i:end]).strip())
+        i = end
+    return chosen
+
+
 def run_hardware(name: str, progress: float, args) -> list[dict]:
-    hw = HARDWARE[name]
+    """The rows of `name` (`--rows`; the first, sequential row always) at `progress`; a row
+    whose memory does not fit is printed as such and left out. Pipeline rows update on
+    `--samples_per_update` trained samples, or as many as the first barrier row (sequential or
+    sync) trained per step."""
+    hw = hardware(name)
     lengths = LengthModel(sigma=args.sigma, progress=progress, seed=args.seed)
     workload = Workload()
     results = []
-    samples_per_update = 0
+    samples_per_update = args.samples_per_update
     chosen = variants(hw)
     if args.rows:
-        wanted = set(args.rows.split(","))
-        unknown = wanted - {v.label for v in chosen}
-        if unknown:
-            raise ValueError(f"--rows: no row {sorted(unknown)} on {name}; rows: "
-                             f"{[v.label for v in chosen]}")
+        wanted = set(select_rows(args.rows, [v.label for v in chosen]))
         chosen = [v for i, v in enumerate(chosen) if i == 0 or v.label in wanted]
+    base = None
     for variant in chosen:
-        costs = paper_costs(hw, variant, args, workload)
+        try:
+            costs = paper_costs(hw, variant, args, workload)
+        except ValueError as e:
+            print(f"{variant.label:24} does not fit: {e}")
+            continue
+        if costs.slots < 1:
+            print(f"{variant.label:24} does not fit: no slot beside the resident bytes")
+            continue
+        if variant.mode == "pipeline" and not samples_per_update:
+            raise ValueError(f"{name}: pipeline rows need a sequential or sync row first")
         cap = args.max_inflight_rows or 2 * costs.slots
         began = time.perf_counter()
         result = simulate(costs, variant.mode, workload=workload, lengths=lengths,
                           updates=args.updates, warmup=args.warmup,
-                          samples_per_update=(samples_per_update or 1)
+                          samples_per_update=samples_per_update
                           if variant.mode == "pipeline" else 1, max_inflight_rows=cap,
                           resume=variant.resume or args.resume, seed=args.seed)
         result["label"], result["sim_seconds"] = variant.label, time.perf_counter() - began
         if not samples_per_update:
             samples_per_update = round(result["samples_per_update"])
+        if variant is chosen[0]:
+            base = result["hours_per_1k"]
         results.append(result)
-        print_row(result, results[0]["hours_per_1k"])
+        print_row(result, base)
     bound = next((r for r in results if r["label"] == BOUND), None)
-    if bound:
+    if bound and base is not None:
         print(ceiling_line(results[0], bound, args.update_mfu))
     return results
 
@@ -365,9 +463,11 @@ HEADER = (f"{'mode':24} {'slots':>5} {'acc-h/1k':>9} {'vs seq':>7} {'h/update':>
           f"{'samples/upd':>11} {'held':>5} staleness (versions: samples)")
 
 
-def print_row(r: dict, base: float) -> None:
+def print_row(r: dict, base: float | None) -> None:
+    """One row; `vs seq` against `base` acc-h / 1k (None: the sequential row did not fit)."""
+    versus = f"{base / r['hours_per_1k']:6.2f}x" if base else f"{'-':>7}"
     print(f"{r['label']:24} {r['slots']:5d} {r['hours_per_1k']:9.2f} "
-          f"{base / r['hours_per_1k']:6.2f}x {r['wall_h_per_update']:9.2f} "
+          f"{versus} {r['wall_h_per_update']:9.2f} "
           f"{r['update_h_per_update']:9.2f} {r['occupancy']:9.1%} "
           f"{r['decode_occupancy']:10.1%} {r['decode_rows']:6.0f} {r['preemptions']:7d} "
           f"{r['samples_per_update']:11.0f} {r['deferred_share']:5.1%} {r['staleness']}",
@@ -465,7 +565,8 @@ def run_profile(args) -> None:
           f"{results[1]['samples_per_s'] / results[0]['samples_per_s']:.2f}x")
 
 
-def main() -> None:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line (`pipeline_curve.py` reuses it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hardware", default="h200x8,v5p-64")
     parser.add_argument("--progress", default="0,1",
@@ -480,6 +581,10 @@ def main() -> None:
     parser.add_argument("--slot_positions", type=int, default=0,
                         help="KV positions reserved per slot (0: prompt cap + budget, as Engine)")
     parser.add_argument("--resume", default="keep", choices=("keep", "recompute"))
+    parser.add_argument("--chunk_steps", type=int, default=16,
+                        help="reserved KV: the engine decodes in chunks of this many steps, "
+                             "as Engine (rollout.engine_chunk_steps); 0: every request ends "
+                             "at its own step (the tables before 2026-12-07)")
     parser.add_argument("--kv", default="reserved", choices=("reserved", "paged"),
                         help="reserved: a slot holds --slot_positions of KV (as Engine); paged: "
                              "the rollout chips' free HBM is one pool of positions, each request "
@@ -491,8 +596,11 @@ def main() -> None:
                              "budget admission keeps free (0: vLLM's greedy admission, 1: never "
                              "preempts)")
     parser.add_argument("--rows", default="",
-                        help="comma-separated row labels to run (the sequential row, the base of "
-                             "`vs seq`, always runs); empty: all")
+                        help="comma-separated row labels to run, e.g. 'sequential, KV freed,sync' "
+                             "(the sequential row, the base of `vs seq`, always runs); empty: all")
+    parser.add_argument("--samples_per_update", type=int, default=0,
+                        help="pipeline rows' update size (0: what the first barrier row trained "
+                             "per step, ~8,500)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="paper", choices=("paper", "cpu"),
                         help="cpu: predict benchmarks/pipeline.py from the --cpu_* costs")
@@ -517,7 +625,11 @@ def main() -> None:
     cpu.add_argument("--cpu_drop_zero_variance", action="store_true")
     cpu.add_argument("--cpu_visible", type=int, default=32,
                      help="visible tokens per output (0: all of it); the rest is thought")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arg_parser().parse_args()
     if args.profile == "cpu":
         run_profile(args)
         return

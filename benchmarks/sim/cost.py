@@ -13,6 +13,7 @@ update        FLOPs / (chips x peak x update MFU) per trained sample: forward (1
               + per-layer remat forward (1) + the pi_old forward at the start of the step (1) =
               5 forwards of the sample's prompt + response.
 weight copy   bf16 weights / (sending chips x link rate per direction).
+offload       bytes per chip / the chip's host link rate per direction (`Chip.host_bandwidth`).
 
 The cost of every program is spread evenly over the mesh's chips (an expert- / tensor-parallel
 decode that reads each weight once per step across the mesh; the batch split evenly).
@@ -32,21 +33,25 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One accelerator: dense bf16 peak, HBM bandwidth and capacity, link rate per direction."""
+    """One accelerator: dense bf16 peak, HBM bandwidth and capacity, chip-to-chip link rate and
+    host link rate, each per direction."""
 
     name: str
     peak_flops: float
     hbm_bandwidth: float
     hbm_bytes: float
     link_bandwidth: float
+    host_bandwidth: float
 
 
 # Sources: NVIDIA H200 datasheet (989 TFLOP/s dense BF16 = 1,979 with sparsity; 141 GB HBM3e at
-# 4.8 TB/s; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction); Google Cloud "TPU v5p"
-# page (459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, ICI 1,200 GB/s bidirectional per chip).
+# 4.8 TB/s; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; PCIe Gen5 128 GB/s
+# bidirectional = 64 GB/s per direction to the host); Google Cloud "TPU v5p" page (459 TFLOP/s
+# bf16, 95 GB HBM2e at 2,765 GB/s, ICI 1,200 GB/s bidirectional per chip). The v5p host link
+# is not published: taken as PCIe Gen4 x16, 32 GB/s per direction (an assumption).
 CHIPS = {
-    "h200": Chip("H200", 989e12, 4.8e12, 141 * GB, 450 * GB),
-    "v5p": Chip("TPU v5p", 459e12, 2.765e12, 95 * GB, 600 * GB),
+    "h200": Chip("H200", 989e12, 4.8e12, 141 * GB, 450 * GB, 64 * GB),
+    "v5p": Chip("TPU v5p", 459e12, 2.765e12, 95 * GB, 600 * GB, 32 * GB),
 }
 
 
@@ -181,6 +186,11 @@ class MeshCost:
         sending (this mesh's links) and receiving (theirs), one direction."""
         links = min(self.chips, receiving_chips)
         return self.model.weight_bytes / (links * self.chip.link_bandwidth)
+
+    def host_copy_seconds(self, total_bytes: float) -> float:
+        """`total_bytes` spread evenly over the chips, each chip's share over its host link
+        (one direction)."""
+        return total_bytes / (self.chips * self.chip.host_bandwidth)
 
 
 def kv_capacity(model: ModelCost, free_bytes: float, positions: int = 1) -> int:

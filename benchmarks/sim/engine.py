@@ -11,7 +11,11 @@ decode steps in between at the cost model's step time for that many live rows an
 contexts (`MeshCost.decode_seconds`), or for the slot bucket and KV span `Engine` would decode
 (`ProfileCost` with `engine_buckets`; the span taken at the interval's middle). Prefills stall
 decoding (charged in sequence). A freed slot is refilled at the next event (the real engine's
-`admit_batch=1`; its chunks of `chunk_steps` steps are not modelled).
+`admit_batch=1`). With `chunk_steps` = C (reserved slots only) the engine decodes in chunks of C
+steps, as `Engine` does: the next event is the end of the chunk in which the first running request
+ends, every request ending inside that chunk is yielded then and its slot idles until then (each
+stretch of the chunk charged at the rows still live in it; slot bucket and span taken at the
+chunk's start); without it, events fall on the step a request ends.
 
 KV memory: by default a slot holds its KV whatever its request's length (as `Engine` reserves
 it), so `num_slots` alone bounds the rows. With `kv_tokens` the cache is paged, as vLLM's: the
@@ -82,9 +86,14 @@ class SimEngine:
 
     def __init__(self, cost, lengths: LengthModel, *, num_slots: int, max_length: int,
                  role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int],
-                 kv_tokens: int | None = None, kv_reserve: float = 0.0):
+                 kv_tokens: int | None = None, kv_reserve: float = 0.0,
+                 chunk_steps: int | None = None):
         if num_slots < 1:
             raise ValueError(f"num_slots: need >= 1, got {num_slots}")
+        if chunk_steps is not None and (chunk_steps < 1 or kv_tokens is not None):
+            raise ValueError(f"chunk_steps: need >= 1 and reserved slots (no kv_tokens), got "
+                             f"{chunk_steps}")
+        self.chunk_steps = chunk_steps
         if kv_tokens is not None and kv_tokens < max_length:
             raise ValueError(f"kv_tokens: need >= max_length ({max_length}) so that one request "
                              f"always fits, got {kv_tokens}")
@@ -269,6 +278,9 @@ class SimEngine:
 
     def _decode_to_next_event(self) -> None:
         running = [self._requests[i] for i in self._running]
+        if self.chunk_steps:
+            self._decode_chunks(running)
+            return
         steps = max(0, min(r.end - r.generated for r in running))
         if self.kv_tokens is not None:
             free = self.kv_tokens - self.kv_in_use()
@@ -292,6 +304,42 @@ class SimEngine:
         self.stats["row_steps"] += steps * rows
         self.stats["tokens"] += steps * rows
         self.stats["live_slot_seconds"] += seconds * rows
+        self._advance_requests(running, steps)
+
+    def _decode_chunks(self, running: list[_Request]) -> None:
+        """Whole chunks up to the end of the one in which the first running request ends
+        (module docstring)."""
+        left = {r.id: r.end - r.generated for r in running}
+        steps = -(-max(0, min(left.values())) // self.chunk_steps) * self.chunk_steps
+        ending = sorted((left[r.id], r.id) for r in running if left[r.id] < steps)
+        rows, context = len(running), sum(r.context for r in running)
+        bucket = self._bucket(running)
+        span = span_bucket(max(r.context for r in running) + (steps + 1) // 2, self.max_length)
+        done = 0
+        for at in [at for at, _ in ending] + [steps]:
+            if at > done:
+                seconds = self.cost.decode_seconds(rows, context, at - done, bucket=bucket,
+                                                   span=span)
+                self.now += seconds
+                self.stats["decode_seconds"] += seconds
+                self.stats["live_slot_seconds"] += seconds * rows
+                self.stats["row_steps"] += (at - done) * rows
+                self.stats["tokens"] += (at - done) * rows
+                context += (at - done) * rows
+                done = at
+            if at < steps:  # a request ends here: its row stops
+                rows -= 1
+                context -= self._requests[ending[0][1]].context + at
+                ending.pop(0)
+        self.stats["decode_steps"] += steps
+        self.stats["slot_steps"] += steps * self.num_slots
+        for request in running:
+            request.generated += min(steps, left[request.id])
+        self._advance_requests(running, 0)
+
+    def _advance_requests(self, running: list[_Request], steps: int) -> None:
+        """Adds `steps` tokens to each running request and finishes (or pauses) those at their
+        end."""
         for request in running:
             request.generated += steps
             if request.generated < request.end:

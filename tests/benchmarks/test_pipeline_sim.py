@@ -5,16 +5,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from benchmarks.pipeline_sim import (HARDWARE, ceiling_line, mesh_kv_tokens, mesh_slots,
-                                     padded_tokens, step_grid, update_costs)
+from benchmarks.pipeline_sim import (HARDWARE, Workload, arg_parser, ceiling_line, hardware,
+                                     mesh_kv_tokens, mesh_slots, padded_tokens, paper_costs,
+                                     select_rows, step_grid, update_costs, variants)
 from benchmarks.sim.agents import (SimRollouts, SimTokenizer, problems, role_of_prompt,
                                    sim_encode)
 from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost, ProfileCost
 from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.lengths import LengthModel, capped_lognormal_mean
+from benchmarks.sim.sync import SyncRollouts
 from mars_jax.models import get_preset
 from mars_jax.rewards.text import strip_thinking
-from mars_jax.rl.rollout import RolloutConfig
+from mars_jax.rl.rollout import RolloutConfig, sequence_seed
 from mars_jax.rl.streaming import StreamingRollouts
 
 
@@ -127,6 +129,26 @@ def test_event_clock_against_a_hand_computed_schedule():
                       (ids[2], "stop", 3, 7.15)]
     assert engine.stats["row_steps"] == 2 * 2 + 2 * 2 + 1
     assert engine.stats["decode_steps"] == 5
+
+
+def test_chunked_clock_against_a_hand_computed_schedule():
+    # The schedule above in chunks of 3 steps. A, B prefilled (0.1); B ends after 2 steps of 2
+    # rows (3.0), A decodes the chunk's third step alone (1.0): B out at 4.1, A at 3 tokens. C
+    # prefilled (4.15); A's last step beside C (1.5), C's next 2 alone (2.0): both out at 7.65.
+    engine = SimEngine(ProfileCost(step_rows=(1, 2), step_seconds=(1.0, 1.5),
+                                   prefill_per_token_s=0.01, update_per_token_s=0.0),
+                       FixedLengths({0: 4, 1: 2, 2: 3}), num_slots=2, max_length=100,
+                       role_of=lambda ids: "solver", answer_tokens={"solver": 2}, chunk_steps=3)
+    ids = [engine.submit([7] * 5, max_new_tokens=10, seed=s, stop_ids=(1,))[0] for s in range(3)]
+    events = [(i, out.finish_reason, len(out.tokens), round(engine.now, 6))
+              for i, out in engine.stream()]
+    assert events == [(ids[1], "stop", 2, 4.1), (ids[0], "stop", 4, 7.65),
+                      (ids[2], "stop", 3, 7.65)]
+    assert (engine.stats["decode_steps"], engine.stats["tokens"]) == (6, 4 + 2 + 3)
+    assert engine.stats["live_slot_seconds"] == pytest.approx(3.0 * 2 + 1.0 + 1.5 * 2 + 2.0)
+    with pytest.raises(ValueError, match="chunk_steps"):
+        SimEngine(None, FixedLengths({}), num_slots=2, max_length=20, role_of=lambda ids: "s",
+                  answer_tokens={}, kv_tokens=20, chunk_steps=3)
 
 
 def test_group_prompt_prefilled_once_and_requests_submitted_mid_stream_run():
@@ -354,3 +376,112 @@ def test_sim_engine_charges_the_slot_bucket_and_span_the_engine_decodes():
     list(engine.stream())
     assert cost.calls == [(4, 4, 384, 2), (4, 4, 384, 2), (3, 4, 384, 1), (2, 2, 384, 1),
                           (1, 1, 384, 2)]
+
+
+class ScriptedLengths:
+    """Output lengths by (problem, stage) of a run seeded 0 whose stages spawn one group each
+    (fan-out 1): the sequence seeds of `rl.rollout.sequence_seed` mapped back."""
+
+    def __init__(self, table: dict):
+        self.by_seed = {sequence_seed(0, f"{problem}/s{stage}/0") + member: length
+                        for (problem, stage), length in table.items() for member in range(2)}
+
+    def draw(self, role, sequence_seed):
+        return self.by_seed[sequence_seed]
+
+
+def _barrier_log(schedule, mode):
+    """Two steps of two problems, groups of 2, fan-out 1, 3 stages (S, V, C: every Solver wrong,
+    every verdict right, so each problem runs all three). Problem A (p0, p2) outputs 10 tokens at
+    every stage, B (p1, p3) 4. A decode step takes 1 s whatever the rows, prefill nothing, 8
+    slots (never full); the update takes 5 s. Returns (submission time, problem, stage) per
+    request group and the clock when each collect returned."""
+    config = RolloutConfig(group_size=2, fan_out=1, max_stages=3,
+                           max_new_tokens={r: 64 for r in ("solver", "verifier", "corrector")},
+                           max_prompt_tokens=2048, enable_thinking=True)
+    rollouts = SimRollouts(SimTokenizer(), config, seed=0, encode=sim_encode,
+                           correct_rates={"solver": 0.0, "verifier": 1.0, "corrector": 0.5})
+    lengths = ScriptedLengths({(f"p{n}", stage): 10 if n % 2 == 0 else 4
+                               for n in range(4) for stage in range(3)})
+    cost = ProfileCost(step_rows=(1, 8), step_seconds=(1.0, 1.0), prefill_per_token_s=0.0,
+                       update_per_token_s=0.0)
+    engine = SimEngine(cost, lengths, num_slots=8, max_length=4096, role_of=role_of_prompt,
+                       answer_tokens={"solver": 2, "verifier": 2, "corrector": 2})
+    scheduler = schedule(
+        rollouts, engine, problems(5), mode=mode, prompts_per_step=2, samples_per_update=1,
+        max_inflight_rows=16, staleness_bound=1, resume="keep", roles_trained="all",
+        drop_zero_variance=False, sampling={}, stop_ids=(1,), clock=engine.clock)
+    log, returned = [], []
+    submit = scheduler._submit
+
+    def logged(version, **kwargs):
+        for r in scheduler.rollouts.pending[::2]:  # one entry per group of 2
+            log.append((engine.now, r.problem_uid, r.stage))
+        submit(version, **kwargs)
+
+    scheduler._submit = logged
+    for version in range(2):
+        scheduler.collect(version)
+        returned.append(engine.now)
+        engine.advance(5.0)
+        scheduler.weights_updated(None, version + 1)
+    return log, returned
+
+
+def test_sync_has_one_barrier_per_step_and_none_between_stages():
+    # By hand, step 1: both Solver groups start at 0; B's ends at 4 and its Verifier starts at
+    # once (before A's Solver ends at 10, A's Corrector at 30), ends at 8, its Corrector runs
+    # 8-12; A's Verifier runs 10-20, its Corrector 20-30. The update runs 30-35; step 2
+    # repeats the pattern from 35 and nothing of it starts earlier.
+    log, returned = _barrier_log(SyncRollouts, "sequential")
+    assert log == [(0.0, "p0", 0), (0.0, "p1", 0), (4.0, "p1", 1), (8.0, "p1", 2),
+                   (10.0, "p0", 1), (20.0, "p0", 2),
+                   (35.0, "p2", 0), (35.0, "p3", 0), (39.0, "p3", 1), (43.0, "p3", 2),
+                   (45.0, "p2", 1), (55.0, "p2", 2)]
+    assert returned == [30.0, 65.0]
+    # The sequential mode holds B's Verifier until every Solver ended (10), B's Corrector until
+    # every Verifier ended (20; B's groups spawned first, so submitted first): the same step
+    # length here, other start times.
+    log, returned = _barrier_log(StreamingRollouts, "sequential")
+    assert log[:6] == [(0.0, "p0", 0), (0.0, "p1", 0), (10.0, "p1", 1), (10.0, "p0", 1),
+                       (20.0, "p1", 2), (20.0, "p0", 2)]
+    assert returned == [30.0, 65.0]
+
+
+def test_sync_refuses_pipeline_mode():
+    with pytest.raises(ValueError, match="sequential"):
+        SyncRollouts(_rollouts({"solver": 0.5, "verifier": 0.5, "corrector": 0.5}), None,
+                     problems(5), mode="pipeline", prompts_per_step=1, samples_per_update=1,
+                     max_inflight_rows=1, staleness_bound=1, resume="keep", roles_trained="all",
+                     drop_zero_variance=False, sampling={}, stop_ids=(1,))
+
+
+def test_every_row_can_be_selected_though_labels_hold_commas():
+    labels = [v.label for v in variants(HARDWARE["v5p-64"])]
+    assert "sequential, KV freed" in labels and "sync" in labels
+    for label in labels:
+        assert select_rows(label, labels) == [label]
+    assert select_rows(",".join(labels), labels) == labels
+    assert select_rows("sequential, KV freed,sync", labels) == ["sequential, KV freed", "sync"]
+    with pytest.raises(ValueError, match="KV kept"):
+        select_rows("sequential,KV kept", labels)
+
+
+def test_hardware_names_and_the_offload_charged_at_the_host_link():
+    assert hardware("h200x64").chips == 64 and hardware("v5p-1024").chips == 512
+    assert hardware("h200x8") == HARDWARE["h200x8"]
+    with pytest.raises(ValueError, match="h200xN"):
+        hardware("a100x8")
+    # 8 x H200: AdamW's mu and nu (4 B x 30.53B parameters) over 8 PCIe Gen5 links at 64 GB/s,
+    # to the device and back: 2 x 122.1 GB / 512 GB/s = 0.477 s per update.
+    args = arg_parser().parse_args([])
+    rows = {v.label: v for v in variants(HARDWARE["h200x8"])}
+    model = ModelCost.of(get_preset("qwen3_30b_a3b"))
+    sync = paper_costs(HARDWARE["h200x8"], rows["sync"], args, Workload())
+    assert sync.offload_seconds == pytest.approx(2 * 4 * model.total_params / (8 * 64e9))
+    assert sync.offload_seconds == pytest.approx(0.477, abs=0.001)
+    sequential = paper_costs(HARDWARE["h200x8"], rows["sequential"], args, Workload())
+    assert sequential.offload_seconds == 0
+    # Slots: 0.9 x 141 GiB less the bf16 weights' eighth, in slots of 9.66 GB: 13 a GPU, against
+    # 3 a GPU beside the train state and the update's temporaries.
+    assert (sync.slots, sequential.slots) == (104, 24)
