@@ -138,6 +138,17 @@ class Checkpointer:
             self._failed(e)
         self._pending = None
 
+    def steps(self) -> list[int]:
+        """The steps checkpointed, once the pending save is committed."""
+        self.wait()
+        return list(self.manager.all_steps())
+
+    def delete(self, step: int) -> None:
+        """Removes checkpoint `step` (to save that step again), once the pending save is
+        committed."""
+        self.wait()
+        self.manager.delete(step)
+
     def _failed(self, error: Exception) -> None:
         step, self._pending = self._pending, None
         self.manager.reload()

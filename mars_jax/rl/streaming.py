@@ -108,7 +108,8 @@ class StreamBatch:
     seconds: float                       # wall time of the collect (clock of the scheduler)
     deferred_seconds: float              # of which the update was due but held by staleness
     problems_admitted: int
-    inflight: int                        # rollouts in flight when it returned
+    inflight: int                        # rollouts in flight when it returned (restored ones
+                                         # not yet resubmitted included)
     staleness: list[int]                 # version - first_version per trained sample
     occupancy: float                     # generated tokens / (decode steps x slots)
     sync_seconds: float = 0.0            # of `seconds`, waiting for the other hosts
@@ -207,7 +208,9 @@ class StreamingRollouts:
             groups=trained, all_groups=groups, generated_tokens=generated,
             occupancy=generated / max(1, self.engine.stats["slot_steps"] - slot_steps),
             seconds=self.clock() - start, deferred_seconds=deferred,
-            problems_admitted=self.problems_admitted - admitted, inflight=len(self._inflight),
+            problems_admitted=self.problems_admitted - admitted,
+            inflight=len(self._inflight) + sum(r.first_version is not None
+                                               for r in self.rollouts.pending),
             staleness=[version - r.first_version for g in trained if self._size(g) for r in g],
             sync_seconds=self.hosts.seconds - synced)
 
