@@ -23,12 +23,13 @@ from common import base_config  # noqa: E402
 ROLES = {"marsrl": "all", "marsrl_s": "solver", "marsrl_vc": "vc"}
 
 
+@pytest.mark.parametrize("module", [study, study_weak])
 @pytest.mark.parametrize("variant,roles", ROLES.items())
-def test_study_variants_are_valid_and_train_their_roles(variant, roles):
-    config = study.get_config(variant)
+def test_study_variants_are_valid_and_train_their_roles(module, variant, roles):
+    config = module.get_config(variant)
     validate(config, base_config(), device_count=1)
     assert config.rollout.roles_trained == roles
-    assert config.model.checkpoint == "/tmp/mars_study/sft/model"
+    assert config.model.checkpoint == f"{module.ROOT}/sft/model"
     assert config.rollout.group_size == 8 and config.eval.num_problems >= 500
 
 
@@ -77,14 +78,11 @@ def test_study_configs_run_shrunk(tmp_path):
         assert (rows[-1]["reward/verifier"] is not None) == (variant != "marsrl_s"), variant
 
 
-@pytest.mark.parametrize("variant,roles", ROLES.items())
-def test_study_weak_variants_are_valid_and_run_as_the_paper(variant, roles):
+@pytest.mark.parametrize("variant", ROLES)
+def test_study_weak_runs_as_the_paper_on_the_strong_study_s_problems(variant):
     config = study_weak.get_config(variant)
-    validate(config, base_config(), device_count=1)
-    assert config.rollout.roles_trained == roles
-    assert config.model.checkpoint == "/tmp/mars_study_weak/sft/model"
-    assert (config.rollout.selection, config.rollout.group_size) == ("adaptive", 8)
-    assert config.rollout.temperature == 1.0 and config.eval.num_problems >= 500
+    assert (config.rollout.selection, config.rollout.temperature) == ("adaptive", 1.0)
+    assert study_weak.ROOT != study.ROOT
     # Problems, budgets and the evaluation are the strong study's.
     strong = study.get_config(variant)
     assert dict(config.data.arith) == dict(strong.data.arith)
