@@ -151,6 +151,9 @@ def get_config(arg: str | None = None):
         c.data.name = "arith"
         c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_stages = 2, 4, 3
         c.rollout.max_prompt_tokens = 512
+        # A random tiny model earns no reward: keep its zero-variance groups (zero loss mask) so
+        # that updates come every prompts_per_step x group_size samples.
+        c.rollout.drop_zero_variance = False
         c.rollout.prompt_style = "compact"
         c.rollout.enable_thinking = False
         for role in ("solver", "verifier", "corrector"):
