@@ -80,6 +80,7 @@ from mars_jax.sampling.sampler import _batch_multiple as sharding_multiple  # no
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "configs"))
 from common import base_config  # noqa: E402
+import colocated_slots  # noqa: E402
 
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
 ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs", "update")
@@ -110,6 +111,9 @@ _PROGRAMS = flags.DEFINE_list("programs", [], f"Subset of {ALL_PROGRAMS} (defaul
                               "`step_programs` of the config).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "Compile this many layers (0: the config's).")
 _JSON = flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
+_COLOCATED = flags.DEFINE_bool(
+    "colocated_slots", False, "Also print the engine slots one shared mesh fits before / after "
+    "offloading the update's state (experiments/colocated_slots.py; needs engine_decode, update).")
 flags.mark_flags_as_required(["config", "topology"])
 
 
@@ -587,6 +591,7 @@ class Report:
     rollout_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     weight_copy_bytes: int = 0
     weight_copy_bytes_per_device: int = 0
+    colocated: colocated_slots.SlotBudget | None = None  # with --colocated_slots
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -596,7 +601,7 @@ class Report:
 
 
 def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
-        programs: Sequence[str] = (), num_layers: int = 0) -> Report:
+        programs: Sequence[str] = (), num_layers: int = 0, colocated: bool = False) -> Report:
     """Compiles `programs` (default: `step_programs(config)`) of `config` for `topology`."""
     programs = tuple(programs) or step_programs(config)
     unknown = set(programs) - set(ALL_PROGRAMS)
@@ -620,18 +625,31 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
         steps, where = (train, "train") if p in TRAIN_PROGRAMS else (rollout, "rollout")
         results.append(compile_program(p, lambda p=p, steps=steps: steps.lower(p),
                                        target.hbm_bytes, where if split else "shared"))
+    budget = None
+    if colocated:
+        engine_devices = set(rollout_mesh.devices.flat)
+        if not engine_devices <= set(train_mesh.devices.flat):
+            raise ValueError("--colocated_slots: the engine's devices must also train "
+                             "(mesh.rollout.devices=0)")
+        opt_state = _abstract(jax.eval_shape(train.optimizer.init, train.weights),
+                              train.opt_shardings)
+        budget = colocated_slots.budget(
+            opt_state, results, kv_bytes, sharding_multiple(rollout_mesh), target.hbm_bytes,
+            copies=(train.weights, rollout.weights) if split else None,
+            engines=train_mesh.devices.size // len(engine_devices))
     return Report(target.description, dict(train_mesh.shape),
                   config.model.checkpoint or config.model.preset, cfg.num_hidden_layers,
                   train.shapes, target.hbm_bytes, results, kv_bytes,
                   rollout_mesh=dict(rollout_mesh.shape), weight_copy_bytes=copy_bytes[0],
-                  weight_copy_bytes_per_device=copy_bytes[1])
+                  weight_copy_bytes_per_device=copy_bytes[1], colocated=budget)
 
 
 def main(argv):
     del argv
     try:
         report = run(_CONFIG.value, _TOPOLOGY.value, num_slices=_NUM_SLICES.value,
-                     programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value)
+                     programs=_PROGRAMS.value, num_layers=_NUM_LAYERS.value,
+                     colocated=_COLOCATED.value)
     except ConfigError as e:
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)
@@ -643,6 +661,8 @@ def main(argv):
     print(f"model   {report.model}: {report.layers} layers")
     print(f"shapes  {dataclasses.asdict(report.shapes)}")
     print(format_table(report.results, report.hbm_bytes))
+    if report.colocated:
+        print(report.colocated.lines())
     if _JSON.value:
         Path(_JSON.value).write_text(report.to_json())
     if not all(r.fits for r in report.results):
