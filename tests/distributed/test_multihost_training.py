@@ -4,7 +4,6 @@ resume that continues from the saved step on each host (one step, then a resume 
 Runs with the slow tests."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.cpu_env import cpu_env
+from tests.distributed.processes import finish, free_port
 
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(workdir: Path, total_steps: int) -> list[str]:
     """Both processes of the smoke job to `total_steps`; returns their outputs."""
-    port = _free_port()
+    port = free_port()
     env = cpu_env(devices=2, PYTHONPATH=str(ROOT))
     runs = [subprocess.Popen(
         [sys.executable, "experiments/run.py", "--config=experiments/configs/smoke.py",
@@ -37,14 +31,7 @@ def _run_job(workdir: Path, total_steps: int) -> list[str]:
          "--config.rollout.drop_zero_variance=False", "--config.checkpoint.every_steps=1"],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in range(2)]
-    try:
-        outputs = [run.communicate(timeout=1200)[0] for run in runs]
-    finally:
-        for run in runs:
-            run.kill()
-    for pid, (run, output) in enumerate(zip(runs, outputs)):
-        assert run.returncode == 0, f"process {pid} failed:\n{output[-4000:]}"
-    return outputs
+    return finish(runs, timeout=1200)
 
 
 def _steps(path: Path) -> list[int]:

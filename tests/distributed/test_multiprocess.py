@@ -7,8 +7,6 @@ two-process run must save an orbax checkpoint from both hosts and restore it, ea
 checkpoint arrays included.
 """
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +15,10 @@ import numpy as np
 import pytest
 
 from tests.cpu_env import cpu_env
+from tests.distributed.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _start(out: Path, devices: int, *args: str) -> subprocess.Popen:
@@ -37,7 +30,7 @@ def _start(out: Path, devices: int, *args: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     runs = [_start(tmp_path / "single", 4)] + [
         _start(tmp_path / "multi", 2, f"--coordinator=localhost:{port}", "--num_processes=2",
                f"--process_id={i}") for i in range(2)]

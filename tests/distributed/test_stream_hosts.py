@@ -11,7 +11,6 @@ through `experiments/run.py` with rewards that vary within groups (`recorded_str
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.cpu_env import cpu_env
+from tests.distributed.processes import finish, free_port
 from tests.fault import harness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,12 +37,6 @@ TIMING = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_
           "sync/seconds")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _command(workdir: Path, *extra: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--config=experiments/configs/smoke.py",
             f"--workdir={workdir}",
@@ -52,22 +46,12 @@ def _command(workdir: Path, *extra: str) -> list[str]:
 
 def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]:
     env = cpu_env(devices=8 // processes, PYTHONPATH=str(ROOT))
-    hosts = [] if processes == 1 else [f"--coordinator_address=localhost:{_free_port()}",
+    hosts = [] if processes == 1 else [f"--coordinator_address=localhost:{free_port()}",
                                        f"--num_processes={processes}"]
     return [subprocess.Popen(
         _command(workdir, *extra, *hosts, *([f"--process_id={pid}"] if hosts else [])),
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in range(processes)]
-
-
-def _finish(runs: list[subprocess.Popen]) -> None:
-    try:
-        outputs = [run.communicate(timeout=900)[0] for run in runs]
-    finally:
-        for run in runs:
-            run.kill()
-    for pid, (run, output) in enumerate(zip(runs, outputs)):
-        assert run.returncode == 0, f"process {pid} failed:\n{output[-4000:]}"
 
 
 def _records(workdir: Path, process: int, key: str) -> list:
@@ -92,7 +76,7 @@ def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
     sequential = ["--config.rollout.mode=sequential"]
     runs = (_start(tmp_path / "one", 1, *sequential, "--config.learner.micro_batch_size=8")
             + _start(tmp_path / "two", 2, *sequential, "--config.learner.micro_batch_size=4"))
-    _finish(runs)
+    finish(runs, timeout=900)
     one, two = _trained(tmp_path / "one", 1), _trained(tmp_path / "two", 2)
     assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in two]
     assert one == two
@@ -111,7 +95,7 @@ def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
     runs = _start(tmp_path, 2, "--config.rollout.mode=pipeline",
                   "--config.rollout.staleness_bound=1", "--config.mesh.rollout.devices=2",
                   "--config.learner.micro_batch_size=4")
-    _finish(runs)
+    finish(runs, timeout=900)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     hosts = [rows] + [[json.loads(line) for line in
                        (tmp_path / "host1" / "metrics.jsonl").read_text().splitlines()]]
@@ -127,7 +111,7 @@ def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
     pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4",
                 "--config.learner.micro_batch_size=4"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    _finish(_start(straight, 2, *pipeline))
+    finish(_start(straight, 2, *pipeline), timeout=900)
     runs = _start(killed, 2, *pipeline)
     deadline = time.time() + 600
     while not ((killed / "metrics.jsonl").exists()
@@ -138,6 +122,6 @@ def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
         run.send_signal(signal.SIGKILL)
         run.wait()
     assert len((killed / "metrics.jsonl").read_text().splitlines()) < 4
-    _finish(_start(killed, 2, *pipeline))
+    finish(_start(killed, 2, *pipeline), timeout=900)
     assert _metrics(killed) == _metrics(straight)
     assert _metrics(killed / "host1") == _metrics(straight / "host1")
