@@ -1,6 +1,8 @@
 """Rollout on its own submesh, overlapped with the update (8 fake CPU devices, split 4:4): at
 staleness bound 0 the run trains exactly what the shared-mesh run trains; at bound 1 it decodes
-during updates and no trained sample lags more than one version."""
+during updates and no trained sample lags more than one version. Rewards are the parity of each
+rollout's index in its group (`tests/fault/parity_reward_run.py`), so every update moves the
+parameters."""
 import json
 import os
 import subprocess
@@ -27,7 +29,7 @@ SKIP = ("time/", "tokens_per_second", "stream/deferred_seconds", "sync/seconds",
 
 def _run(workdir, *extra):
     env = cpu_env(devices=8)
-    subprocess.run([sys.executable, str(REPO / "experiments/run.py"),
+    subprocess.run([sys.executable, str(REPO / "tests/fault/parity_reward_run.py"),
                     "--config=" + str(REPO / "experiments/configs/smoke.py"),
                     f"--workdir={workdir}",
                     f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}",
@@ -40,6 +42,7 @@ def test_split_mesh_at_staleness_0_trains_what_one_mesh_trains(tmp_path):
     split = _run(tmp_path / "split", "--config.rollout.staleness_bound=0",
                  "--config.mesh.rollout.devices=4")
     assert [0 < r["sync/bytes_per_device"] < r["sync/bytes"] for r in split] == [True] * 3
+    assert all(r["update/grad_norm"] > 0 for r in shared)  # every update moved the weights
     for a, b in zip(shared, split, strict=True):
         assert a.keys() | {"sync/bytes", "sync/bytes_per_device", "sync/seconds"} == b.keys()
         for key in a:

@@ -1,6 +1,7 @@
 """Exact resume: 6 steps straight == 3 steps, SIGKILL, restart, 3 more (bitwise, on CPU), with
 the per-step scheduler and with the streaming one (requests in flight in the engine at the
-checkpoint are resubmitted as continuations)."""
+checkpoint are resubmitted as continuations). Rewards are the parity of each rollout's index in
+its group (`tests/fault/parity_reward_run.py`), so every update moves the parameters."""
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from mars_jax.checkpoint import Checkpointer
 from tests.cpu_env import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests/fault/parity_reward_run.py"  # experiments/run.py with parity rewards
 OVERRIDES = [
     "--config.total_steps=6", "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=1",
     "--config.rollout.max_new_tokens.solver=16", "--config.rollout.max_new_tokens.verifier=16",
@@ -30,7 +32,7 @@ TIMING_KEYS = ("time/", "tokens_per_second", "stream/deferred_seconds")
 
 
 def _command(workdir, extra=()):
-    return [sys.executable, str(REPO / "experiments/run.py"),
+    return [sys.executable, str(SCRIPT),
             "--config=" + str(REPO / "experiments/configs/smoke.py"), f"--workdir={workdir}",
             f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *OVERRIDES,
             *extra]
@@ -83,4 +85,6 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, extra):
     assert step_a == step_b == 6
     for a, b in zip(params_a, params_b, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert _metrics(straight) == _metrics(killed)
+    rows = _metrics(straight)
+    assert rows == _metrics(killed)
+    assert all(row["update/grad_norm"] > 0 for row in rows)  # every update moved the weights
