@@ -109,10 +109,12 @@ def get_config(arg: str | None = None):
     # Rollouts.
     c.rollout.scheduler, c.rollout.decode_engine, c.rollout.mode = "stream", "engine", "pipeline"
     c.rollout.resume = "recompute"
-    # Per host: 32 slots over 12,288 pages of 64 positions (6,144 per chip's pool: 393k
-    # positions, 38.7 GB of bf16 KV a chip; a 32k + 64k request fits one pool alone).
+    # Per host: 32 slots over 4,096 pages of 64 positions (2,048 per chip's pool: 131k
+    # positions, 12.9 GB of bf16 KV a chip; a 32k + 64k request fits one pool alone). The
+    # decode chunk's temporaries are ~4x the pool (AOT: 49.0 GiB beside 41.9 of weights and
+    # KV, 90.9 of 95.7 GiB; 12,288 pages needed 138.9 GiB of temporaries).
     c.rollout.engine_slots = 32
-    c.rollout.engine_kv_pages, c.rollout.engine_page_size = 12288, 64
+    c.rollout.engine_kv_pages, c.rollout.engine_page_size = 4096, 64
     c.rollout.engine_chunk_steps = 64
     c.rollout.engine_precompile = True
     c.rollout.prompts_per_step = 128
