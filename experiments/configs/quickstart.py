@@ -45,17 +45,21 @@ def get_config():
     c.rollout.mode = "pipeline"
     c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 6, 8, 1
     c.rollout.max_stages = 3
-    # The longest Verifier trace (check modulo 10, then a Wrong report) is 193 tokens.
-    c.rollout.max_new_tokens.update(dict(solver=32, verifier=200, corrector=32))
+    # The longest Verifier trace (check modulo 10, then a Wrong report) is 193 tokens, but the
+    # warm start's sampled replies run longer (T=1.0: median 186, 90th percentile 215 tokens) and
+    # RL lengthens them (mean ~180 at step 2 -> 210-250 by steps 12-17 with room to 512): at 200
+    # most were cut off by the end of the run. 320 leaves them room (`truncated/verifier`).
+    c.rollout.max_new_tokens.update(dict(solver=32, verifier=320, corrector=32))
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
     c.rollout.temperature = 1.0
     # Update.
     c.optimizer.learning_rate = 5e-4
-    # A step trains at most 144 samples, packed into rows of 512 (a Verifier sample, ~480 tokens,
-    # fills one; a Corrector's, ~260, shares with Solver ones, ~77): ~80-100 rows, which 16
-    # micro-batches of 8 rows hold (empty ones skipped, none cut), so the update compiles once.
-    c.learner.micro_batch_size, c.learner.min_micro_batches, c.learner.min_length = 8, 16, 512
+    # A step trains at most 144 samples, packed into rows of 1,024 (a Verifier sample, a ~306-token
+    # prompt and up to 320 generated, fits; so do two of ~480 tokens, or a Corrector's, ~300,
+    # with Solver ones, ~77): ~40-50 rows, which 16 micro-batches of 4 rows hold (empty ones
+    # skipped, none cut), so the update compiles once.
+    c.learner.micro_batch_size, c.learner.min_micro_batches, c.learner.min_length = 4, 16, 1024
     c.learner.length_halvings = 0
     c.checkpoint.every_steps, c.checkpoint.keep = 10, 2
     return c

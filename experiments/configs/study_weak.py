@@ -51,4 +51,8 @@ def get_config(arg: str = "marsrl"):
     c.optimizer.learning_rate = 1e-4
     c.total_steps = 150
     c.eval.probe_every, c.eval.probe_problems = 25, 256
+    # The evaluation on an engine of 256 slots, as the rollouts (study.py's 64 sized a static
+    # batch's temporaries): a weak Verifier sends most runs through 4 rounds of revision, and a
+    # round of 1,000 Verifier replies took ~20 min on 64 slots beside the other jobs here.
+    c.eval.engine_slots = 256
     return c

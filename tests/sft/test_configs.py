@@ -86,7 +86,8 @@ def test_study_weak_runs_as_the_paper_on_the_strong_study_s_problems(variant):
     # Problems, budgets and the evaluation are the strong study's.
     strong = study.get_config(variant)
     assert dict(config.data.arith) == dict(strong.data.arith)
-    assert config.eval.to_dict() == {**strong.eval.to_dict(), "probe_every": 25}
+    assert config.eval.to_dict() == {**strong.eval.to_dict(), "probe_every": 25,
+                                     "engine_slots": 256}
 
 
 def test_study_weak_sft_continues_study5_and_probes_each_saved_step():
