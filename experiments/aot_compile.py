@@ -76,7 +76,7 @@ from mars_jax.rl.update import (TrainBatch, TrainState, make_optimizer,  # noqa:
                                 opt_state_shardings, token_logprobs, train_step)
 from mars_jax.rl.generator import engine_shape  # noqa: E402
 from mars_jax.sampling import engine, sampler  # noqa: E402
-from mars_jax.sampling.sampler import _batch_multiple as sharding_multiple  # noqa: E402
+from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "configs"))
 from common import base_config  # noqa: E402
@@ -400,8 +400,8 @@ class StepPrograms:
         page_ids = self._page_ids(sharding_multiple(self.mesh),
                                   positions=min(self.shapes.prompt_len, length))
         return engine._insert.lower(self.engine_state(), self.engine_pool(), page_ids, i32,
-                                    cache, logits, experts, i32, i32, i32, i32, i32, u32, u32,
-                                    f32, i32, f32, stops)
+                                    cache, logits, experts, i32, i32, i32, i32, u32, u32, f32,
+                                    i32, f32, stops)
 
     def _engine_decode(self) -> jax.stages.Lowered:
         """The decode chunk at its largest KV span (all `max_length` positions; paged: in

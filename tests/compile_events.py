@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import jax
 
 ENGINE_PROGRAMS = frozenset({"_decode_chunk", "_prefill", "_insert", "_take_slots", "_put_slots",
-                             "_pause", "_unpause"})
+                             "_deactivate"})
 
 
 @contextlib.contextmanager

@@ -21,8 +21,7 @@ from ml_collections import ConfigDict
 
 from mars_jax import distributed
 from mars_jax.rl.rollout import GenerationOutput, GenerationRequest
-from mars_jax.sampling import Engine, generate, prompt_bucket
-from mars_jax.sampling.sampler import _batch_multiple
+from mars_jax.sampling import Engine, batch_shards, generate, prompt_bucket
 
 
 def across_hosts(requests: Sequence[GenerationRequest],
@@ -86,11 +85,6 @@ class SamplerGenerator:
         return [GenerationOutput(tuple(t), tuple(lp), "stop" if reason == "stop" else "length", e)
                 for t, lp, reason, e in zip(result.tokens, result.logprobs,
                                             result.finish_reasons, experts)]
-
-
-def batch_shards(mesh=None) -> int:
-    """How many ways the mesh's batch axes split an engine's slots (its page pools)."""
-    return _batch_multiple(mesh)
 
 
 def engine_shape(config: ConfigDict, mesh=None) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 reference path) and `Engine` (continuous batching over fixed slots)."""
 from mars_jax.sampling.engine import Engine, EngineOutput
 from mars_jax.sampling.processors import choose_tokens, truncate_logits
-from mars_jax.sampling.sampler import SampleResult, SegmentState, generate, prompt_bucket, resume
+from mars_jax.sampling.sampler import SampleResult, batch_shards, generate, prompt_bucket
 
-__all__ = ["Engine", "EngineOutput", "SampleResult", "SegmentState", "choose_tokens", "generate",
-           "prompt_bucket", "resume", "truncate_logits"]
+__all__ = ["Engine", "EngineOutput", "SampleResult", "batch_shards", "choose_tokens", "generate",
+           "prompt_bucket", "truncate_logits"]

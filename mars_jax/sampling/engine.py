@@ -21,7 +21,7 @@ over them, and writes back the rows that decoded. At most 2 * floor(log2(max_len
 + 3 spans (for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
 
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
-request, pausing / resuming and shrinking / expanding write it in place, one slot row at a time
+request, preempting one and shrinking / expanding write it in place, one slot row at a time
 (a dynamic-update-slice per row; a row read as a masked sum over the slots when the slots are
 split over chips, else as a dynamic slice), never gathering the slots of other chips, and every
 program's outputs keep the state's shardings.
@@ -45,12 +45,10 @@ current weights; `update_weights` drops group prompt prefills made under the old
 
 Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
 tokens); the next token is written at position `length` and sees positions `0..length`.
-Segments: a request submitted with `segment_tokens` pauses in its slot after that many tokens;
-`resume(id, mode='keep')` continues from the slot's KV cache (no prefill; the KV of the tokens
-so far stays that of the weights that produced them), `mode='recompute'` re-prefills prompt +
-tokens so far under the engine's current weights (`update_weights`): exactly on-policy KV for
-the cost of a prefill of that many tokens. Recorded routing is a position's from the step or
-prefill of this engine that first computed it (for `submit(generated=...)`, its prefill): a
+A request in a slot keeps the KV its tokens were decoded under until `recompute` re-prefills
+prompt + tokens so far under the engine's current weights (`update_weights`): exactly on-policy
+KV for the cost of a prefill of that many tokens. Recorded routing is a position's from the step
+or prefill of this engine that first computed it (for `submit(generated=...)`, its prefill): a
 re-prefill (`recompute`, a paged preemption) rewrites the KV, not the routing the tokens were
 sampled under.
 
@@ -64,7 +62,7 @@ each pool with a trash page that writes through unowned table entries land in); 
 pages of its shard's pool, those its request has filled or fills in the next chunk, so
 `num_slots` can exceed what reserved slots of `max_length` would fit in the same memory. Pages
 are taken when a request is admitted (its prompt and first chunk) and before each chunk (what
-the chunk can write), and freed when it finishes; a paused request keeps its pages. A queued
+the chunk can write), and freed when it finishes. A queued
 request is admitted while a slot is free whose pool holds its first chunk's pages beside the
 running requests' next chunk's; when, later, the running requests' next chunk does not fit a
 pool, that pool's request admitted last is preempted: its pages and slot are freed and it waits
@@ -104,7 +102,7 @@ from mars_jax.layers.paged_kv import (KERNELS, POOL_AXES, PagedKVCache, default_
                                       write_pages)
 from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sampling.processors import check_sampling, choose_tokens_per_row
-from mars_jax.sampling.sampler import _batch_multiple, length_bucket, prompt_bucket
+from mars_jax.sampling.sampler import batch_shards, length_bucket, prompt_bucket
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
@@ -126,7 +124,6 @@ class SlotState:
     length: jax.Array           # [slots] filled cache positions = position of the next token
     step: jax.Array             # [slots] tokens generated so far (the PRNG fold index)
     budget: jax.Array           # [slots] new-token budget
-    pause_at: jax.Array         # [slots] step at which the request pauses (segment end)
     active: jax.Array           # [slots] decoding now
     keys: jax.Array             # [slots] fold_in(key(seed), sequence_seed)
     temperature: jax.Array      # [slots] 0 = greedy
@@ -139,8 +136,8 @@ class SlotState:
 @dataclasses.dataclass
 class EngineOutput:
     """A request's new tokens (stop token included), their log-probabilities, why it ended
-    ('stop' | 'length' | 'segment'), and with `record_routing` the expert ids
-    `[L_moe, prompt + new tokens, k]`. After 'segment', tokens are cumulative over segments."""
+    ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new tokens,
+    k]`."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -167,11 +164,9 @@ class _Request:
     top_p: float
     sequence_seed: int
     stop_ids: tuple[int, ...]
-    segment_tokens: int | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
-    pause_at: int = 0  # step at which it pauses (segment end or budget): set by submit / resume
     order: int = 0  # admission count when it last took a slot (paged: preempted newest first)
     routing: np.ndarray | None = None  # recorded routing of its positions, kept over a re-prefill
 
@@ -300,7 +295,7 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
     return _pinned(SlotState(
         cache=() if paged else model.init_cache(num_slots, max_length),
         next_logits=jnp.zeros((num_slots, cfg.vocab_size), jnp.float32),
-        length=zeros(), step=zeros(), budget=zeros(), pause_at=zeros(), active=zeros(bool),
+        length=zeros(), step=zeros(), budget=zeros(), active=zeros(bool),
         keys=jax.vmap(jax.random.key)(zeros(jnp.uint32)), temperature=zeros(jnp.float32),
         top_k=zeros(), top_p=jnp.ones((num_slots,), jnp.float32),
         stop_ids=jnp.full((num_slots, max_stops), -1, jnp.int32), experts=experts))
@@ -362,7 +357,6 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
         logprob = jnp.where(active, logprob, 0.0)
         step = s.step + active
         finished = active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (step >= s.budget))
-        pausing = active & ~finished & (step >= s.pause_at)
         out = model.forward(token[:, None], positions=s.length[:, None],
                             mask=AttentionMask.filled(s.length + 1, span), cache=s.cache,
                             cache_index=jnp.minimum(s.length, span - 1))
@@ -375,7 +369,7 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
             experts = jnp.where(active[None, :, None, None], written, experts)
         next_logits = jnp.where(active[:, None], model.logits(out.hidden[:, 0]), s.next_logits)
         s = s.replace(cache=out.cache, next_logits=next_logits, length=s.length + active,
-                      step=step, active=active & ~finished & ~pausing, experts=experts)
+                      step=step, active=active & ~finished, experts=experts)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
         logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, logprob[:, None], i, axis=1)
         return i + 1, s, tokens, logprobs, ended + jnp.sum(finished)
@@ -443,7 +437,7 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
 
 @functools.partial(jax.jit, donate_argnames=("state", "pool"))
 def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
-            budget, pause_at, seed, sequence_seed, temperature, top_k, top_p, stop_ids
+            budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
             ) -> tuple[SlotState, tuple[KVCache, ...] | None]:
     """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
     `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
@@ -468,8 +462,7 @@ def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row,
     state = _pinned(state.replace(
         cache=new_cache, next_logits=put(state.next_logits, _row(logits, row)),
         length=put(state.length, length), step=put(state.step, step),
-        budget=put(state.budget, budget), pause_at=put(state.pause_at, pause_at),
-        active=put(state.active, True), keys=put(state.keys, key),
+        budget=put(state.budget, budget), active=put(state.active, True), keys=put(state.keys, key),
         temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
         top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids),
         experts=new_experts))
@@ -486,13 +479,8 @@ def _put_routing(state: SlotState, slot, routing) -> SlotState:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _unpause(state: SlotState, slot, pause_at) -> SlotState:
-    return _pinned(state.replace(pause_at=_set_row(state.pause_at, slot, pause_at),
-                                 active=_set_row(state.active, slot, True)))
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _pause(state: SlotState, slot) -> SlotState:
+def _deactivate(state: SlotState, slot) -> SlotState:
+    """`state` with slot `slot` idle (a preempted request's row stops decoding); in place."""
     return _pinned(state.replace(active=_set_row(state.active, slot, False)))
 
 
@@ -555,7 +543,7 @@ class Engine:
             raise ValueError(f"prefill_ahead: must be >= 0, got {prefill_ahead}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk: must be a power of two >= 16, got {prefill_chunk}")
-        multiple = _batch_multiple(mesh)
+        multiple = batch_shards(mesh)
         if num_slots % multiple:
             raise ValueError(f"num_slots: {num_slots} is not a multiple of the mesh's batch "
                              f"shards ({multiple})")
@@ -639,12 +627,12 @@ class Engine:
         """Compiles, `threads` at a time (default: one per host CPU, at most 16, as each
         compile holds its own memory; XLA compiles without the GIL), the programs serving
         reaches: a decode chunk per slot bucket and KV span, the gathers between slot buckets,
-        pausing and resuming in a slot, and for the prompt buckets of `prompt_lengths` (a
-        resumed or recomputed request's is prompt + tokens so far) the prefill pieces and slot
-        inserts at every batch bucket of a prefill. Serving then compiles none of these again;
-        what it may still compile is the recorded routing written back into a slot
-        (`record_routing`, one program per request length). Returns the number of programs
-        compiled."""
+        with a paged cache a preempted row's deactivation per slot bucket, and for the prompt
+        buckets of `prompt_lengths` (a recomputed request's is prompt + tokens so far) the
+        prefill pieces and slot inserts at every batch bucket of a prefill. Serving then compiles
+        none of these again; what it may still compile is the recorded routing written back
+        into a slot (`record_routing`, one program per request length). Returns the number of
+        programs compiled."""
         prompt_lengths = list(prompt_lengths)
         if any(n < 1 or n > self.max_length for n in prompt_lengths):
             raise ValueError(f"prompt_lengths: each must be in [1, max_length={self.max_length}]")
@@ -662,9 +650,9 @@ class Engine:
             index = {b: jnp.zeros((b,), jnp.int32) for b in smaller}
             jobs += [functools.partial(_compile, _put_slots, full, states[b], index[b], index[b],
                                        jnp.int32(0)) for b in smaller]
-            jobs += [functools.partial(_compile, _pause, states[b], jnp.int32(0))
-                     for b in buckets]
-            jobs.append(functools.partial(_compile, _unpause, full, jnp.int32(0), jnp.int32(0)))
+            if self._pool is not None:
+                jobs += [functools.partial(_compile, _deactivate, states[b], jnp.int32(0))
+                         for b in buckets]
             jobs += [functools.partial(self._compile_decode, states[b], span)
                      for b in buckets for span in self._spans()]
             shapes = [(bucket, rows)
@@ -748,19 +736,18 @@ class Engine:
         with self._mesh():
             i32, f32, u32 = jnp.int32(0), jnp.float32(0), jnp.uint32(0)
             _insert.lower(full, self._pool, page_ids, i32, cache, logits, experts, i32, i32, i32,
-                          i32, i32, u32, u32, f32, i32, f32,
+                          i32, u32, u32, f32, i32, f32,
                           jnp.zeros((self.max_stop_ids,), jnp.int32)).compile()
 
     # --- requests ---
 
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
-               n: int = 1, segment_tokens: int | None = None,
-               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]:
+               n: int = 1, generated: tuple[Sequence[int], Sequence[float]] | None = None
+               ) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
         is prefilled once, kept until every member has a slot) and returns their ids.
-        `temperature=0` is greedy; with `segment_tokens` each request pauses in its slot after
-        that many new tokens. `generated` continues one request (`n=1`) from tokens and
+        `temperature=0` is greedy. `generated` continues one request (`n=1`) from tokens and
         log-probabilities it already produced (e.g. restored from a checkpoint): prompt + tokens
         are prefilled, its PRNG step continues at their count, they count against
         `max_new_tokens` and its output includes them, so it equals an uninterrupted decode whose
@@ -784,8 +771,6 @@ class Engine:
                              f"{len(stop_ids)}")
         if n < 1:
             raise ValueError(f"n: need n >= 1, got {n}")
-        if segment_tokens is not None and segment_tokens < 1:
-            raise ValueError(f"segment_tokens: must be >= 1 or None, got {segment_tokens}")
         tokens, logprobs = ([int(t) for t in generated[0]], [float(x) for x in generated[1]]
                             ) if generated else ([], [])
         if generated and (n != 1 or len(tokens) != len(logprobs)
@@ -798,9 +783,7 @@ class Engine:
         for i in range(n):
             request = _Request(self._next_id, group, int(max_new_tokens), float(temperature),
                                int(top_k), float(top_p), int(seed) + i,
-                               tuple(int(s) for s in stop_ids), segment_tokens,
-                               list(tokens), list(logprobs))
-            request.pause_at = self._pause_at(request, len(tokens))
+                               tuple(int(s) for s in stop_ids), list(tokens), list(logprobs))
             self._next_id += 1
             self._requests[request.id] = request
             ids.append(request.id)
@@ -811,32 +794,10 @@ class Engine:
                 self._queue.append(request)
         return ids
 
-    def resume(self, request_id: int, *, mode: str = "keep",
-               segment_tokens: int | None = None) -> None:
-        """Continues a paused request in its slot for `segment_tokens` more tokens (default: to
-        its budget): from its KV cache (`keep`), or re-prefilled under the current weights
-        (`recompute`)."""
-        request = self._requests.get(request_id)
-        if request is None or request.slot is None or request.slot in self._running:
-            raise ValueError(f"resume: request {request_id} is not paused in a slot")
-        if mode not in ("keep", "recompute"):
-            raise ValueError(f"mode: 'keep' or 'recompute', got {mode!r}")
-        self._expand()
-        request.segment_tokens = segment_tokens
-        request.pause_at = self._pause_at(request, len(request.tokens))
-        if mode == "keep":
-            self._state = _unpause(self._state, jnp.int32(request.slot),
-                                   jnp.int32(request.pause_at))
-        else:
-            request.routing = self._recorded_routing(request)
-            self._insert(request, request.slot,
-                         self._prefill([request.group.prompt + request.tokens])[0])
-        self._running.add(request.slot)
-
     def recompute(self, request_ids: Sequence[int]) -> None:
-        """Re-prefills the KV caches of requests in slots (decoding or paused) from prompt +
-        tokens so far under the current weights, in one batched prefill; they go on from there
-        (same PRNG steps, same budgets and segment ends)."""
+        """Re-prefills the KV caches of requests in slots from prompt + tokens so far under the
+        current weights, in one batched prefill; they go on from there (same PRNG steps, same
+        budgets)."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
@@ -846,20 +807,18 @@ class Engine:
         for request, prefilled in zip(requests, self._prefill(
                 [r.group.prompt + r.tokens for r in requests])):
             self._insert(request, request.slot, prefilled)
-            if request.slot not in self._running:  # paused: stays paused until `resume`
-                self._state = _pause(self._state, jnp.int32(request.slot))
 
     def in_slots(self) -> list[int]:
-        """Ids of the requests holding a slot (decoding or paused), by slot."""
+        """Ids of the requests holding a slot (decoding), by slot."""
         return [i for i in self._slots if i is not None]
 
     def partial(self, request_id: int) -> tuple[list[int], list[float]]:
-        """Tokens and log-probabilities a queued, decoding or paused request has so far."""
+        """Tokens and log-probabilities a queued or decoding request has so far."""
         request = self._requests[request_id]
         return list(request.tokens), list(request.logprobs)
 
     def finished(self) -> list[tuple[int, EngineOutput]]:
-        """Takes the outputs that finished (or paused) but were not yet yielded by `stream`."""
+        """Takes the outputs that finished but were not yet yielded by `stream`."""
         done = list(self._done)
         self._done.clear()
         return done
@@ -885,9 +844,7 @@ class Engine:
     def stream(self, stop: Callable[[], bool] | None = None
                ) -> Iterator[tuple[int, EngineOutput]]:
         """Runs until no request decodes (or, with `stop`, until `stop()` is true after a decode
-        chunk), yielding `(request_id, output)` as each one finishes or pauses at a segment end.
-        A paused request keeps its slot (and pages) until `resume`d, so requests can still be
-        queued when it returns: every slot, or its pool's pages, held by paused ones."""
+        chunk), yielding `(request_id, output)` as each one finishes."""
         while True:
             while self._done:
                 yield self._done.popleft()
@@ -903,27 +860,19 @@ class Engine:
             self._decode()
 
     def run(self) -> dict[int, EngineOutput]:
-        """Drains everything submitted (and resumed); outputs by request id."""
+        """Drains everything submitted; outputs by request id."""
         return dict(self.stream())
-
-    def _pause_at(self, request: _Request, step: int) -> int:
-        if request.segment_tokens is None:
-            return request.max_new
-        return min(request.max_new, step + request.segment_tokens)
 
     def _row(self, slot: int) -> int:
         return slot if self._full is None else self._rows[slot]
 
     def _shrink(self) -> None:
-        """Once nothing waits, nothing is paused and the running requests fit a slot bucket at
-        most half the current one, decodes just their rows (gathered, KV caches included) so
-        idle slots stop costing compute; tokens are unchanged (each row keeps its state). With
-        a page pool per batch shard, each shard's requests stay in that shard's block of rows."""
+        """Once nothing waits and the running requests fit a slot bucket at most half the
+        current one, decodes just their rows (gathered, KV caches included) so idle slots stop
+        costing compute; tokens are unchanged (each row keeps its state). With a page pool per
+        batch shard, each shard's requests stay in that shard's block of rows."""
         rows = self._state.length.shape[0]
-        occupied = sum(s is not None for s in self._slots)
-        if (self._queue or occupied > len(self._running)
-                or any(self._requests[self._slots[s]].segment_tokens is not None
-                       for s in self._running)):
+        if self._queue:
             return
         pools = self._pools()
         blocks: list[list[int]] = [[] for _ in range(pools)]
@@ -1084,7 +1033,7 @@ class Engine:
                 self._state, self._pool, page_ids, jnp.int32(slot), cache, logits, experts,
                 jnp.int32(row),
                 jnp.int32(len(request.group.prompt) + step), jnp.int32(step),
-                jnp.int32(request.max_new), jnp.int32(request.pause_at),
+                jnp.int32(request.max_new),
                 jnp.uint32(self.seed), jnp.uint32(request.sequence_seed),
                 jnp.float32(request.temperature), jnp.int32(request.top_k),
                 jnp.float32(request.top_p), jnp.asarray(stops))
@@ -1094,11 +1043,9 @@ class Engine:
 
     def _span(self) -> int:
         """The KV span of the next decode chunk: the longest a running request can grow to in
-        it (prompt + tokens + at most `chunk_steps`, up to its pause or budget), plus one,
-        bucketed (`_chunk_span`). The one: a row that stops mid-chunk goes on writing
-        (discarded) keys at its length until the chunk ends, and a paused row's length must lie
-        inside the span, or the write would land on its last token's keys (clamped to
-        `span - 1`)."""
+        it (prompt + tokens + at most `chunk_steps`, up to its budget), plus one, bucketed
+        (`_chunk_span`). The one: a row that stops mid-chunk goes on writing (discarded) keys
+        at its length until the chunk ends."""
         needed = max(self._chunk_positions(self._requests[self._slots[s]])
                      for s in self._running)
         return self._chunk_span(needed + 1)
@@ -1111,14 +1058,13 @@ class Engine:
     def _chunk_positions(self, request: _Request) -> int:
         """Cache positions `request` fills by the end of the next decode chunk."""
         return len(request.group.prompt) + min(len(request.tokens) + self.chunk_steps,
-                                               request.pause_at)
+                                               request.max_new)
 
     def _decode(self) -> None:
         start_time = time.perf_counter()
         span, table = self._span(), None
         if self._pool is not None:
-            # The running rows' first pages (an idle row's writes go to the trash page: a
-            # paused one may be longer than the span).
+            # The running rows' first pages (an idle row's writes go to the trash page).
             pages = span // self.page_size
             rows = np.zeros((self._state.length.shape[0], pages), np.int32)
             for slot in self._running:
@@ -1144,12 +1090,8 @@ class Engine:
             if active[row]:
                 continue
             self._running.discard(slot)
-            if request.tokens and request.tokens[-1] in request.stop_ids:
-                self._finish(request, "stop")
-            elif len(request.tokens) >= request.max_new:
-                self._finish(request, "length")
-            else:
-                self._finish(request, "segment")
+            stopped = bool(request.tokens) and request.tokens[-1] in request.stop_ids
+            self._finish(request, "stop" if stopped else "length")
 
     def _recorded_routing(self, request: _Request) -> np.ndarray | None:
         """The expert ids recorded for the positions of `request` (in a slot) so far, or None
@@ -1162,10 +1104,9 @@ class Engine:
     def _finish(self, request: _Request, reason: str) -> None:
         self._done.append((request.id, EngineOutput(list(request.tokens), list(request.logprobs),
                                                     reason, self._recorded_routing(request))))
-        if reason != "segment":
-            if request.slot is not None:
-                self._free_slot(request.slot)
-            del self._requests[request.id]
+        if request.slot is not None:
+            self._free_slot(request.slot)
+        del self._requests[request.id]
 
     # --- pages (paged KV only) ---
 
@@ -1233,7 +1174,7 @@ class Engine:
         queue with its tokens, to be re-prefilled (prompt + tokens) when readmitted."""
         request = self._requests[self._slots[slot]]
         request.routing = self._recorded_routing(request)
-        self._state = _pause(self._state, jnp.int32(self._row(slot)))
+        self._state = _deactivate(self._state, jnp.int32(self._row(slot)))
         self._running.discard(slot)
         self._free_slot(slot)
         request.slot = None

@@ -2,10 +2,9 @@
 
 `generate` left-pads prompts to a bucketed length P, prefills them into a KV cache of length
 S = P + N (N = bucketed new-token budget) and decodes with a `lax.while_loop`, all in one jitted
-program; `resume` continues a segmented decode with a decode-only program. Each row draws from its
-own PRNG key, `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's tokens do not
-depend on the rest of the batch. Rows stop on their own stop tokens or length budget; the loop ends
-when every row has stopped or the segment budget is spent. Within a fixed-shape batch a finished
+program. Each row draws from its own PRNG key, `fold_in(fold_in(key(seed), sequence_seed), step)`,
+so a sequence's tokens do not depend on the rest of the batch. Rows stop on their own stop tokens
+or length budget; the loop ends when every row has stopped. Within a fixed-shape batch a finished
 row still costs compute, so a full decode pauses every `COMPACT_EVERY` steps and, once the live
 rows fit a batch bucket half as large, continues with just them (their KV cache gathered).
 
@@ -40,7 +39,7 @@ COMPACT_EVERY = 32  # decode steps between checks for finished rows to drop (see
 
 @struct.dataclass
 class DecodeState:
-    """Everything the decode loop carries; a segmented decode resumes from it exactly."""
+    """Everything the decode loop carries (compaction continues from it exactly)."""
 
     cache: tuple[KVCache, ...]
     next_logits: jax.Array      # [B, V] logits for the next token
@@ -71,24 +70,13 @@ class SamplingParams:
 @dataclasses.dataclass
 class SampleResult:
     """Per prompt: new token ids (with the stop token), their log-probabilities, why decoding ended
-    ('stop' | 'length' | 'segment'), and with `record_routing` the expert ids `[L_moe, prompt +
-    new tokens, k]`. `state` is set when some row ended with 'segment' (pass it to `resume`)."""
+    ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new tokens,
+    k]`."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]
     expert_ids: list[np.ndarray] | None
-    state: "SegmentState | None"
-
-
-@dataclasses.dataclass
-class SegmentState:
-    """A paused decode: device state plus what `resume` needs to continue it."""
-
-    decode: DecodeState
-    num_prompts: int
-    params: SamplingParams
-    temperature: float
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -179,7 +167,9 @@ def _continue_decode(graphdef, weights, state, temperature, end_step, *, params:
     return _decode_loop(nnx.merge(graphdef, weights), state, end_step, temperature, params)
 
 
-def _batch_multiple(mesh: jax.sharding.Mesh | None) -> int:
+def batch_shards(mesh: jax.sharding.Mesh | None) -> int:
+    """How many shards the mesh's batch axes split a decode batch (or an engine's slots) into:
+    its rows must be a multiple of this; 1 without a mesh."""
     if mesh is None:
         return 1
     axes = sharding.spec_axes(sharding.logical_to_spec(("batch",))[0])
@@ -203,17 +193,15 @@ def _per_row(value, n: int, name: str) -> list:
 def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              eos_token_ids: Sequence[int] | Sequence[Sequence[int]] = (), seed: int = 0,
-             sequence_seeds: Sequence[int] | None = None, segment_tokens: int | None = None,
-             record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
+             sequence_seeds: Sequence[int] | None = None, record_routing: bool = False,
+             mesh: jax.sharding.Mesh | None = None,
              compact_every: int | None = COMPACT_EVERY) -> SampleResult:
     """Samples continuations of `prompts` (token-id lists of any lengths) with `model`'s arrays.
 
     `temperature=0` is greedy. `max_new_tokens` and `eos_token_ids` may be given per prompt.
-    Row i draws from `fold_in(key(seed), sequence_seeds[i])` (default: i). With `segment_tokens`,
-    at most that many tokens are decoded now; unfinished rows end with 'segment' and
-    `result.state` continues them via `resume`, giving exactly the uninterrupted tokens.
+    Row i draws from `fold_in(key(seed), sequence_seeds[i])` (default: i).
 
-    Without `segment_tokens`, the decode pauses every `compact_every` steps; when the rows still
+    The decode pauses every `compact_every` steps; when the rows still
     running fit a batch bucket at most half the current one, they (KV cache included) are gathered
     into that smaller batch, so finished rows stop costing compute. Tokens are unchanged by it
     (each row keeps its key and position); `compact_every=None` decodes in one loop.
@@ -237,7 +225,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if len(seeds) != n:
         raise ValueError(f"sequence_seeds: expected {n} entries, got {len(seeds)}")
 
-    multiple = _batch_multiple(mesh)
+    multiple = batch_shards(mesh)
     batch = _batch_bucket(n, multiple)
     prompt_len = prompt_bucket(max(len(p) for p in prompts))
     num_new = new_tokens_bucket(max(max_new))
@@ -258,9 +246,8 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         jnp.asarray(seeds + [0] * (batch - n), jnp.uint32))
     params = SamplingParams(greedy=temperature == 0, top_k=int(top_k), top_p=float(top_p),
                             record_routing=bool(record_routing) and bool(model.config.num_experts))
-    compacting = segment_tokens is None and compact_every is not None and batch > multiple
-    end = int(segment_tokens) if segment_tokens is not None else (
-        compact_every if compacting else num_new)
+    compacting = compact_every is not None and batch > multiple
+    end = compact_every if compacting else num_new
     graphdef, weights = nnx.split(model)
     args = (tokens, mask, budget, stop_ids, keys)
     temp = jnp.float32(max(temperature, 1e-6))
@@ -272,24 +259,8 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         if compacting:
             rows = _compacting_decode(graphdef, weights, state, temp, params, n=n,
                                       every=compact_every, multiple=multiple)
-            return _assemble(rows, None)
-    return _result(state, SegmentState(state, n, params, temperature))
-
-
-def resume(model: Qwen3, segment: SegmentState, *, segment_tokens: int | None = None,
-           mesh: jax.sharding.Mesh | None = None) -> SampleResult:
-    """Continues a segmented decode for at most `segment_tokens` more steps (default: to the end).
-    Tokens returned are cumulative since the first segment. `segment`'s buffers are donated
-    (on GPU / TPU): resume from the returned result's segment, never twice from one."""
-    state = segment.decode
-    step = int(state.step)
-    end = state.tokens.shape[1] if segment_tokens is None else step + int(segment_tokens)
-    graphdef, weights = nnx.split(model)
-    with _maybe_mesh(mesh):
-        state = _continue_decode(graphdef, weights, state,
-                                 jnp.float32(max(segment.temperature, 1e-6)), jnp.int32(end),
-                                 params=segment.params)
-    return _result(state, dataclasses.replace(segment, decode=state))
+            return _assemble(rows)
+    return _assemble(_host_rows(state, {i: i for i in range(n)}))
 
 
 def _batch_on_mesh(x, mesh: jax.sharding.Mesh) -> jax.Array:
@@ -308,7 +279,7 @@ def _maybe_mesh(mesh: jax.sharding.Mesh | None):
 
 @dataclasses.dataclass(frozen=True)
 class _Row:
-    """One prompt's finished (or paused) decode, on the host."""
+    """One prompt's finished decode, on the host."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -319,15 +290,14 @@ class _Row:
 def _host_rows(state: DecodeState, rows: dict[int, int]) -> dict[int, _Row]:
     """`{prompt index: _Row}` for `rows` = `{state row: prompt index}` (a collective on several
     processes: every host reads the whole state)."""
-    tokens, logprobs, lengths, done, hit_stop, prompt_lengths = sharding.fetch(
-        (state.tokens, state.logprobs, state.lengths, state.done, state.hit_stop,
-         state.prompt_lengths))
+    tokens, logprobs, lengths, hit_stop, prompt_lengths = sharding.fetch(
+        (state.tokens, state.logprobs, state.lengths, state.hit_stop, state.prompt_lengths))
     experts = None if state.experts is None else np.asarray(sharding.fetch(state.experts))
     prompt_len = state.prompt_mask.shape[1]
     out = {}
     for i, prompt in rows.items():
         length = lengths[i]
-        reason = "stop" if hit_stop[i] else "length" if done[i] else "segment"
+        reason = "stop" if hit_stop[i] else "length"
         routing = None if experts is None else \
             experts[:, i, prompt_len - prompt_lengths[i]:prompt_len + length]
         out[prompt] = _Row(tokens[i, :length].tolist(), logprobs[i, :length].tolist(), reason,
@@ -335,18 +305,12 @@ def _host_rows(state: DecodeState, rows: dict[int, int]) -> dict[int, _Row]:
     return out
 
 
-def _assemble(rows: dict[int, _Row], segment: SegmentState | None) -> SampleResult:
+def _assemble(rows: dict[int, _Row]) -> SampleResult:
     ordered = [rows[i] for i in range(len(rows))]
-    reasons = [r.reason for r in ordered]
     return SampleResult(
         tokens=[r.tokens for r in ordered], logprobs=[r.logprobs for r in ordered],
-        finish_reasons=reasons,
-        expert_ids=None if ordered[0].experts is None else [r.experts for r in ordered],
-        state=segment if "segment" in reasons else None)
-
-
-def _result(state: DecodeState, segment: SegmentState) -> SampleResult:
-    return _assemble(_host_rows(state, {i: i for i in range(segment.num_prompts)}), segment)
+        finish_reasons=[r.reason for r in ordered],
+        expert_ids=None if ordered[0].experts is None else [r.experts for r in ordered])
 
 
 @jax.jit

@@ -9,7 +9,7 @@ import transformers
 from mars_jax import sharding
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models import from_pretrained
-from mars_jax.sampling import generate, resume, sampler
+from mars_jax.sampling import generate, sampler
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42]]
 
@@ -62,20 +62,6 @@ def test_stop_tokens_per_sequence(model):
         first = free.tokens[i].index(stop[i])
         assert result.tokens[i] == free.tokens[i][:first + 1]
         assert result.finish_reasons[i] == "stop"
-
-
-def test_three_segments_equal_one_run(model):
-    full = generate(model, PROMPTS, max_new_tokens=30, temperature=0.9, top_p=0.9, seed=7)
-    part = generate(model, PROMPTS, max_new_tokens=30, temperature=0.9, top_p=0.9, seed=7,
-                    segment_tokens=10)
-    assert part.finish_reasons == ["segment"] * len(PROMPTS)
-    part = resume(model, part.state, segment_tokens=10)
-    assert all(len(t) == 20 for t in part.tokens)
-    part = resume(model, part.state)
-    assert part.state is None
-    assert part.tokens == full.tokens
-    np.testing.assert_allclose(np.concatenate(part.logprobs), np.concatenate(full.logprobs),
-                               atol=1e-6)
 
 
 def test_sequence_alone_equals_sequence_in_batch_of_8(model):
