@@ -1,33 +1,31 @@
 """A simulated decode engine: the `DecodeEngine` protocol of `mars_jax.rl.streaming` (as
 `mars_jax.sampling.Engine` has it: submit / stream / finished / in_slots / partial / recompute /
-update_weights / stats, plus segments' resume) over a simulated clock.
+update_weights / stats) over a simulated clock.
 
 Each request's output length is drawn once from a `LengthModel` by (role, sequence seed), so it
-does not depend on when the request runs. The loop is event-driven: it admits queued requests
-into free slots (a group's prompt is prefilled once, as `Engine` does; a request submitted with
-`generated` tokens, or resumed with `recompute`, is prefilled with them), then jumps straight to
-the next event, the earliest finish or segment end among the running requests, charging the
-decode steps in between at the cost model's step time for that many live rows and their
-contexts (`MeshCost.decode_seconds`), or for the slot bucket and KV span `Engine` would decode
-(`ProfileCost` with `engine_buckets`; the span taken at the interval's middle). Prefills stall
-decoding (charged in sequence). A freed slot is refilled at the next event (the real engine's
-`admit_batch=1`). With `chunk_steps` = C (reserved slots only) the engine decodes in chunks of C
-steps, as `Engine` does: the next event is the end of the chunk in which the first running request
-ends, every request ending inside that chunk is yielded then and its slot idles until then (each
-stretch of the chunk charged at the rows still live in it; slot bucket and span taken at the
-chunk's start); without it, events fall on the step a request ends.
+does not depend on when the request runs. The loop is event-driven: it admits queued requests into
+free slots (a group's prompt is prefilled once, as `Engine` does; a request submitted with
+`generated` tokens is prefilled with them), then jumps straight to the next event, the earliest
+finish among the running requests, charging the decode steps in between at the cost model's step
+time for that many live rows and their contexts (`MeshCost.decode_seconds`), or for the slot bucket
+and KV span `Engine` would decode (`ProfileCost` with `engine_buckets`; the span taken at the
+interval's middle). Prefills stall decoding (charged in sequence). A freed slot is refilled at the
+next event (the real engine's `admit_batch=1`). With `chunk_steps` = C (reserved slots only) the
+engine decodes in chunks of C steps, as `Engine` does: the next event is the end of the chunk in
+which the first running request ends, every request ending inside that chunk is yielded then and
+its slot idles until then (each stretch of the chunk charged at the rows still live in it; slot
+bucket and span taken at the chunk's start); without it, events fall on the step a request ends.
 
-KV memory: by default a slot holds its KV whatever its request's length (as `Engine` reserves
-it), so `num_slots` alone bounds the rows. With `kv_tokens` the cache is paged, as vLLM's: the
-requests in slots together hold at most `kv_tokens` positions, each as many as its context;
-requests are admitted first come, first served while their context fits, and when the running
-rows' next tokens would not fit, the running request admitted last is preempted (its KV freed;
-back at the head of the queue, re-prefilled with its generated tokens when admitted again, its
-segment end unchanged). `num_slots` is then the most rows decoded at once. `kv_reserve` in
-[0, 1] makes admission conservative, as SGLang's new-token ratio: a request is admitted only if
-the running requests' contexts plus `kv_reserve` of every admitted request's remaining budget
-(to its segment end or `max_new`, not its drawn length) fit; 0 is vLLM's greedy admission, 1
-never preempts.
+KV memory: by default a slot holds its KV whatever its request's length (as `Engine` reserves it),
+so `num_slots` alone bounds the rows. With `kv_tokens` the cache is paged, as vLLM's: the requests
+in slots together hold at most `kv_tokens` positions, each as many as its context; requests are
+admitted first come, first served while their context fits, and when the running rows' next tokens
+would not fit, the running request admitted last is preempted (its KV freed; back at the head of
+the queue, re-prefilled with its generated tokens when admitted again). `num_slots` is then the
+most rows decoded at once. `kv_reserve` in [0, 1] makes admission conservative, as SGLang's
+new-token ratio: a request is admitted only if the running requests' contexts plus `kv_reserve` of
+every admitted request's remaining budget (to `max_new`, not its drawn length) fit; 0 is vLLM's
+greedy admission, 1 never preempts.
 
 Tokens: an output of length L is `L - A - 2` thought tokens, `</think>`, A answer tokens and the
 first stop id (A = `answer_tokens[role]`, at most half the output); cut at the budget when L
@@ -59,21 +57,18 @@ class _Request:
     role: str
     target: int            # output length drawn (stop token included)
     max_new: int
-    segment_tokens: int | None
     stop_id: int
     answer: int
     generated: int = 0
     restored: tuple[list[int], list[float]] | None = None
-    needs_prefill: bool = False   # prompt + generated tokens (restored, or `recompute`)
-    pause_at: int = 0
+    needs_prefill: bool = False   # prompt + generated tokens (restored, or preempted)
     slot: int | None = None
     admitted: int = 0             # admission order (the preemption victim is the latest)
-    preempted: bool = False
 
     @property
     def end(self) -> int:
-        """Tokens at which the request stops, finishes by length or pauses."""
-        return min(self.target, self.max_new, self.pause_at)
+        """Tokens at which the request stops or finishes by length."""
+        return min(self.target, self.max_new)
 
     @property
     def context(self) -> int:
@@ -133,8 +128,8 @@ class SimEngine:
 
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
-               n: int = 1, segment_tokens: int | None = None,
-               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]:
+               n: int = 1, generated: tuple[Sequence[int], Sequence[float]] | None = None
+               ) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...); with
         `generated` = (tokens, logprobs) one request continues a partial output (they count
         against `max_new_tokens`, as in `Engine`)."""
@@ -153,7 +148,7 @@ class SimEngine:
         for i in range(n):
             request = _Request(self._next_id, group, role,
                                target=self.lengths.draw(role, int(seed) + i),
-                               max_new=int(max_new_tokens), segment_tokens=segment_tokens,
+                               max_new=int(max_new_tokens),
                                stop_id=int(stop_ids[0]) if stop_ids else EOS,
                                answer=self.answer_tokens.get(role, 0), generated=done)
             if generated:
@@ -164,20 +159,6 @@ class SimEngine:
             ids.append(request.id)
             self._queue.append(request)
         return ids
-
-    def resume(self, request_id: int, *, mode: str = "keep",
-               segment_tokens: int | None = None) -> None:
-        """Continues a paused request in its slot (`recompute`: re-prefilled first)."""
-        request = self._requests.get(request_id)
-        if request is None or request.slot is None or request_id in self._running:
-            raise ValueError(f"resume: request {request_id} is not paused in a slot")
-        if mode not in ("keep", "recompute"):
-            raise ValueError(f"mode: 'keep' or 'recompute', got {mode!r}")
-        request.segment_tokens = segment_tokens
-        request.pause_at = self._pause_at(request)
-        if mode == "recompute":
-            self._prefill(request.context)
-        self._running.add(request_id)
 
     def recompute(self, request_ids: Sequence[int]) -> None:
         """Re-prefills the contexts of requests in slots under the current weights."""
@@ -193,7 +174,7 @@ class SimEngine:
         return self._output(self._requests[request_id])
 
     def finished(self) -> list[tuple[int, EngineOutput]]:
-        """Takes the outputs finished (or paused) but not yet yielded by `stream`."""
+        """Takes the outputs finished but not yet yielded by `stream`."""
         done = list(self._done)
         self._done.clear()
         return done
@@ -203,8 +184,7 @@ class SimEngine:
     def stream(self, stop: Callable[[], bool] | None = None
                ) -> Iterator[tuple[int, EngineOutput]]:
         """Runs until no request waits or decodes (or, with `stop`, until `stop()` is true after
-        an event), yielding `(request_id, output)` as each one finishes or pauses at a segment
-        end."""
+        an event), yielding `(request_id, output)` as each one finishes."""
         while True:
             while self._done:
                 yield self._done.popleft()
@@ -212,19 +192,11 @@ class SimEngine:
                 return
             self._admit()
             if not self._running:
-                if self._queue and self.kv_tokens is not None:
-                    raise RuntimeError("paged KV: paused requests hold the cache the queued "
-                                       "ones need; resume them first")
                 return
             self._decode_to_next_event()
 
     def run(self) -> dict[int, EngineOutput]:
         return dict(self.stream())
-
-    def _pause_at(self, request: _Request) -> int:
-        if request.segment_tokens is None:
-            return request.max_new
-        return min(request.max_new, request.generated + request.segment_tokens)
 
     def _prefill(self, tokens: int) -> None:
         seconds = self.cost.prefill_seconds(tokens)
@@ -237,20 +209,19 @@ class SimEngine:
         """Positions the requests in slots hold (their contexts)."""
         return sum(self._requests[i].context for i in self._slots if i is not None)
 
-    def _kv_claim(self, request: _Request, pause_at: int) -> int:
+    def _kv_claim(self, request: _Request) -> int:
         """Positions admission counts for a request: its context and `kv_reserve` of what its
         budget still allows, at least room for its next token."""
-        remaining = min(request.max_new, pause_at) - request.generated
+        remaining = request.max_new - request.generated
         return request.context + max(1, math.ceil(self.kv_reserve * remaining))
 
     def _admit(self) -> None:
-        claimed = sum(self._kv_claim(self._requests[i], self._requests[i].pause_at)
-                      for i in self._slots if i is not None) if self.kv_tokens is not None else 0
+        claimed = sum(self._kv_claim(self._requests[i]) for i in self._slots
+                      if i is not None) if self.kv_tokens is not None else 0
         while self._queue and None in self._slots:
             request = self._queue[0]
-            pause_at = request.pause_at if request.preempted else self._pause_at(request)
             if self.kv_tokens is not None:
-                claim = self._kv_claim(request, pause_at)
+                claim = self._kv_claim(request)
                 if claimed + claim > self.kv_tokens:
                     return
                 claimed += claim
@@ -258,7 +229,7 @@ class SimEngine:
             slot = self._slots.index(None)
             self._slots[slot], request.slot = request.id, slot
             self._admissions += 1
-            request.admitted, request.pause_at, request.preempted = self._admissions, pause_at, False
+            request.admitted = self._admissions
             if request.needs_prefill:
                 self._prefill(request.context)
                 request.needs_prefill = False
@@ -272,7 +243,7 @@ class SimEngine:
         """Frees a running request's KV and slot; it waits at the head of the queue."""
         self._running.discard(request.id)
         self._slots[request.slot], request.slot = None, None
-        request.preempted = request.needs_prefill = True
+        request.needs_prefill = True
         self._queue.appendleft(request)
         self.stats["preemptions"] += 1
 
@@ -338,34 +309,26 @@ class SimEngine:
         self._advance_requests(running, 0)
 
     def _advance_requests(self, running: list[_Request], steps: int) -> None:
-        """Adds `steps` tokens to each running request and finishes (or pauses) those at their
-        end."""
+        """Adds `steps` tokens to each running request and finishes those at their end."""
         for request in running:
             request.generated += steps
             if request.generated < request.end:
                 continue
             self._running.discard(request.id)
-            if request.generated >= request.target:
-                self._finish(request, "stop")
-            elif request.generated >= request.max_new:
-                self._finish(request, "length")
-            else:
-                self._finish(request, "segment")
+            self._finish(request, "stop" if request.generated >= request.target else "length")
 
     def _bucket(self, running: Sequence[_Request]) -> int:
-        """The slots `Engine` decodes: all while a request waits or is paused in a slot or
-        segments are on, else the power of two that holds the running rows (`Engine._shrink`)."""
-        occupied = sum(s is not None for s in self._slots)
-        if self._queue or occupied > len(running) or any(r.segment_tokens for r in running):
+        """The slots `Engine` decodes: all while a request waits, else the power of two that
+        holds the running rows (`Engine._shrink`)."""
+        if self._queue:
             return self.num_slots
         return min(self.num_slots, 1 << (len(running) - 1).bit_length())
 
     def _finish(self, request: _Request, reason: str) -> None:
         tokens, logprobs = self._output(request)
         self._done.append((request.id, EngineOutput(tokens, logprobs, reason, None)))
-        if reason != "segment":
-            self._slots[request.slot] = None
-            del self._requests[request.id]
+        self._slots[request.slot] = None
+        del self._requests[request.id]
 
     def _output(self, request: _Request) -> tuple[list[int], list[float]]:
         """The first `generated` tokens of the request's output (module docstring)."""

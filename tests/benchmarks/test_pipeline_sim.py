@@ -164,21 +164,16 @@ def test_group_prompt_prefilled_once_and_requests_submitted_mid_stream_run():
     assert engine.now == pytest.approx(0.1 + 3 * 1.5 + 0.1 + 1.0)
 
 
-def test_outputs_budget_segments_and_restored_tokens():
+def test_outputs_budget_and_restored_tokens():
     engine = _engine(FixedLengths({0: 30, 1: 12}), slots=2, answer=3)
     cut, = engine.submit([7] * 5, max_new_tokens=20, seed=0, stop_ids=(1,))
-    seg, = engine.submit([7] * 5, max_new_tokens=20, seed=1, stop_ids=(1,), segment_tokens=8)
-    outputs = {}
-    for request_id, out in engine.stream():
-        outputs.setdefault(request_id, []).append(out)
-        if out.finish_reason == "segment":
-            engine.resume(request_id)
-    assert [o.finish_reason for o in outputs[cut]] == ["length"]
-    assert 1 not in outputs[cut][0].tokens and len(outputs[cut][0].tokens) == 20
-    assert [(o.finish_reason, len(o.tokens)) for o in outputs[seg]] == [("segment", 8),
-                                                                        ("stop", 12)]
-    final = outputs[seg][-1].tokens
-    assert final[-1] == 1 and final[:8] == outputs[seg][0].tokens
+    ends, = engine.submit([7] * 5, max_new_tokens=20, seed=1, stop_ids=(1,))
+    outputs = dict(engine.stream())
+    assert outputs[cut].finish_reason == "length"
+    assert 1 not in outputs[cut].tokens and len(outputs[cut].tokens) == 20
+    assert (outputs[ends].finish_reason, len(outputs[ends].tokens)) == ("stop", 12)
+    final = outputs[ends].tokens
+    assert final[-1] == 1
     text = SimTokenizer().decode(final, skip_special_tokens=True)
     assert strip_thinking(text, thinking_open=True).split() == ["x"] * 3
     # A restored partial output continues: its tokens come first and count against the budget.
