@@ -50,7 +50,8 @@ from mars_jax.rl.learner import LearnerConfig, ppo_update
 from mars_jax.rl.rollout import RolloutConfig
 from mars_jax.rl.streaming import StreamingRollouts
 from mars_jax.rl.trainer import training_samples
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sampling import Engine
 
 MAX_PROMPT = 384

@@ -51,7 +51,8 @@ from mars_jax.models.config import Qwen3Config
 from mars_jax.models.hf_io import save_pretrained
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.losses import LossConfig
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sft.job import ARCHS
 
 LEARNING_RATE, CLIP_LOW, CLIP_HIGH = 5e-4, 0.2, 0.28

@@ -72,8 +72,10 @@ from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.rl import trainer  # noqa: E402
 from mars_jax.rl.batching import pow2_at_least  # noqa: E402
-from mars_jax.rl.update import (TrainBatch, TrainState, make_optimizer,  # noqa: E402
-                                opt_state_shardings, token_logprobs, train_step)
+from mars_jax.optimizer import make_optimizer  # noqa: E402
+from mars_jax.rl.update import (TrainState, opt_state_shardings, token_logprobs,  # noqa: E402
+                                train_step)
+from mars_jax.types import TrainBatch  # noqa: E402
 from mars_jax.rl.generator import engine_shape  # noqa: E402
 from mars_jax.sampling import engine, sampler  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402

@@ -64,7 +64,8 @@ from mars_jax.agents import eval_stats  # noqa: E402
 from mars_jax.agents.policy import ROLES  # noqa: E402
 from mars_jax.checkpoint import Checkpointer  # noqa: E402
 from mars_jax.models import save_pretrained  # noqa: E402
-from mars_jax.rl.update import init_train_state, make_optimizer  # noqa: E402
+from mars_jax.optimizer import make_optimizer  # noqa: E402
+from mars_jax.rl.update import init_train_state  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
 

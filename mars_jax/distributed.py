@@ -32,7 +32,7 @@ from absl import flags
 from jax.experimental import multihost_utils
 
 from mars_jax import sharding
-from mars_jax.rl.update import TrainBatch
+from mars_jax.types import TrainBatch
 
 MODES = ("auto", "on", "off")
 

@@ -9,7 +9,8 @@ from experiments.configs import smoke
 from mars_jax import memory_fit, sharding, weight_sync
 from mars_jax.config_validation import ConfigError
 from mars_jax.models import create_model, get_preset
-from mars_jax.rl.update import init_train_state, make_optimizer
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import init_train_state
 
 
 def test_resident_bytes_count_the_state_the_copy_and_the_kv_cache_by_hand():

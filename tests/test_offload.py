@@ -16,7 +16,8 @@ from mars_jax import offload, sharding
 from mars_jax.config_validation import ConfigError, validate
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from tests.cpu_env import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ from experiments.configs import smoke
 from mars_jax import builders, sharding, weight_sync
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sampling import Engine, generate
 
 SPLIT = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mars_jax.rl.update import TrainBatch
+from mars_jax.types import TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,8 @@ from flax import nnx
 
 from mars_jax.preemption import Stopped
 from mars_jax.rl.batching import TrainSample
-from mars_jax.rl.update import TrainBatch, TrainState, UpdateConfig, policy_logprobs, train_step
+from mars_jax.rl.update import TrainState, UpdateConfig, policy_logprobs, train_step
+from mars_jax.types import TrainBatch
 
 PI_OLD = ("sampler", "recompute")
 

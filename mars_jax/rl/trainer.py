@@ -44,6 +44,7 @@ from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
+from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl.generator import EngineGenerator, SamplerGenerator, stream_engine
@@ -52,8 +53,9 @@ from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
-from mars_jax.rl.update import TrainBatch, UpdateConfig, init_train_state, make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state
 from mars_jax.sft.probe import probe_model
+from mars_jax.types import TrainBatch
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
 

@@ -28,23 +28,7 @@ from flax import nnx, struct
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3, positions_from_mask, positions_from_segments
 from mars_jax.rl.losses import LossConfig, policy_loss, token_weights
-
-
-@struct.dataclass
-class TrainBatch:
-    """Micro-batched training data, leading axis = micro-batch. Per-token arrays are aligned to
-    token positions: `sampler_logprobs[..., t]` is the sampler's log p(tokens[t] | tokens[<t])."""
-
-    tokens: jax.Array            # [M, b, L] int32, right-padded prompt + response
-    attention_mask: jax.Array    # [M, b, L] 1 on real tokens
-    loss_mask: jax.Array         # [M, b, L] 1 on response tokens
-    advantages: jax.Array        # [M, b], or [M, b, L] per token when packed
-    sampler_logprobs: jax.Array  # [M, b, L] the behaviour policy (the sampler's)
-    old_logprobs: jax.Array | None = None  # [M, b, L] pi_old when not the sampler's
-    expert_ids: jax.Array | None = None  # [M, L_moe, b, L, k] routing replay
-    # Packed rows: [M, b, L] int32, the samples of a row numbered from 1 (0 = padding); each
-    # attends only to itself and its positions restart at 0. None: one sample per row.
-    segments: jax.Array | None = None
+from mars_jax.types import TrainBatch
 
 
 @struct.dataclass
@@ -70,29 +54,6 @@ class UpdateConfig:
     # its longest row instead of under 2x, for twice the branches.
     length_halvings: int = 2
     fine_cuts: bool = False
-
-
-def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0,
-                   schedule: str = "constant", b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8, weight_decay: float = 0.0,
-                   max_grad_norm: float | None = 1.0) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; schedule 'constant' or 'cosine' after linear warmup (to 0
-    at update `decay_steps`, at least one update after the warmup). Weight decay applies to
-    matrices only (not norm scales or biases)."""
-    if schedule == "constant":
-        lr = optax.join_schedules([optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-                                   optax.constant_schedule(learning_rate)], [warmup_steps]) \
-            if warmup_steps else optax.constant_schedule(learning_rate)
-    elif schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps,
-                                                max(decay_steps, warmup_steps + 1))
-    else:
-        raise ValueError(f"optimizer.schedule: {schedule!r} is not 'constant' or 'cosine'")
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    chain = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-    chain.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                             mask=decay_mask))
-    return optax.chain(*chain)
 
 
 def token_logprobs(model: Qwen3, tokens: jax.Array, attention_mask: jax.Array, *,

@@ -23,7 +23,7 @@ from ml_collections import ConfigDict
 from mars_jax import builders
 from mars_jax.metrics import MetricsWriter
 from mars_jax.models import Qwen3, Qwen3Config, create_model, save_pretrained
-from mars_jax.rl.update import make_optimizer
+from mars_jax.optimizer import make_optimizer
 from mars_jax.sft.probe import probe_model
 from mars_jax.sft.train import encoded_examples, example_stream, heldout_loss, pack, sft_step
 

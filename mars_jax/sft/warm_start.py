@@ -28,7 +28,7 @@ from mars_jax.sft import job as sft_job
 # Sources (relative to the mars_jax package) whose code decides the warm start's weights.
 SOURCES = ("sft/*.py", "data/arith.py", "data/datasets.py", "data/tokenizer.py",
            "agents/prompts.py", "rewards/text.py", "rewards/agent_rewards.py", "builders.py",
-           "models/*.py", "layers/*.py", "rl/update.py")
+           "models/*.py", "layers/*.py", "optimizer.py")
 _SFT_SECTIONS = ("data", "model", "sft", "optimizer")
 # Fields that do not change the weights: what the job logs and probes, the RL problem order,
 # the decay length (the job decays over sft.steps).

@@ -22,8 +22,9 @@ from jax.experimental import multihost_utils
 from mars_jax import distributed, sharding
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.models import create_model, get_preset
-from mars_jax.rl.update import (TrainBatch, UpdateConfig, init_train_state, make_optimizer,
-                                train_step)
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
+from mars_jax.types import TrainBatch
 
 MICRO, ROWS, LENGTH = 2, 8, 32
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mars_jax.distributed import agreed_batch_shape, pad_train_batch
-from mars_jax.rl.update import TrainBatch
+from mars_jax.types import TrainBatch
 
 ROWS, LAYERS, TOP_K = 2, 3, 2
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mars_jax import distributed, sharding
-from mars_jax.rl.update import TrainBatch
+from mars_jax.types import TrainBatch
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -57,7 +57,8 @@ def wait_for_step(process: subprocess.Popen, workdir: Path, step: int,
 def latest_checkpoint(workdir: Path) -> tuple[int, list[np.ndarray], int]:
     """(step, parameter leaves, policy version) of the newest intact checkpoint."""
     from mars_jax.models import create_model, get_preset
-    from mars_jax.rl.update import init_train_state, make_optimizer
+    from mars_jax.optimizer import make_optimizer
+    from mars_jax.rl.update import init_train_state
     abstract = init_train_state(create_model(get_preset("tiny")), make_optimizer(1e-4))
     checkpointer = Checkpointer(workdir / "checkpoints")
     try:

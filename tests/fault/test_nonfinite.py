@@ -10,7 +10,8 @@ from flax import nnx
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.trainer import NonFiniteUpdates
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer, train_step
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from tests.fault import harness
 
 

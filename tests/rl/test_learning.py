@@ -7,7 +7,8 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state
 from mars_jax.sampling import generate
 
 TARGET = np.zeros(512, bool)

@@ -5,7 +5,8 @@ from jax.sharding import PartitionSpec as P
 
 from mars_jax import sharding
 from mars_jax.models import create_model, get_preset
-from mars_jax.rl.update import make_optimizer, opt_state_shardings
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import opt_state_shardings
 
 
 def test_moments_shard_like_parameters_and_match_an_eager_init():

@@ -44,7 +44,8 @@ def _env():
 
 def _final_params(workdir):
     from mars_jax.models import create_model, get_preset
-    from mars_jax.rl.update import init_train_state, make_optimizer
+    from mars_jax.optimizer import make_optimizer
+    from mars_jax.rl.update import init_train_state
     model = create_model(get_preset("tiny"))
     abstract = init_train_state(model, make_optimizer(1e-4))
     checkpointer = Checkpointer(Path(workdir) / "checkpoints")

@@ -13,9 +13,9 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, mini_batch_indices, ppo_update
 from mars_jax.rl.losses import LossConfig, policy_loss
+from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import (UpdateConfig, _length_branch, batch_gradients, cut_lengths,
-                                init_train_state, make_optimizer, policy_logprobs,
-                                token_logprobs)
+                                init_train_state, policy_logprobs, token_logprobs)
 from mars_jax.sampling import generate
 
 

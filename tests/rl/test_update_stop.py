@@ -11,7 +11,8 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import make_batch
 from mars_jax.rl.learner import LearnerConfig, UpdateStopped, ppo_update
 from mars_jax.rl.losses import LossConfig
-from mars_jax.rl.update import UpdateConfig, init_train_state, make_optimizer
+from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.update import UpdateConfig, init_train_state
 from tests.rl.test_update import _on_policy_samples
 
 OPTIMIZER = make_optimizer(3e-2, max_grad_norm=0.0)
