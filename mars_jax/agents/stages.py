@@ -1,9 +1,13 @@
 """The three agent stages: requests, and the parsing of completions.
 
 `*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a
-`Completion` into a typed result; `complete` makes one checked policy call. The system loop
-(`system.py`) and the probes (`mars_jax.sft.probe`) use them; RL rollouts build token prompts
-from `prompts` directly.
+`Completion` into a typed result, whose `usable` says whether the next agent may use it;
+`correct` grades solutions; `complete` makes one checked policy call. The V-C loop
+(`system.py`), its evaluation (`eval.py`), the probes (`mars_jax.sft.probe`) and RL grading and
+spawning (`mars_jax.rl.rollout`) all judge a reply here, so what the evaluation counts is what RL
+rewards. The rules, the paper's: a reply cut off by its token budget is never graded; thinking
+is stripped before text reaches the next agent (the visible solution, the bug report); text
+inside an unclosed thought is never read as an answer or a verdict.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 from mars_jax.agents import prompts
 from mars_jax.agents.policy import ChatRequest, Completion, Policy, check_batch
 from mars_jax.rewards.agent_rewards import parse_verdict
-from mars_jax.rewards.grader import extract_answer
+from mars_jax.rewards.grader import extract_answer, is_equivalent_many
 from mars_jax.rewards.text import strip_thinking
 
 
@@ -57,6 +61,12 @@ class VerificationOutput:
         """Whether the output ended by itself and its Correctness could be read."""
         return self.completion.finish_reason == "stop" and self.passed is not None
 
+    @property
+    def verdict(self) -> bool | None:
+        """The verification's outcome: `passed` when usable, else None (no verdict: a truncated
+        or unreadable report)."""
+        return self.passed if self.usable else None
+
 
 def solver_request(problem: str, max_new_tokens: int, style: str = "full") -> ChatRequest:
     return ChatRequest(prompts.solver_messages(problem, style), "solver", max_new_tokens)
@@ -82,6 +92,17 @@ def parse_verification(completion: Completion) -> VerificationOutput:
     text, opened = completion.text, completion.thinking_open
     return VerificationOutput(completion, parse_verdict(text, thinking_open=opened),
                               prompts.bug_report(text, thinking_open=opened))
+
+
+def correct(outputs: list[SolutionOutput], golds: list[str]) -> list[bool]:
+    """Per output: usable, and its boxed answer equivalent to its gold (`grader`, in parallel);
+    an unusable output is never graded."""
+    graded = [i for i, out in enumerate(outputs) if out.usable and out.answer is not None]
+    result = [False] * len(outputs)
+    hits = is_equivalent_many([outputs[i].answer for i in graded], [golds[i] for i in graded])
+    for i, hit in zip(graded, hits):
+        result[i] = hit
+    return result
 
 
 def complete(policy: Policy, requests: list[ChatRequest]) -> list[Completion]:

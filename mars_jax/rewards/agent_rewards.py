@@ -1,22 +1,15 @@
-"""MarsRL's agent-specific 0/1 rewards.
+"""The Verifier's verdict read from its text (`parse_verdict`) and the Correctness heading.
 
-* Solver and Corrector (`answer_reward`): 1 iff the response ended by itself and boxes,
-  outside its thinking, an answer equivalent to the reference. An unfinished response (it
-  ended by length) is never graded from its text: it earns `truncated_reward` (default 0).
-* Verifier (`verifier_reward`): 1 iff the response ended by itself and its Correctness
-  verdict equals the judged solution's actual correctness; a verdict that cannot be read,
-  or a truncated report (it has no verdict), earns 0.
-
-`thinking_open`: the response continues a `<think>` its prompt opened (see
-`text.strip_thinking`); text inside an unclosed thought is never read as an answer or verdict.
-For batches use `grader.grade_many` (parallel) on the finished responses.
+Which replies are graded and what they earn is decided in `mars_jax.agents.stages` (the V-C
+loop and the RL reward share it) and `mars_jax.rl.rollout`. `thinking_open`: the response
+continues a `<think>` its prompt opened (see `text.strip_thinking`); text inside an unclosed
+thought is never read as a verdict.
 """
 
 from __future__ import annotations
 
 import re
 
-from mars_jax.rewards.grader import grade
 from mars_jax.rewards.text import strip_thinking
 
 # The Correctness heading, as a line of its own or followed by a colon, maybe numbered:
@@ -56,20 +49,3 @@ def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
                 return None
             return _VALUES[match.group(1).lower()]
     return None
-
-
-def answer_reward(text: str, gold: str, finished: bool, *, truncated_reward: float = 0.0,
-                  thinking_open: bool = False) -> float:
-    """Solver / Corrector: 1.0 iff `finished` and `text` boxes an answer equivalent to `gold`
-    outside its thinking, else 0.0; `truncated_reward` when not `finished` (text unread)."""
-    if not finished:
-        return truncated_reward
-    return float(grade(text, gold, thinking_open=thinking_open))
-
-
-def verifier_reward(text: str, judged_correct: bool, finished: bool, *,
-                    thinking_open: bool = False) -> float:
-    """1.0 iff `finished` and the verdict of `text` equals `judged_correct` (whether the judged
-    solution is actually correct); an unreadable verdict or a truncated report: 0.0."""
-    verdict = parse_verdict(text, thinking_open=thinking_open) if finished else None
-    return float(verdict is not None and verdict == judged_correct)

@@ -7,13 +7,19 @@ Solver samples a group of G; each later stage picks `fan_out` outputs of the sta
 that report an error) and samples a group of G for each. A trajectory stops early when no
 eligible parent remains (e.g. every Verifier output passed the solution).
 
-Truncation: an output that ended by length (no stop token) is never graded from its text. A
-Solver or Corrector output earns `truncated_reward` (default 0) and is not handed to a Verifier
-unless `verify_truncated`; a truncated Verifier output has no verdict, earns 0 and never reaches
-the Corrector. Text inside an unclosed thought is never read as an answer or a verdict: when the
-chat template's generation prompt opens `<think>` (Qwen3-Thinking-2507; read once from the
-encoded generation prompt, `thinking_open`), a response without `</think>` is all thought. An
-output with no visible text (all thought) is never handed to a Verifier.
+Grading: a finished output is judged by `mars_jax.agents.stages`, as the V-C loop judges it
+(`parse_solution` / `parse_verification`, `usable`, `correct`). A Solver or Corrector output
+earns 1 when usable (ended by itself, with visible text) and its boxed answer is right, else 0;
+one that ended by length (no stop token) is never graded from its text: it earns
+`truncated_reward` (default 0) and is not handed to a Verifier unless `verify_truncated` (an RL
+option; the loop retries such an output instead). A Verifier output earns 1 when its verdict
+(`VerificationOutput.verdict`: ended by itself, Correctness readable) equals the judged
+solution's correctness, else 0; without a verdict it never reaches the Corrector. What the next
+agent sees is the stage's parse: the visible solution (thinking stripped) and the bug report.
+Text inside an unclosed thought is never read as an answer or a verdict: when the chat
+template's generation prompt opens `<think>` (Qwen3-Thinking-2507; read once from the encoded
+generation prompt, `thinking_open`), a response without `</think>` is all thought. An output
+with no visible text (all thought) is never handed to a Verifier.
 
 Segments: a rollout asks for at most `segment_tokens` new tokens per decode; an unfinished one is
 resumed in a later decode by re-prefilling prompt + partial response under the then-current policy
@@ -43,11 +49,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mars_jax.agents import prompts
+from mars_jax.agents import prompts, stages
+from mars_jax.agents.policy import Completion
 from mars_jax.data.tokenizer import generation_opens_thinking
-from mars_jax.rewards import grader
-from mars_jax.rewards.agent_rewards import parse_verdict, verifier_reward
-from mars_jax.rewards.text import strip_thinking
 from mars_jax.rl.selection import Candidate, select_parents
 
 STAGE_ROLES = ("solver", "verifier", "corrector", "verifier", "corrector")
@@ -279,22 +283,22 @@ class AgenticRollouts:
             self._advance(self.trees[uid])
         return groups
 
+    def _completion(self, rollout: Rollout) -> Completion:
+        """A finished rollout as the `Completion` the V-C loop would have received."""
+        return Completion(rollout.text, rollout.finish_reason, len(rollout.response_ids),
+                          thinking_open=self.thinking_open)
+
     def _grade(self, finished: Sequence[Rollout]) -> None:
-        """Rewards per `mars_jax.rewards.agent_rewards` (truncated answers are not read)."""
-        opened = self.thinking_open
-        graded = [r for r in finished if r.role != "verifier" and r.finished_by_itself]
-        golds = [self.trees[r.problem_uid].problem["answer"] for r in graded]
-        for r, ok in zip(graded, grader.grade_many([r.text for r in graded], golds,
-                                                   thinking_open=opened)):
-            r.reward = float(ok)
+        """Rewards and verdicts as `stages` judges the outputs (module docstring, "Grading")."""
+        solvers = [r for r in finished if r.role != "verifier"]
+        outputs = [stages.parse_solution(self._completion(r)) for r in solvers]
+        golds = [self.trees[r.problem_uid].problem["answer"] for r in solvers]
+        for r, ok in zip(solvers, stages.correct(outputs, golds)):
+            r.reward = float(ok) if r.finished_by_itself else self.config.truncated_reward
         for r in finished:
-            if r.role != "verifier" and not r.finished_by_itself:
-                r.reward = self.config.truncated_reward
-            elif r.role == "verifier":
-                done = r.finished_by_itself
-                r.verdict = parse_verdict(r.text, thinking_open=opened) if done else None
-                r.reward = verifier_reward(r.text, bool(r.judged_correct), done,
-                                           thinking_open=opened)
+            if r.role == "verifier":
+                r.verdict = stages.parse_verification(self._completion(r)).verdict
+                r.reward = float(r.verdict is not None and r.verdict == bool(r.judged_correct))
 
     def _complete_groups(self, tree: ProblemTree, finished: Sequence[Rollout]) -> list[list[Rollout]]:
         keys = dict.fromkeys(r.group_key for r in finished if r.problem_uid == tree.uid)
@@ -322,31 +326,29 @@ class AgenticRollouts:
         # Spawn order, not finishing order: the choice must not depend on the decode schedule.
         parents = sorted(parents, key=lambda r: int(r.uid.rsplit("/", 1)[1]))
         if role == "verifier":  # a solution with no visible text has nothing to judge
-            usable = [r for r in parents
-                      if (r.finished_by_itself or self.config.verify_truncated)
-                      and strip_thinking(r.text, thinking_open=self.thinking_open).strip()]
-            candidates = [Candidate(is_correct=r.solved) for r in usable]
-        else:  # a truncated Verifier output has no verdict: never eligible
-            usable = list(parents)
+            parsed = [(r, stages.parse_solution(self._completion(r))) for r in parents]
+            usable = [(r, out) for r, out in parsed
+                      if out.usable or (self.config.verify_truncated and out.solution)]
+            candidates = [Candidate(is_correct=r.solved) for r, _ in usable]
+        else:  # a Verifier output without a verdict (truncated, unreadable): never eligible
+            usable = [(r, stages.parse_verification(self._completion(r))) for r in parents]
             candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=r.verdict)
-                          for r in usable]
+                          for r, _ in usable]
         chosen = select_parents(candidates, stage=role, fan_out=self.config.fan_out,
                                 policy=self.config.selection,
                                 rng=selection_rng(self.seed, tree.uid, stage))
         problem, style = tree.problem["problem"], self.config.prompt_style
         for index in chosen:
-            parent = usable[index]
+            parent, parsed = usable[index]
             try:
                 if role == "verifier":
-                    solution = strip_thinking(parent.text, thinking_open=self.thinking_open)
                     ids = self._fit(lambda s: prompts.verifier_messages(problem, s, style),
-                                    solution)
-                    extra = dict(solution=solution, judged_correct=parent.solved)
+                                    parsed.solution)
+                    extra = dict(solution=parsed.solution, judged_correct=parent.solved)
                 else:
-                    report = prompts.bug_report(parent.text, thinking_open=self.thinking_open)
                     ids = self._fit(
                         lambda s, rep: prompts.corrector_messages(problem, s, rep, style),
-                        parent.solution or "", report)
+                        parent.solution or "", parsed.report)
                     extra = dict(solution=parent.solution)
             except ContextOverflow as e:
                 self._drop(f"{role} of {parent.uid}", e)
@@ -387,7 +389,7 @@ class AgenticRollouts:
             r = Rollout(**data)
             r.expert_ids = routing.get(r.uid)
             if "verdict" not in data and r.role == "verifier" and r.finished_by_itself:
-                r.verdict = parse_verdict(r.text, thinking_open=self.thinking_open)
+                r.verdict = stages.parse_verification(self._completion(r)).verdict
             return r
 
         self.pending = [rollout(r) for r in state["pending"]]

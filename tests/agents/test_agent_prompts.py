@@ -94,3 +94,32 @@ def test_complete_makes_one_batched_call_and_none_for_no_requests():
                                     "Verdict: bad.\r\n**Correctness**\r\nWrong\r\n"])
 def test_bug_report_drops_numbered_and_crlf_headings(report):
     assert prompts.bug_report(report) == "Verdict: bad."
+
+
+# With the Qwen3-Thinking-2507 template the prompt opens `<think>`: the reply has only `</think>`.
+THOUGHT = "2+2 is \\boxed{4}, let me double-check that"
+
+
+@pytest.mark.parametrize("text, reason, opened, right", [
+    ("<think>2+2</think>So \\boxed{4}.", "stop", False, True),
+    ("<think>2+2</think>So \\boxed{5}.", "stop", False, False),
+    ("So the answer is 4.", "stop", False, False),  # no boxed answer
+    (THOUGHT, "length", True, False),
+    (THOUGHT, "length", False, False),  # ended by length: the text is not read
+    (THOUGHT, "stop", True, False),  # never closed the thought its prompt opened: no answer
+    (THOUGHT + "</think>So \\boxed{4}.", "stop", True, True),
+    ("<think>" + THOUGHT + "</think>So \\boxed{4}.", "stop", False, True),
+    ("\\boxed{4}", "error", False, False),
+])
+def test_correct_grades_usable_solutions_only(text, reason, opened, right):
+    output = stages.parse_solution(Completion(text, reason, 9, thinking_open=opened))
+    assert stages.correct([output], ["4"]) == [right]
+
+
+def test_a_verdict_needs_a_report_that_ended_by_itself_outside_the_opened_thought():
+    report = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
+    assert stages.parse_verification(Completion(report, "stop", 9)).verdict is True
+    assert stages.parse_verification(Completion(report, "length", 9)).verdict is None
+    assert stages.parse_verification(Completion(report, "stop", 9, thinking_open=True)).verdict \
+        is None
+    assert stages.parse_verification(Completion("no verdict", "stop", 9)).verdict is None

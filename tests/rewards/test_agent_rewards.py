@@ -1,8 +1,8 @@
-"""Table tests for parse_verdict and the agent rewards."""
+"""Table tests for parse_verdict (what a reply earns: tests/agents, tests/rl/test_judged_alike.py)."""
 
 import pytest
 
-from mars_jax.rewards.agent_rewards import answer_reward, parse_verdict, verifier_reward
+from mars_jax.rewards.agent_rewards import parse_verdict
 
 
 @pytest.mark.parametrize(
@@ -55,56 +55,8 @@ def test_parse_verdict(text, verdict):
     assert parse_verdict(text) is verdict
 
 
-@pytest.mark.parametrize(
-    "verdict_text, solution_is_correct, reward",
-    [
-        ("**Correctness:** Correct", True, 1.0),  # true positive
-        ("**Correctness:** Wrong", False, 1.0),  # true negative
-        ("**Correctness:** Correct", False, 0.0),  # false positive
-        ("**Correctness:** Wrong", True, 0.0),  # false negative
-        ("**Correctness:** Incorrect", False, 1.0),
-        ("**Correctness:** Incorrect", True, 0.0),
-        ("no verdict at all", True, 0.0),
-        ("no verdict at all", False, 0.0),
-    ],
-)
-def test_verifier_reward(verdict_text, solution_is_correct, reward):
-    assert verifier_reward(verdict_text, solution_is_correct, True) == reward
-
-
-def test_answer_reward():
-    assert answer_reward("<think>2+2</think>So \\boxed{4}.", "4", True) == 1.0
-    assert answer_reward("<think>2+2</think>So \\boxed{5}.", "4", True) == 0.0
-    assert answer_reward("So the answer is 4.", "4", True) == 0.0  # no boxed answer, no reward
-
-
-# With the Qwen3-Thinking-2507 template the prompt opens `<think>`: the response has only `</think>`.
-THOUGHT = "2+2 is \\boxed{4}, let me double-check that"
-
-
-def test_a_truncated_thought_with_the_right_box_earns_nothing():
-    assert answer_reward(THOUGHT, "4", False, thinking_open=True) == 0.0
-    assert answer_reward(THOUGHT, "4", False) == 0.0  # ended by length: the text is not read
-    # Ended by itself but never closed the thought its prompt opened: all thought, no answer.
-    assert answer_reward(THOUGHT, "4", True, thinking_open=True) == 0.0
-
-
-def test_the_same_thought_closed_with_a_final_box_earns_one():
-    assert answer_reward(THOUGHT + "</think>So \\boxed{4}.", "4", True, thinking_open=True) == 1.0
-    assert answer_reward("<think>" + THOUGHT + "</think>So \\boxed{4}.", "4", True) == 1.0
-
-
-def test_truncated_reward_is_configurable():
-    assert answer_reward("\\boxed{5}", "4", False, truncated_reward=-1.0) == -1.0
-
-
-REPORT = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
-
-
-def test_a_truncated_verifier_report_earns_nothing():
-    assert verifier_reward(REPORT, True, True) == 1.0
-    assert verifier_reward(REPORT, True, False) == 0.0  # truncated: no verdict
-    # A verdict inside the thought the prompt opened is not a verdict.
-    assert verifier_reward(REPORT, True, True, thinking_open=True) == 0.0
-    assert verifier_reward(REPORT + "</think>" + REPORT, True, True, thinking_open=True) == 1.0
-    assert parse_verdict(REPORT, thinking_open=True) is None
+def test_a_verdict_inside_the_thought_the_prompt_opened_is_no_verdict():
+    report = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
+    assert parse_verdict(report) is True
+    assert parse_verdict(report, thinking_open=True) is None
+    assert parse_verdict(report + "</think>" + report, thinking_open=True) is True

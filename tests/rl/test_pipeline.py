@@ -283,7 +283,8 @@ def test_truncated_solutions_earn_truncated_reward_and_reach_a_verifier_only_if_
     if verify_truncated:
         [verifier_group] = second.groups
         assert [r.judged_correct for r in verifier_group] == [False, False]  # never "solved"
-        assert all(r.solution == RIGHT_THEN_MORE[:16] for r in verifier_group)
+        # The Verifier judges the stage's visible text (`stages.parse_solution`: stripped).
+        assert all(r.solution == RIGHT_THEN_MORE[:16].strip() for r in verifier_group)
     else:
         assert second.groups == [] and engine.trees == {} and engine.pending == []
 
