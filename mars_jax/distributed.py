@@ -282,3 +282,30 @@ class HostGroup:
         self._round += 1
         self.seconds += time.perf_counter() - start
         return values
+
+
+class CompiledTogether:
+    """`jitted` (a `jax.jit` function whose program has cross-host collectives) called so that
+    every process has compiled a program before any process runs it: with several processes a
+    call whose shapes, shardings and static arguments are new lowers and compiles ahead, waits
+    for every host at a `HostGroup` barrier, then runs the compiled program (kept for the next
+    calls of that key). XLA:CPU's gloo collectives give the other hosts 30 s to join a
+    program's first run, less than one host's compile can lag another's. One process: plain
+    `jitted`. Every process must make the same calls in the same order."""
+
+    def __init__(self, jitted, name: str):
+        self.jitted, self.name = jitted, name
+        self.hosts: HostGroup | None = None  # made at the first call, after jax.distributed
+        self._compiled: dict = {}
+
+    def __call__(self, *args, **static):
+        if jax.process_count() == 1:
+            return self.jitted(*args, **static)
+        self.hosts = self.hosts or HostGroup(self.name)
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves),
+               tuple(sorted(static.items(), key=lambda item: item[0])))
+        if key not in self._compiled:
+            self._compiled[key] = self.jitted.lower(*args, **static).compile()
+            self.hosts.gather(True)
+        return self._compiled[key](*args)

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import sharding
+from mars_jax.distributed import CompiledTogether
 from mars_jax.sharding import MESH_AXES, Mesh, NamedSharding
 from mars_jax.models import Qwen3
 
@@ -97,8 +98,8 @@ class HostCopies:
                        axis_types=(jax.sharding.AxisType.Auto,) * (1 + len(MESH_AXES)))
         local_shardings = jax.tree.leaves(rollout_shardings(params, local, rules))
         self._local = local_shardings
-        self._reshard = jax.jit(lambda leaves: leaves, out_shardings=[
-            NamedSharding(staging, s.spec) for s in local_shardings])
+        self._reshard = CompiledTogether(jax.jit(lambda leaves: leaves, out_shardings=[
+            NamedSharding(staging, s.spec) for s in local_shardings]), "weight_copy")
 
     @staticmethod
     def _staging_mesh(devices: list[jax.Device], rollout_mesh: Mesh) -> Mesh:

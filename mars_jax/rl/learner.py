@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from mars_jax.distributed import CompiledTogether
 from mars_jax.preemption import Stopped
 from mars_jax.rl.batching import TrainSample
 from mars_jax.rl.update import TrainState, UpdateConfig, policy_logprobs, train_step
@@ -80,6 +81,11 @@ def mini_batch_indices(num_samples: int, mini_batches: int, rng: np.random.Gener
     return np.array_split(rng.permutation(num_samples), mini_batches)
 
 
+# Several processes: each program compiled on every host before any host runs it.
+_TRAIN_STEP = CompiledTogether(train_step, "train_step")
+_POLICY_LOGPROBS = CompiledTogether(policy_logprobs, "policy_logprobs")
+
+
 def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
                build_batch: Callable[[Sequence[TrainSample]], TrainBatch], ref_params: Any,
                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
@@ -109,15 +115,15 @@ def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
         with_old = []
         for batch in batches:
             check(0)
-            with_old.append(batch.replace(old_logprobs=policy_logprobs(
+            with_old.append(batch.replace(old_logprobs=_POLICY_LOGPROBS(
                 state.params, batch, graphdef=graphdef, config=update_config)))
         batches = with_old
     history = []
     for _ in range(learner.ppo_epochs):
         for batch in batches:
             check(len(history))
-            state, metrics = train_step(state, batch, ref_params, graphdef=graphdef,
-                                        optimizer=optimizer, config=update_config)
+            state, metrics = _TRAIN_STEP(state, batch, ref_params, graphdef=graphdef,
+                                         optimizer=optimizer, config=update_config)
             history.append({k: float(v) for k, v in metrics.items()})
     return state, history
 
