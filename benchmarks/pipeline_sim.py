@@ -48,6 +48,10 @@ slot of 32k + 64k positions, reserved in full as `Engine` does):
                         per update at the host link's rate (`Chip.host_bandwidth`).
   pipeline, offloaded   `pipeline, KV freed` with the optimizer state offloaded as `sync`'s
                         (resident: the bf16 weights; the offload charged the same way).
+  pipeline, KV to host  the same with `resume='keep'`: instead of being recomputed after the
+                        update, the engine's slot cache waits in host memory while it runs
+                        (the whole reserved cache, to the host and back, charged at the host
+                        link's rate like the optimizer state; `Engine` does not do this yet).
   pipeline+overlap r:t  r rollout chips (resident: the bf16 weights' share) + t training chips
                         (must hold the train-state share + the update temporaries); the engine
                         keeps decoding (`decode_while`) while the update runs, then waits for the
@@ -190,6 +194,7 @@ def check_train_memory(hw: Hardware, model: ModelCost, chips: int) -> None:
 BOUND = "bound: decode only"
 SYNC = "sync"
 PIPELINE_OFFLOADED = "pipeline, offloaded"
+PIPELINE_KV_TO_HOST = "pipeline, KV to host"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +208,7 @@ class Variant:
     update_free: bool = False        # the bound: updates cost nothing
     resume: str | None = None        # overrides --resume
     offload: bool = False            # optimizer state on the host while decoding
+    kv_to_host: bool = False         # the slot cache on the host while the update runs
 
 
 def variants(hw: Hardware) -> list[Variant]:
@@ -212,7 +218,9 @@ def variants(hw: Hardware) -> list[Variant]:
             Variant("pipeline, KV freed", "pipeline", None, "train_state", resume="recompute"),
             Variant(SYNC, "sync", None, "weights", offload=True),
             Variant(PIPELINE_OFFLOADED, "pipeline", None, "weights", resume="recompute",
-                    offload=True)]
+                    offload=True),
+            Variant(PIPELINE_KV_TO_HOST, "pipeline", None, "weights", resume="keep",
+                    offload=True, kv_to_host=True)]
     rows += [Variant(f"pipeline+overlap {r}:{t}", "pipeline", (r, t), "weights")
              for r, t in hw.splits]
     rows.append(Variant(BOUND, "pipeline", None, "weights", update_free=True))
@@ -255,6 +263,9 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
     train = make(train_chips, float("inf")) if variant.update_free else make(train_chips)
     offload = (2 * train.host_copy_seconds(model.total_params * OFFLOADED_BYTES_PER_PARAM)
                if variant.offload else 0.0)
+    if variant.kv_to_host:  # the whole cache, as offloading the engine's slot state moves it
+        offload += 2 * train.host_copy_seconds((kv_tokens or slots * positions)
+                                               * model.kv_bytes_per_token)
     return Costs(make(rollout_chips), train, slots, hw.chips, copy, bool(variant.split),
                  kv_tokens, args.kv_reserve, train_chips, offload,
                  None if args.kv == "paged" else args.chunk_steps or None)
@@ -282,9 +293,10 @@ def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int,
 
 
 class _SizeMemo:
-    """`StreamingRollouts._size` remembered per group (by its first member's uid): a complete
-    group's rewards no longer change, and the scheduler sizes every ready group after each
-    decode chunk, the simulation's hottest loop. Same results, less time."""
+    """`StreamingRollouts._size` remembered per group (by its first member's uid: a complete
+    group's rewards no longer change) and `_ready_samples` counted on from the last count while
+    the ready list only grows (it is extended in place, or replaced): the scheduler sizes every
+    ready group after each output, the simulation's hottest loop. Same results, less time."""
 
     def _size(self, group):
         sizes = self.__dict__.setdefault("_sizes", {})
@@ -292,6 +304,15 @@ class _SizeMemo:
         if key not in sizes:
             sizes[key] = super()._size(group)
         return sizes[key]
+
+    def _ready_samples(self):
+        ready = self._ready
+        counted_list, counted, total = self.__dict__.get("_ready_count", (None, 0, 0))
+        if counted_list is not ready or counted > len(ready):  # (holding the list: no id reuse)
+            counted, total = 0, 0
+        total += sum(self._size(g) for g in ready[counted:])
+        self._ready_count = (ready, len(ready), total)
+        return total
 
 
 class MemoStreaming(_SizeMemo, StreamingRollouts):
@@ -400,7 +421,8 @@ def select_rows(text: str, labels: Sequence[str]) -> list[str]:
 
 
 def run_hardware(name: str, progress: float, args) -> list[dict]:
-    """The rows of `name` (`--rows`; the first, sequential row always) at `progress`; a row
+    """The rows of `name` (`--rows`; the first, sequential row too unless `--rows_only`) at
+    `progress`; a row
     whose memory does not fit is printed as such and left out. Pipeline rows update on
     `--samples_per_update` trained samples, or as many as the first barrier row (sequential or
     sync) trained per step."""
@@ -412,7 +434,8 @@ def run_hardware(name: str, progress: float, args) -> list[dict]:
     chosen = variants(hw)
     if args.rows:
         wanted = set(select_rows(args.rows, [v.label for v in chosen]))
-        chosen = [v for i, v in enumerate(chosen) if i == 0 or v.label in wanted]
+        chosen = [v for i, v in enumerate(chosen)
+                  if (i == 0 and not args.rows_only) or v.label in wanted]
     base = None
     for variant in chosen:
         try:
@@ -435,13 +458,14 @@ def run_hardware(name: str, progress: float, args) -> list[dict]:
         result["label"], result["sim_seconds"] = variant.label, time.perf_counter() - began
         if not samples_per_update:
             samples_per_update = round(result["samples_per_update"])
-        if variant is chosen[0]:
+        if variant.label == "sequential":
             base = result["hours_per_1k"]
         results.append(result)
         print_row(result, base)
     bound = next((r for r in results if r["label"] == BOUND), None)
     if bound and base is not None:
-        print(ceiling_line(results[0], bound, args.update_mfu))
+        print(ceiling_line(next(r for r in results if r["label"] == "sequential"), bound,
+                           args.update_mfu))
     return results
 
 
@@ -598,6 +622,8 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default="",
                         help="comma-separated row labels to run, e.g. 'sequential, KV freed,sync' "
                              "(the sequential row, the base of `vs seq`, always runs); empty: all")
+    parser.add_argument("--rows_only", action="store_true",
+                        help="run only the --rows named (not the sequential row)")
     parser.add_argument("--samples_per_update", type=int, default=0,
                         help="pipeline rows' update size (0: what the first barrier row trained "
                              "per step, ~8,500)")

@@ -89,16 +89,20 @@ def slots_fitting(free: float, slot: float, shards: int) -> int:
 
 
 def budget(optimizer_state: Any, results: Sequence, kv: dict[str, int], shards: int,
-           hbm: int, *, copies: tuple[Any, Any] | None = None, engines: int = 1) -> SlotBudget:
+           hbm: int, *, copies: tuple[Any, Any] | None = None, engines: int = 1
+           ) -> SlotBudget | None:
     """The slot budget from `optimizer_state` (abstract, sharded), the compiled `results` of
     `engine_decode` and `update`, the engine's `kv` bytes (`StepPrograms.kv_bytes`) and its
     mesh's batch `shards`; `copies` = (trainer's parameters, engine's weights), abstract and
-    sharded, when the engine decodes a copy of its own (module docstring)."""
-    by_name = {r.program: r for r in results if r.fits or r.total_bytes}
+    sharded, when the engine decodes a copy of its own (module docstring). None when either
+    program failed to compile."""
+    by_name = {r.program: r for r in results}
     missing = {"engine_decode", "update"} - set(by_name)
     if missing or kv is None:
         raise ValueError(f"--colocated_slots: needs engine_decode and update compiled; "
                          f"missing {sorted(missing) or ['the engine KV bytes']}")
+    if any(by_name[p].error for p in ("engine_decode", "update")):
+        return None  # a compile error: the table shows it
     # A device holds per_device of the cache's total bytes: a slot's positions cost it that share.
     slot = kv["per_device"] * kv["positions"] * kv["per_token"] / kv["total"]
     trainer, engine = (bytes_per_device(c) for c in copies) if copies else (0, 0)

@@ -279,15 +279,20 @@ class SimEngine:
 
     def _decode_chunks(self, running: list[_Request]) -> None:
         """Whole chunks up to the end of the one in which the first running request ends
-        (module docstring)."""
-        left = {r.id: r.end - r.generated for r in running}
-        steps = -(-max(0, min(left.values())) // self.chunk_steps) * self.chunk_steps
-        ending = sorted((left[r.id], r.id) for r in running if left[r.id] < steps)
-        rows, context = len(running), sum(r.context for r in running)
-        bucket = self._bucket(running)
-        span = span_bucket(max(r.context for r in running) + (steps + 1) // 2, self.max_length)
+        (module docstring). Slot bucket and span are computed only for a cost model that reads
+        them (`engine_buckets`)."""
+        lefts = [r.end - r.generated for r in running]
+        steps = -(-max(0, min(lefts)) // self.chunk_steps) * self.chunk_steps
+        ending = sorted((left, i) for i, left in enumerate(lefts) if left < steps)
+        rows = len(running)
+        context = sum(r.group.prompt_len + r.generated for r in running)
+        bucket = span = None
+        if getattr(self.cost, "engine_buckets", False):
+            bucket = self._bucket(running)
+            span = span_bucket(max(r.context for r in running) + (steps + 1) // 2,
+                               self.max_length)
         done = 0
-        for at in [at for at, _ in ending] + [steps]:
+        for at, index in ending + [(steps, None)]:
             if at > done:
                 seconds = self.cost.decode_seconds(rows, context, at - done, bucket=bucket,
                                                    span=span)
@@ -298,14 +303,13 @@ class SimEngine:
                 self.stats["tokens"] += (at - done) * rows
                 context += (at - done) * rows
                 done = at
-            if at < steps:  # a request ends here: its row stops
+            if index is not None:  # a request ends here: its row stops
                 rows -= 1
-                context -= self._requests[ending[0][1]].context + at
-                ending.pop(0)
+                context -= running[index].context + at
         self.stats["decode_steps"] += steps
         self.stats["slot_steps"] += steps * self.num_slots
-        for request in running:
-            request.generated += min(steps, left[request.id])
+        for request, left in zip(running, lefts):
+            request.generated += min(steps, left)
         self._advance_requests(running, 0)
 
     def _advance_requests(self, running: list[_Request], steps: int) -> None:

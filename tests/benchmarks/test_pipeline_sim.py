@@ -480,3 +480,8 @@ def test_hardware_names_and_the_offload_charged_at_the_host_link():
     # Slots: 0.9 x 141 GiB less the bf16 weights' eighth, in slots of 9.66 GB: 13 a GPU, against
     # 3 a GPU beside the train state and the update's temporaries.
     assert (sync.slots, sequential.slots) == (104, 24)
+    # With the slot cache to the host and back as well: 104 slots x 98,304 positions x 98,304 B
+    # over the same links, 2 x 1.005 TB / 512 GB/s = 3.93 s more.
+    kv_to_host = paper_costs(HARDWARE["h200x8"], rows["pipeline, KV to host"], args, Workload())
+    assert kv_to_host.offload_seconds - sync.offload_seconds == pytest.approx(
+        2 * 104 * 98_304 * 98_304 / (8 * 64e9))

@@ -59,7 +59,9 @@ def test_slots_before_and_after_by_hand():
     assert colocated_slots.budget(optimizer, big, kv, shards=8, hbm=100 * GiB).after == 0
 
 
-def test_the_budget_needs_both_programs():
+def test_the_budget_needs_both_programs_compiled():
     kv = dict(slots=16, positions=1024, per_token=4 * 2**20, total=64 * GiB, per_device=8 * GiB)
     with pytest.raises(ValueError, match="engine_decode"):
         colocated_slots.budget({}, [Result("update", True)], kv, shards=8, hbm=GiB)
+    failed = [Result("update", True), Result("engine_decode", False, error="compile error")]
+    assert colocated_slots.budget({}, failed, kv, shards=8, hbm=GiB) is None
