@@ -12,9 +12,13 @@ r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, on one host o
 Same run as `marsrl_qwen3_30b_a3b.py` (paper settings, the streaming scheduler in pipeline mode,
 `get_config(arg)` options and `get_sweep()`), with the mesh and micro-batch of 8 GPUs: one process,
 one engine on all 8 GPUs decoding with the trainer's own parameter arrays (no copy; the rollout
-pauses while the update runs), its KV cache paged: 48 slots over 24,576 pages of 64 positions
-(8 pools of 3,072 pages, 196k positions, 19.3 GB a GPU). Memory arithmetic per GPU (H100: 80 GB,
-H200: 141 GB), from the per-step decoder's AOT record below:
+pauses while the update runs), its KV cache paged: 48 slots over 49,152 pages of 32 positions
+(8 pools of 6,144 pages, 196k positions, 19.3 GB a GPU; the Pallas GPU paged-attention kernel
+needs 282,624 B of shared memory a block at 64-position pages, over the H200's 232,448).
+AOT (`--topology=h200:8`, 48 layers, 2026-12-06): engine_decode 25.8 GiB (weights 7.6 + KV 18.0,
+temporaries 0.7), update 84.5 GiB, each of 141; the KV cache stays through the update: 102.5.
+Memory arithmetic per GPU (H100: 80 GB, H200: 141 GB), from the per-step decoder's AOT record
+below:
   train state: bf16 parameters 61 GB + AdamW mu, nu 122 GB + gradients 61 GB = 244 GB / 8
                                                        = 30.5 GB, resident through the rollouts
   KV cache: 9.7 GB per row at the 32k + 64k buckets, ~19.3 GB with the decode loop's copy
@@ -51,7 +55,7 @@ def get_config(arg: str | None = None):
         c.mesh.rollout.data, c.mesh.rollout.expert = -1, 1
         c.rollout.max_decode_rows = 32  # 4 rows per H200 (H100: --config.rollout.max_decode_rows=16)
         c.rollout.engine_slots = 48
-        c.rollout.engine_kv_pages = 24576
+        c.rollout.engine_kv_pages, c.rollout.engine_page_size = 49152, 32
         # MoE dispatch: 'auto', i.e. `dense` for decode (<= 256 tokens a call; expert-parallel
         # over `fsdp`, no expert weight gathered) and, off TPU, `sorted` for prefill and the
         # update, never `ragged` (XLA:GPU lowers it with far larger
