@@ -31,6 +31,9 @@ prints the bytes one weight copy from the training to the rollout submesh writes
       --config.rollout.scheduler=stream --config.rollout.segment_tokens=0 \
       --config.mesh.rollout.devices=192 --config.mesh.rollout.data=3 \
       --config.mesh.rollout.fsdp=-1 --config.learner.micro_batch_size=64
+On a topology of several hosts (TPU: 4 chips a host on v5p) the engine programs compile for one
+host's engine mesh (`sharding.make_meshes`: host 0's devices, or its last `mesh.rollout.devices`)
+and the update for the global training mesh, as `rollout.scheduler='stream'` runs them.
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
 FLOPs and bytes accessed (XLA's `cost_analysis()`: per device, a loop body counted once) and
 whether it fits the chip;

@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 
+import jax
 from ml_collections import ConfigDict, FieldReference
 
 from mars_jax import sharding
@@ -355,7 +356,8 @@ _MESH_FIXES = {
 @_rule("mesh")
 def _mesh(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     try:
-        sharding.MeshSplit.from_mapping(config.mesh.to_dict()).resolve(device_count)
+        sharding.MeshSplit.from_mapping(config.mesh.to_dict()).resolve(device_count,
+                                                                       jax.process_count())
     except (ValueError, TypeError) as e:
         field, _, problem = str(e).partition(": ")
         section = next((f for f in sorted(_MESH_FIXES, key=len, reverse=True)

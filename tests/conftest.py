@@ -55,9 +55,9 @@ def _drop_compiled_programs():
 # together instead of one of them running a long subprocess test alone at the end.
 LONGEST_FIRST = ("tests/distributed/test_stream_hosts.py", "tests/test_main_job.py",
                  "tests/rl/test_overlap.py", "tests/rl/test_resume.py",
-                 "tests/sampling/test_engine.py", "tests/rl/test_update.py",
-                 "tests/sft/test_configs.py", "tests/launch/test_aot_compile.py",
-                 "tests/sampling/test_sampler.py")
+                 "tests/fault/test_preemption.py", "tests/sampling/test_engine.py",
+                 "tests/rl/test_update.py", "tests/sft/test_configs.py",
+                 "tests/launch/test_aot_compile.py", "tests/sampling/test_sampler.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -15,22 +15,39 @@ With `eval.probe_every` > 0 each role's decisions are sampled on held-out proble
 (`mars_jax.sft.probe`) before step 1 (a step-0 line) and after every `eval.probe_every`-th step.
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
+Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
+every host: between decode rounds (`StreamingRollouts`), between generator calls of the per-step
+scheduler, between mini-batches of the update (`learner.ppo_update`); the loop also checks after
+each step. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
+the train state from before step s's update (an update stopped half-way is redone:
+`learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: with
+'stream' the requests in flight as partial outputs and, once the rollouts are collected, the
+step's groups put back as ready (`StreamingRollouts.state_dict(put_back=True)`), with the data
+position after them; with 'step' the queues and data position of the step's start (not saved
+when checkpoint s - 1 exists: it holds the same). Then it raises `Preempted` (exit 75) within
+`preemption_grace_s` of the signal (or the watchdog exits with 75). A resumed run starts at
+step s. A checkpoint saved mid-step is replaced when its step is saved again (at its end, or
+stopped again) only while another checkpoint exists (or at the last step), so a replacement cut
+short never leaves none; otherwise it stays (a valid point to redo its step from).
+
 Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
-run one job on a global mesh: each host draws its own problems and keeps its own rollout queues;
-every decode is one SPMD program over all hosts' requests (`SamplerGenerator`); the update trains
-on all hosts' samples joined into one global batch (`distributed.global_train_batch`); checkpoints
-hold each host's data and queue state (`distributed.gather_process_meta`) and the recorded routing
-of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics are per host
-(host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are global.
+run one job on a global training mesh: each host draws its own problems and keeps its own rollout
+queues. With 'stream' each host decodes on an engine of its own over its own devices (all, or its
+`mesh.rollout.devices`), with its own copy of the weights (`weight_sync.HostCopies`), and the
+hosts agree on the update cadence through `distributed.HostGroup` (`rl/streaming.py`); with
+'step' every decode is one SPMD program over all hosts' requests (`SamplerGenerator`). The update
+trains on all hosts' samples joined into one global batch (`distributed.global_train_batch`);
+checkpoints hold each host's data and queue state (`distributed.gather_process_meta`) and the
+recorded routing of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics
+are per host (host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are
+global.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -39,7 +56,8 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, config_diff, console, distributed, offload, sharding, weight_sync
+from mars_jax import (builders, config_diff, console, distributed, memory_fit, offload,
+                      preemption, sharding, weight_sync)
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
@@ -47,23 +65,21 @@ from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
-from mars_jax.rl.generator import EngineGenerator, SamplerGenerator, stream_engine
-from mars_jax.rl.learner import LearnerConfig, ppo_update, summarize_updates
+from mars_jax.rl.generator import EngineGenerator, SamplerGenerator, engine_shape, stream_engine
+from mars_jax.rl import queue_arrays
+from mars_jax.rl.learner import LearnerConfig, UpdateStopped, ppo_update, summarize_updates
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import UpdateConfig, init_train_state
+from mars_jax.sampling import batch_shards
 from mars_jax.sft.probe import probe_model
 from mars_jax.types import TrainBatch
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
-
-
-class Preempted(Exception):
-    """SIGTERM arrived; a final checkpoint was written (unless updates were non-finite)."""
-
-    exit_code = PREEMPTED_EXIT_CODE
+PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
+Preempted = preemption.Preempted  # raised after SIGTERM, once what can be saved is saved
+STEPS_DONE_KEY = "steps_done"  # meta of a checkpoint saved mid-step: the steps it completed
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -179,21 +195,22 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
 
 
 def _build_stream(config: ConfigDict, rollouts: AgenticRollouts, model, eos, problems,
-                  mesh: jax.sharding.Mesh, inflight_cap: int) -> StreamingRollouts:
+                  mesh: jax.sharding.Mesh, inflight_cap: int,
+                  should_stop: Callable[[], bool]) -> StreamingRollouts:
     """The streaming scheduler (`rollout.scheduler='stream'`) on a fresh engine over `model`
-    (whose arrays live on `mesh`, the rollout mesh)."""
-    if jax.process_count() > 1:
-        raise ValueError("rollout.scheduler='stream' runs on one process; use 'step' for "
-                         "multi-process jobs")
+    (whose arrays live on `mesh`, this host's rollout mesh); with several processes one per
+    host, each with its share of `inflight_cap`, agreeing through a `distributed.HostGroup`."""
     r = config.rollout
     with sharding.use_mesh(mesh):
         engine = stream_engine(config, model, eos, mesh=mesh)
     return StreamingRollouts(
         rollouts, engine, problems, mode=r.mode, prompts_per_step=r.prompts_per_step,
         samples_per_update=r.samples_per_update or r.prompts_per_step * r.group_size,
-        max_inflight_rows=inflight_cap, staleness_bound=r.staleness_bound, resume=r.resume,
+        max_inflight_rows=-(-inflight_cap // jax.process_count()),
+        staleness_bound=r.staleness_bound, resume=r.resume,
         roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,
-        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), stop_ids=eos)
+        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), stop_ids=eos,
+        hosts=distributed.HostGroup("stream"), should_stop=should_stop)
 
 
 def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, float]:
@@ -203,15 +220,18 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "stream/occupancy": batch.occupancy, "stream/inflight": batch.inflight,
             "stream/problems_admitted": batch.problems_admitted,
             "stream/deferred_seconds": batch.deferred_seconds,
+            "stream/sync_seconds": batch.sync_seconds,
             "rollouts/context_cuts": stream.rollouts.context_cuts,
             "rollouts/context_drops": stream.rollouts.context_drops,
             "time/rollout": batch.seconds}
 
 
 def _step_rollouts(config: ConfigDict, step: int, version: int, model, generator, rollouts,
-                   problems, eos, mesh: jax.sharding.Mesh, inflight_cap: int):
+                   problems, eos, mesh: jax.sharding.Mesh, inflight_cap: int,
+                   should_stop: Callable[[], bool]):
     """One step's decodes (`rollout.scheduler='step'`): (every completed group, the trainable
-    ones, metrics with the generator to reuse under 'generator')."""
+    ones, metrics with the generator to reuse under 'generator'). Raises
+    `preemption.Stopped` before a generator call when `should_stop()` on any host."""
     seed = config.seed * 1_000_003 + step * 1_009
     if config.rollout.decode_engine == "engine":
         if generator is None:
@@ -222,9 +242,14 @@ def _step_rollouts(config: ConfigDict, step: int, version: int, model, generator
             model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
             top_k=config.rollout.top_k, seed=seed, record_routing=config.learner.routing_replay,
             mesh=mesh, max_rows=config.rollout.max_decode_rows)
+    def generate(requests):  # a collective, called by every host equally often
+        if distributed.any_process(should_stop()):
+            raise preemption.Stopped("step: stopped between two generator calls")
+        return generator(requests)
+
     t0 = time.perf_counter()
     with sharding.use_mesh(mesh):
-        result = rollout_step(rollouts, problems, generator, mode=config.rollout.mode,
+        result = rollout_step(rollouts, problems, generate, mode=config.rollout.mode,
                               prompts_per_step=config.rollout.prompts_per_step, step=step,
                               version=version, max_inflight_rows=inflight_cap,
                               any_process=distributed.any_process)
@@ -243,29 +268,62 @@ def _step_rollouts(config: ConfigDict, step: int, version: int, model, generator
     return result.groups, trainable(result.groups, config.rollout.roles_trained), metrics
 
 
-class _SigtermFlag:
-    """Set by SIGTERM; the loop checks it after each step."""
+def _check_resident_memory(config: ConfigDict, state, model_config, mesh: jax.sharding.Mesh,
+                           rollout_mesh: jax.sharding.Mesh) -> None:
+    """Refuses (ConfigError, exit 2) a streaming run whose train state, engine weights and KV
+    cache cannot all stay on a chip (`memory_fit`; where the backend reports its memory)."""
+    slots, length = engine_shape(config, rollout_mesh)
+    kv = memory_fit.engine_kv_bytes(config, model_config, slots, length,
+                                    batch_shards(rollout_mesh))
+    copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
+            if rollout_mesh is not mesh else None)
+    memory_fit.check(memory_fit.resident(state, copy, kv, rollout_mesh),
+                     memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
 
-    def __init__(self) -> None:
-        self.raised = False
 
-    def handle(self, signum, frame) -> None:
-        self.raised = True
+def _weight_copier(params, mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh):
+    """params -> (this host's engine copy, `weight_sync.Transfer`): on one process a
+    `device_put` to the rollout mesh's shardings, on several `weight_sync.HostCopies`."""
+    if jax.process_count() > 1:
+        return weight_sync.HostCopies(params, mesh, rollout_mesh).copy
+    shardings = weight_sync.rollout_shardings(params, rollout_mesh)
+    return lambda current: weight_sync.copy_weights(current, shardings)
 
 
-@contextlib.contextmanager
-def _catch_sigterm() -> Iterator[_SigtermFlag]:
-    """Turns SIGTERM into a flag while training; restores the previous handler afterwards."""
-    flag, installed = _SigtermFlag(), True
-    try:
-        previous = signal.signal(signal.SIGTERM, flag.handle)
-    except ValueError:  # not the main thread (e.g. inside a notebook worker): no handler
-        installed = False
-    try:
-        yield flag
-    finally:
-        if installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
+    """`should_stop` for the update: whether any host's `notice` came, through a
+    `distributed.HostGroup` (no device program: safe beside a decode on another thread)."""
+    hosts = distributed.HostGroup("update")
+    return lambda: any(hosts.gather(notice()))
+
+
+_ARRAYS = ("routing", "queue")  # a checkpoint's per-host arrays (`distributed.host_arrays`)
+
+
+def _queue_meta(key: str, queue: dict, routing: dict) -> tuple[dict, dict]:
+    """(this host's checkpoint meta for a scheduler's `queue` state, under `key`, and its
+    `routing`; the arrays to save): token ids and log-probabilities as arrays (`queue_arrays`),
+    the rest of the queue and the arrays' index in the meta. A collective
+    (`distributed.host_arrays`)."""
+    packed, arrays = queue_arrays.pack(queue)
+    meta, saved = {key: packed}, {}
+    for name, values in (("routing", routing), ("queue", queue_arrays.host_blocks(arrays))):
+        meta[name], array = distributed.host_arrays(values)
+        if array is not None:
+            saved[name] = array
+    return meta, saved
+
+
+def _restore_queues(meta: dict, arrays: dict, decode: Callable[[list[int]], str]):
+    """(the queue state, recorded routing by uid) of a restored checkpoint's meta (this host's)
+    and arrays: the queue's token ids and log-probabilities read back from the arrays."""
+    routing = (distributed.unpack_host_arrays(meta["routing"], arrays["routing"])
+               if meta.get("routing") is not None else None)
+    queue = meta["stream" if "stream" in meta else "rollouts"]
+    if meta.get("queue") is not None:
+        blocks = distributed.unpack_host_arrays(meta["queue"], arrays["queue"])
+        queue = queue_arrays.unpack(queue, queue_arrays.from_host_blocks(blocks), decode)
+    return queue, routing
 
 
 def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str] = ()
@@ -279,15 +337,16 @@ def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str
     is skipped; no checkpoint of the streak is saved, so the newest one is the last good state)
     and `CheckpointSaveError` when a save fails.
     """
-    with _catch_sigterm() as sigterm:
-        return _train(config, Path(workdir), sigterm, tuple(allow_config_change))
+    with preemption.catch_sigterm(config.preemption_grace_s) as notice:
+        return _train(config, Path(workdir), notice, tuple(allow_config_change))
 
 
-def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
+def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
            allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
-    split = rollout_mesh is not mesh
+    copied_weights = rollout_mesh is not mesh  # the engine decodes on a copy of the weights
+    overlap = config.mesh.rollout.devices > 0 and config.rollout.mode == "pipeline"
     with sharding.use_mesh(mesh):
         model = builders.build_model(config, mesh)
     tokenizer = builders.build_tokenizer(config)
@@ -308,7 +367,9 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
     learner = learner_config(config)
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
-        "routing": distributed.host_arrays_target(distributed.local_process_meta(saved)["routing"])},
+        name: distributed.host_arrays_target(index)
+        for name, index in distributed.local_process_meta(saved).items()
+        if name in _ARRAYS and index is not None},
         check_meta=lambda step, saved: config_diff.check_resume(
             saved.get(CONFIG_KEY), config, step=step, allowed=allow_config_change))
     model_config = model.config
@@ -316,13 +377,14 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
     if restored is not None:
         start, state, saved, arrays = restored
         meta = distributed.local_process_meta(saved)
+        start = meta.get(STEPS_DONE_KEY, start)  # saved mid-step: that step is redone
         problems.set_state(meta["data"])
-        routing = (distributed.unpack_host_arrays(meta["routing"], arrays["routing"])
-                   if arrays is not None else None)
+        queue, routing = _restore_queues(
+            meta, arrays or {}, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         if config.rollout.scheduler == "stream":
-            saved_stream = (meta["stream"], routing)
+            saved_stream = (queue, routing)
         else:
-            rollouts.load_state_dict(meta["rollouts"], routing)
+            rollouts.load_state_dict(queue, routing)
         nonfinite_streak = meta["nonfinite_streak"]
         version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
         console.note(f"resumed from step {start}")
@@ -336,15 +398,14 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
     metrics: dict[str, float] = {}
     generator = None
     stream = None
-    if split:
-        to_rollout = weight_sync.rollout_shardings(state.params, rollout_mesh)
     if config.rollout.scheduler == "stream":
+        _check_resident_memory(config, state, model_config, mesh, rollout_mesh)
         policy = nnx.merge(graphdef, state.params)
-        if split:
-            policy = weight_sync.rollout_model(
-                graphdef, weight_sync.copy_weights(state.params, to_rollout)[0])
+        if copied_weights:
+            copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
+            policy = weight_sync.rollout_model(graphdef, copy_weights(state.params)[0])
         stream = _build_stream(config, rollouts, policy, eos, problems, rollout_mesh,
-                               inflight_cap)
+                               inflight_cap, notice)
         if saved_stream is not None:
             stream.load_state_dict(*saved_stream)
     probe_every = config.eval.probe_every
@@ -360,55 +421,110 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
 
     if probe_every and start == 0:
         writer.write(0, held_out_probe(state.params))
+    queue_key = "stream" if stream is not None else "rollouts"
+    update_stop = _agreed_stop(notice)
+
+    def save(number: int, state, data: dict, queue: dict, routing: dict, *, steps_done=None,
+             must: bool = True) -> bool:
+        """Starts saving checkpoint `number` (a collective); `steps_done` when saved mid-step.
+        A checkpoint `number` already there (saved mid-step) is replaced only while another
+        exists, or when the save `must` happen; returns whether it saved."""
+        existing = checkpointer.steps()
+        if number in existing:
+            if len(existing) < 2 and not must:
+                return False
+            checkpointer.delete(number)
+        queue_meta, arrays = _queue_meta(queue_key, queue, routing)
+        extra = {} if steps_done is None else {STEPS_DONE_KEY: steps_done}
+        checkpointer.save(number, state, distributed.gather_process_meta({
+            "data": data, **queue_meta, "nonfinite_streak": nonfinite_streak,
+            "policy_version": version, **extra}), arrays=arrays or None)
+        return True
+
+    def save_stopped(step: int, state, step_start, put_back: bool) -> str:
+        """Saves a checkpoint to redo `step` from (module docstring); returns what happened,
+        for `Preempted`."""
+        what = f"SIGTERM in step {step}"
+        if nonfinite_streak:
+            return (f"{what}; no checkpoint during {nonfinite_streak} non-finite updates, the "
+                    "last good one is kept")
+        if stream is None:
+            data, queue, routing = step_start
+            if step - 1 in checkpointer.steps():
+                return f"{what}; checkpoint {step - 1} holds the step's start"
+        else:
+            data = problems.get_state()
+            queue, routing = stream.state_dict(put_back), stream.routing(put_back)
+        if not save(step, state, data, queue, routing, steps_done=step - 1, must=False):
+            return f"{what}; checkpoint {step} (from earlier in the step) kept"
+        checkpointer.wait()
+        return f"{what}; checkpoint {step} saved to redo the step from"
+
     bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
-            if config.learner.offload_optimizer:  # on the host while the engine decodes
-                state, ref_params = offload.move_update_state(state, ref_params, "host")
-            if stream is not None:
-                batch = stream.collect(version)
-                all_groups, groups = batch.all_groups, batch.groups
-                metrics = role_metrics(all_groups)
-                metrics.update(_stream_metrics(batch, stream))
-            else:
-                all_groups, groups, metrics = _step_rollouts(
-                    config, step, version, nnx.merge(graphdef, state.params), generator, rollouts,
-                    problems, eos, mesh, inflight_cap)
-                generator = metrics.pop("generator")
-            t1 = time.perf_counter()
-            if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
-                state, ref_params = offload.move_update_state(state, ref_params, "device")
-            samples = training_samples(groups, drop_zero_variance=config.rollout.drop_zero_variance,
-                                       normalize_std=config.rollout.normalize_std,
-                                       mask_truncated=config.loss.mask_truncated)
-            metrics["samples/trained"] = len(samples)
-            if stream is None:
-                metrics["staleness/max"] = max_staleness(groups, version)
-            if distributed.any_process(bool(samples)):
-                def update(state=state, samples=samples, step=step):
-                    with sharding.use_mesh(mesh):
-                        return ppo_update(
-                            state, samples,
-                            build_batch=lambda part: _global_batch(part, config, model_config,
-                                                                   mesh),
-                            ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
-                            update_config=update_config, learner=learner,
-                            rng=np.random.default_rng([config.seed, step]))
-
-                if split and config.rollout.mode == "pipeline":  # decode during the update
-                    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                        running = pool.submit(update)
-                        stream.decode_while(lambda: not running.done(), version)
-                        state, history = running.result()
+            # the per-step scheduler's queues at the step's start: what a stopped step redoes
+            step_start = None if stream is not None else (
+                problems.get_state(), rollouts.state_dict(), rollouts.routing())
+            try:
+                if config.learner.offload_optimizer:  # on the host while the engine decodes
+                    state, ref_params = offload.move_update_state(state, ref_params, "host")
+                if stream is not None:
+                    batch = stream.collect(version)
+                    all_groups, groups = batch.all_groups, batch.groups
+                    metrics = role_metrics(all_groups)
+                    metrics.update(_stream_metrics(batch, stream))
                 else:
-                    state, history = update()
+                    all_groups, groups, metrics = _step_rollouts(
+                        config, step, version, nnx.merge(graphdef, state.params), generator,
+                        rollouts, problems, eos, mesh, inflight_cap, notice)
+                    generator = metrics.pop("generator")
+                t1 = time.perf_counter()
+                if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
+                    state, ref_params = offload.move_update_state(state, ref_params, "device")
+                samples = training_samples(
+                    groups, drop_zero_variance=config.rollout.drop_zero_variance,
+                    normalize_std=config.rollout.normalize_std,
+                    mask_truncated=config.loss.mask_truncated)
+                metrics["samples/trained"] = len(samples)
+                if stream is None:
+                    metrics["staleness/max"] = max_staleness(groups, version)
+                history = None
+                if distributed.any_process(bool(samples)):
+                    def update(state=state, samples=samples, step=step):
+                        with sharding.use_mesh(mesh):
+                            return ppo_update(
+                                state, samples,
+                                build_batch=lambda part: _global_batch(part, config,
+                                                                       model_config, mesh),
+                                ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
+                                update_config=update_config, learner=learner,
+                                rng=np.random.default_rng([config.seed, step]),
+                                should_stop=update_stop)
+
+                    if overlap:  # decode on the rollout devices during the update
+                        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                            running = pool.submit(update)
+                            stream.decode_while(lambda: not running.done(), version)
+                            state, history = running.result()
+                    else:
+                        state, history = update()
+            except preemption.Stopped as stopped:
+                if isinstance(stopped, UpdateStopped):
+                    state = stopped.state
+                elif config.learner.offload_optimizer:
+                    state, ref_params = offload.move_update_state(state, ref_params, "device")
+                raise Preempted(save_stopped(step, state, step_start,
+                                             put_back=isinstance(stopped, UpdateStopped))
+                                ) from None
+            if history is not None:
                 update_metrics = summarize_updates(history)
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
                 if update_metrics["optimizer_steps"] > 0:
                     version += 1
-                    if split:
-                        copied, transfer = weight_sync.copy_weights(state.params, to_rollout)
+                    if stream is not None and copied_weights:
+                        copied, transfer = copy_weights(state.params)
                         stream.weights_updated(weight_sync.rollout_model(graphdef, copied),
                                                version)
                         metrics.update({"sync/seconds": transfer.seconds,
@@ -416,7 +532,7 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
                                         "sync/bytes_per_device": transfer.bytes_per_device})
                     elif stream is not None:
                         stream.weights_updated(nnx.merge(graphdef, state.params), version)
-                elif stream is not None and not split:  # the same weights in the arrays the
+                elif stream is not None and not copied_weights:  # the same weights in the arrays the
                     # update returned: it donated those the engine decodes with
                     stream.engine.update_weights(nnx.merge(graphdef, state.params))
                 finite = update_metrics["finite"] > 0
@@ -436,24 +552,19 @@ def _train(config: ConfigDict, workdir_path: Path, sigterm: _SigtermFlag,
             if nonfinite_streak >= config.max_nonfinite_updates:
                 raise NonFiniteUpdates(f"{nonfinite_streak} steps with non-finite updates in a "
                                        f"row at step {step}; the last good checkpoint is kept")
-            preempted = distributed.any_process(sigterm.raised)
+            preempted = distributed.any_process(notice())
+            saved = False
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):
-                routing_index, routing = distributed.host_arrays(
-                    (stream or rollouts).routing())
-                queue = ({"stream": stream.state_dict()} if stream is not None
-                         else {"rollouts": rollouts.state_dict()})
-                checkpointer.save(step, state, distributed.gather_process_meta({
-                    "data": problems.get_state(), **queue,
-                    "routing": routing_index, "nonfinite_streak": nonfinite_streak,
-                    "policy_version": version}),
-                    arrays=None if routing is None else {"routing": routing})
+                saved = save(step, state, problems.get_state(), (stream or rollouts).state_dict(),
+                             (stream or rollouts).routing(), must=step == config.total_steps)
             if preempted and step < config.total_steps:
                 checkpointer.wait()
                 raise Preempted(f"SIGTERM at step {step}; " + (
-                    "checkpoint saved" if nonfinite_streak == 0 else
+                    "checkpoint saved" if saved else
                     f"no checkpoint during {nonfinite_streak} non-finite updates, the last good "
-                    "one is kept"))
+                    "one is kept" if nonfinite_streak else
+                    f"checkpoint {step} (from earlier in the step) kept"))
     finally:
         writer.close()
         bar.close()

@@ -259,8 +259,8 @@ def _streaming_smoke():
     (dict(data=1, fsdp=4, rollout=dict(devices=2)), "mesh",
      "6 devices are available; set one axis to -1 or fix the sizes (training submesh: 8 "
      "devices less mesh.rollout.devices=2)"),
-    (dict(rollout=dict(devices=0, tensor=2)), "mesh.rollout",
-     "axis sizes are set but mesh.rollout.devices is 0"),
+    (dict(rollout=dict(devices=0, tensor=3)), "mesh.rollout",
+     "8 devices cannot be split with fixed axes of product 3"),
     (dict(dcn=dict(data=2), rollout=dict(devices=4)), "mesh.dcn", "spans one slice"),
     (dict(rollout=dict(devices=2, fsdp=0)), "mesh.rollout.fsdp", "must be positive or -1"),
 ])

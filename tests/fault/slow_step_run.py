@@ -1,0 +1,70 @@
+"""experiments/run.py with parity rewards (`parity_reward_run.py`) and one step made slow, for
+preemption tests. Test helper: run it as a script.
+
+  SLOW_COLLECT=v  the streaming `collect` at policy version v sleeps SLOW_ROUND_S (default 5)
+                  seconds after each decode round, and returns no sooner than 60 s after it began;
+  SLOW_UPDATE=k   each optimizer update from the run's k-th on (the train state's update count)
+                  sleeps SLOW_UPDATE_S (default 8) seconds after it ran.
+
+Each writes `{workdir}/slow_collect` or `{workdir}/slow_update` when its first slow unit is done,
+so that a test can send SIGTERM in the middle of the slow part.
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from mars_jax.rl import learner
+from mars_jax.rl.streaming import StreamingRollouts
+from tests.fault import parity_reward_run
+
+STEP_SECONDS = 60  # what a slow collect lasts at least
+
+
+def _marker(name: str) -> None:
+    workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+    (Path(workdir) / name).touch()
+
+
+def install() -> None:
+    if "SLOW_COLLECT" in os.environ:
+        slow_version, pause = int(os.environ["SLOW_COLLECT"]), float(
+            os.environ.get("SLOW_ROUND_S", 5))
+        decode_round, collect = StreamingRollouts._round, StreamingRollouts.collect
+
+        def slow_round(self, version, until):
+            decoded = decode_round(self, version, until)
+            if version == slow_version:
+                _marker("slow_collect")
+                time.sleep(pause)
+            return decoded
+
+        def slow_collect(self, version):
+            start = time.monotonic()
+            batch = collect(self, version)
+            if version == slow_version:
+                time.sleep(max(0.0, STEP_SECONDS - (time.monotonic() - start)))
+            return batch
+
+        StreamingRollouts._round, StreamingRollouts.collect = slow_round, slow_collect
+    if "SLOW_UPDATE" in os.environ:
+        first, pause = int(os.environ["SLOW_UPDATE"]), float(os.environ.get("SLOW_UPDATE_S", 8))
+        train_step = learner._TRAIN_STEP  # what ppo_update calls for each optimizer update
+
+        def slow_train_step(state, *args, **kwargs):
+            count = int(state.step)
+            result = jax.block_until_ready(train_step(state, *args, **kwargs))
+            if count >= first:
+                _marker("slow_update")
+                time.sleep(pause)
+            return result
+
+        learner._TRAIN_STEP = slow_train_step
+
+
+if __name__ == "__main__":
+    parity_reward_run.install()
+    install()
+    parity_reward_run.run()
