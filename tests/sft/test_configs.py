@@ -82,6 +82,9 @@ def test_study_configs_run_shrunk(tmp_path):
 def test_study_weak_runs_as_the_paper_on_the_strong_study_s_problems(variant):
     config = study_weak.get_config(variant)
     assert (config.rollout.selection, config.rollout.temperature) == ("adaptive", 1.0)
+    # The streaming scheduler, an update every prompts_per_step x group_size trained samples.
+    assert (config.rollout.scheduler, config.rollout.mode) == ("stream", "pipeline")
+    assert config.rollout.samples_per_update == 32 * 8
     assert study_weak.ROOT != study.ROOT
     # Problems, budgets and the evaluation are the strong study's.
     strong = study.get_config(variant)
@@ -104,12 +107,14 @@ def test_study_weak_sft_continues_study5_and_probes_each_saved_step():
 
 
 def test_study_weak_marsrl_runs_shrunk(tmp_path):
-    """Two MarsRL steps of `study_weak` (adaptive selection, T=1.0) from the committed study SFT
-    model, tiny sizes: every role's groups-without-gradient and truncation shares are logged."""
+    """Two MarsRL steps of `study_weak` (adaptive selection, T=1.0, the streaming scheduler) from
+    the committed study SFT model, tiny sizes: every role's groups-without-gradient and
+    truncation shares are logged."""
     rl = study_weak.get_config("marsrl")
     rl.model.checkpoint = str(Path(study.RESULTS) / "sft" / "model")
     rl.total_steps, rl.checkpoint.every_steps, rl.eval.probe_every = 2, 2, 0
     rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
+    rl.rollout.samples_per_update = 2
     rl.rollout.max_new_tokens.update(solver=study.MAX_NEW_TOKENS["solver"], verifier=16,
                                      corrector=16)
     trainer.train(rl, str(tmp_path / "marsrl"))
