@@ -36,10 +36,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from benchmarks.sim.lengths import LengthModel
 from mars_jax.sampling.engine import EngineOutput, span_bucket
+from mars_jax.sampling.scheduler import SlotScheduler, slot_bucket
 
 THOUGHT, THINK_CLOSE, ANSWER, EOS = 4, 3, 8, 1  # ids of `benchmarks.sim.agents.SimTokenizer`
 
@@ -47,7 +48,7 @@ THOUGHT, THINK_CLOSE, ANSWER, EOS = 4, 3, 8, 1  # ids of `benchmarks.sim.agents.
 @dataclasses.dataclass
 class _Group:
     prompt_len: int
-    prefilled: bool = False
+    prefilled: bool | None = None  # `SlotScheduler` drops it to None
 
 
 @dataclasses.dataclass
@@ -63,7 +64,7 @@ class _Request:
     restored: tuple[list[int], list[float]] | None = None
     needs_prefill: bool = False   # prompt + generated tokens (restored, or preempted)
     slot: int | None = None
-    admitted: int = 0             # admission order (the preemption victim is the latest)
+    order: int = 0                # admission order (the preemption victim is the latest)
 
     @property
     def end(self) -> int:
@@ -75,9 +76,10 @@ class _Request:
         return self.group.prompt_len + self.generated
 
 
-class SimEngine:
-    """Simulated continuous batching over `num_slots` slots; `now` is the simulated clock
-    (seconds) and `clock()` reads it. `role_of(prompt_ids)` names the role a prompt is for."""
+class SimEngine(SlotScheduler):
+    """Simulated continuous batching over `num_slots` slots (`Engine`'s queue, slots and
+    admission: `SlotScheduler`, `admit_batch=1`); `now` is the simulated clock (seconds) and
+    `clock()` reads it. `role_of(prompt_ids)` names the role a prompt is for."""
 
     def __init__(self, cost, lengths: LengthModel, *, num_slots: int, max_length: int,
                  role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int],
@@ -94,19 +96,13 @@ class SimEngine:
                              f"always fits, got {kv_tokens}")
         if not 0.0 <= kv_reserve <= 1.0:
             raise ValueError(f"kv_reserve: need a fraction in [0, 1], got {kv_reserve}")
+        super().__init__(num_slots)
         self.kv_tokens, self.kv_reserve = kv_tokens, kv_reserve
-        self._admissions = 0
-        self.cost, self.lengths, self.num_slots, self.max_length = cost, lengths, num_slots, max_length
+        self.cost, self.lengths, self.max_length = cost, lengths, max_length
         self.role_of, self.answer_tokens = role_of, dict(answer_tokens)
         self.now = 0.0
         self.version = 0
         self.stats = collections.Counter()
-        self._queue: collections.deque[_Request] = collections.deque()
-        self._requests: dict[int, _Request] = {}
-        self._slots: list[int | None] = [None] * num_slots
-        self._running: set[int] = set()      # request ids decoding
-        self._done: collections.deque[tuple[int, EngineOutput]] = collections.deque()
-        self._next_id = 0
 
     def clock(self) -> float:
         return self.now
@@ -121,8 +117,7 @@ class SimEngine:
         prefilled under the old weights is prefilled again for members still queued."""
         del model
         self.version += 1
-        for request in self._queue:
-            request.group.prefilled = False
+        self._drop_prefills()
 
     # --- requests ---
 
@@ -146,7 +141,7 @@ class SimEngine:
         group = _Group(prompt_len)
         ids = []
         for i in range(n):
-            request = _Request(self._next_id, group, role,
+            request = _Request(self._new_id(), group, role,
                                target=self.lengths.draw(role, int(seed) + i),
                                max_new=int(max_new_tokens),
                                stop_id=int(stop_ids[0]) if stop_ids else EOS,
@@ -154,10 +149,8 @@ class SimEngine:
             if generated:
                 request.restored = (list(generated[0]), list(generated[1]))
                 request.needs_prefill = True
-            self._next_id += 1
-            self._requests[request.id] = request
             ids.append(request.id)
-            self._queue.append(request)
+            self._enqueue(request)
         return ids
 
     def recompute(self, request_ids: Sequence[int]) -> None:
@@ -165,38 +158,18 @@ class SimEngine:
         for request_id in request_ids:
             self._prefill(self._requests[request_id].context)
 
-    def in_slots(self) -> list[int]:
-        """Ids of the requests holding a slot, by slot."""
-        return [i for i in self._slots if i is not None]
-
     def partial(self, request_id: int) -> tuple[list[int], list[float]]:
         """Tokens and log-probabilities a request has so far."""
         return self._output(self._requests[request_id])
 
-    def finished(self) -> list[tuple[int, EngineOutput]]:
-        """Takes the outputs finished but not yet yielded by `stream`."""
-        done = list(self._done)
-        self._done.clear()
-        return done
+    # --- the loop (`SlotScheduler.stream`) ---
 
-    # --- the loop ---
-
-    def stream(self, stop: Callable[[], bool] | None = None
-               ) -> Iterator[tuple[int, EngineOutput]]:
-        """Runs until no request waits or decodes (or, with `stop`, until `stop()` is true after
-        an event), yielding `(request_id, output)` as each one finishes."""
-        while True:
-            while self._done:
-                yield self._done.popleft()
-            if stop is not None and stop():
-                return
-            self._admit()
-            if not self._running:
-                return
-            self._decode_to_next_event()
-
-    def run(self) -> dict[int, EngineOutput]:
-        return dict(self.stream())
+    def _step(self) -> bool:
+        self._admit()
+        if not self._running:
+            return False
+        self._decode_to_next_event()
+        return True
 
     def _prefill(self, tokens: int) -> None:
         seconds = self.cost.prefill_seconds(tokens)
@@ -216,20 +189,21 @@ class SimEngine:
         return request.context + max(1, math.ceil(self.kv_reserve * remaining))
 
     def _admit(self) -> None:
+        """Admits queued requests into the first free slots while their KV claims fit (paged),
+        charging their prefills in admission order."""
         claimed = sum(self._kv_claim(self._requests[i]) for i in self._slots
                       if i is not None) if self.kv_tokens is not None else 0
-        while self._queue and None in self._slots:
-            request = self._queue[0]
+
+        def place(request: _Request) -> int | None:
+            nonlocal claimed
             if self.kv_tokens is not None:
                 claim = self._kv_claim(request)
                 if claimed + claim > self.kv_tokens:
-                    return
+                    return None
                 claimed += claim
-            self._queue.popleft()
-            slot = self._slots.index(None)
-            self._slots[slot], request.slot = request.id, slot
-            self._admissions += 1
-            request.admitted = self._admissions
+            return self._slots.index(None)
+
+        for request in self._admit_queued(place):
             if request.needs_prefill:
                 self._prefill(request.context)
                 request.needs_prefill = False
@@ -241,10 +215,8 @@ class SimEngine:
 
     def _preempt(self, request: _Request) -> None:
         """Frees a running request's KV and slot; it waits at the head of the queue."""
-        self._running.discard(request.id)
-        self._slots[request.slot], request.slot = None, None
+        self._requeue(request)
         request.needs_prefill = True
-        self._queue.appendleft(request)
         self.stats["preemptions"] += 1
 
     def _decode_to_next_event(self) -> None:
@@ -255,7 +227,7 @@ class SimEngine:
         steps = max(0, min(r.end - r.generated for r in running))
         if self.kv_tokens is not None:
             free = self.kv_tokens - self.kv_in_use()
-            running.sort(key=lambda r: r.admitted)
+            running.sort(key=lambda r: r.order)
             while free < len(running):
                 victim = running.pop()
                 free += victim.context
@@ -322,17 +294,15 @@ class SimEngine:
             self._finish(request, "stop" if request.generated >= request.target else "length")
 
     def _bucket(self, running: Sequence[_Request]) -> int:
-        """The slots `Engine` decodes: all while a request waits, else the power of two that
+        """The slots `Engine` decodes: all while a request waits, else the slot bucket that
         holds the running rows (`Engine._shrink`)."""
         if self._queue:
             return self.num_slots
-        return min(self.num_slots, 1 << (len(running) - 1).bit_length())
+        return min(self.num_slots, slot_bucket(len(running)))
 
     def _finish(self, request: _Request, reason: str) -> None:
         tokens, logprobs = self._output(request)
-        self._done.append((request.id, EngineOutput(tokens, logprobs, reason, None)))
-        self._slots[request.slot] = None
-        del self._requests[request.id]
+        self._finish_request(request, EngineOutput(tokens, logprobs, reason, None))
 
     def _output(self, request: _Request) -> tuple[list[int], list[float]]:
         """The first `generated` tokens of the request's output (module docstring)."""

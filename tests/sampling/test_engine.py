@@ -12,7 +12,7 @@ from flax import nnx
 from mars_jax import sharding
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models import from_pretrained
-from mars_jax.sampling import Engine, engine as engine_module, generate
+from mars_jax.sampling import Engine, engine as engine_module, engine_programs, generate
 from tests import hf_fixtures
 from tests.compile_events import ENGINE_PROGRAMS, compiled_programs
 
@@ -161,10 +161,10 @@ def test_one_row_reads_are_slices_unless_the_mesh_splits_the_slots():
                              devices=jax.devices()[:1])
     split = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
     with sharding.use_mesh(one):
-        assert not engine_module._slots_sharded(256)
+        assert not engine_programs._slots_sharded(256)
     with sharding.use_mesh(split):
-        assert engine_module._slots_sharded(256) and not engine_module._slots_sharded(3)
-    assert not engine_module._slots_sharded(256)  # no mesh
+        assert engine_programs._slots_sharded(256) and not engine_programs._slots_sharded(3)
+    assert not engine_programs._slots_sharded(256)  # no mesh
 
 
 def test_prefill_ahead_prefills_queued_prompts_in_few_calls_with_the_same_tokens(model,
@@ -374,7 +374,7 @@ def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, ke
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
         np.testing.assert_array_equal(outputs[i].expert_ids, ref.expert_ids[0])
     assert (engine.stats["preemptions"] > 0) == (pages == 8)
-    assert sorted(engine._free_pages[0]) == list(range(1, pages + 1))
+    assert sorted(engine._pages.free[0]) == list(range(1, pages + 1))
     assert engine._state.cache == ()
     assert engine.kv_bytes == engine.kv_bytes_per_token * 8 * (pages + 1) == sum(
         p.k.nbytes + p.v.nbytes for p in engine._pool)

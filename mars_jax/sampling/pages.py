@@ -1,0 +1,90 @@
+"""The page allocator of a paged KV cache (host side, plain Python and numpy), and its admission
+and preemption choices.
+
+The cache is P pages of `page_size` positions, one pool of P / S pages per batch shard of the
+slots (S = 1 without a mesh that splits them); a slot takes pages of its shard's pool only. Page
+0 of every pool is its trash page: a slot's table row points there where it owns no page, so
+writes through unowned entries land there (`layers.paged_kv`); pages 1 .. P / S are handed out.
+A slot owns the pages its request has filled or fills in the next decode chunk: they are taken
+when a request is admitted (its prompt and first chunk) and before each chunk, and freed when it
+finishes. A queued request is admitted into a free slot whose pool holds its first chunk's pages
+beside the running requests' next chunk's (`first_fit`); when the running requests' next chunk
+does not fit a pool, that pool's request admitted last is preempted (`make_room`).
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+
+class PageTable:
+    """Pages of `pools` pools of `pages // pools` pages each for `num_slots` slots of up to
+    `max_length` positions (module docstring). `table[slot]` lists its pages, 0 past them."""
+
+    def __init__(self, *, num_slots: int, pools: int, pages: int, page_size: int,
+                 max_length: int):
+        self.page_size, self.pools = page_size, pools
+        self.pool_pages = pages // pools
+        self.pages_per_slot = -(-max_length // page_size)
+        self.table = np.zeros((num_slots, self.pages_per_slot), np.int32)
+        self.owned: list[list[int]] = [[] for _ in range(num_slots)]
+        self.free = [list(range(self.pool_pages, 0, -1)) for _ in range(pools)]
+        self._slots_per_pool = num_slots // pools
+
+    def pool(self, slot: int) -> int:
+        """The pool (batch shard) of `slot`."""
+        return slot // self._slots_per_pool
+
+    def pages_for(self, positions: int) -> int:
+        """Pages that hold `positions` cache positions (at most a slot's table)."""
+        return min(-(-positions // self.page_size), self.pages_per_slot)
+
+    def grow(self, slot: int, positions: int) -> bool:
+        """Extends `slot`'s pages to hold `positions` cache positions; False, taking none, when
+        its pool has too few free."""
+        owned, free = self.owned[slot], self.free[self.pool(slot)]
+        need = self.pages_for(positions) - len(owned)
+        if need > len(free):
+            return False
+        for _ in range(need):
+            self.table[slot, len(owned)] = free[-1]
+            owned.append(free.pop())
+        return True
+
+    def release(self, slot: int) -> None:
+        """Frees the pages `slot` owns (its table row back to the trash page)."""
+        self.free[self.pool(slot)] += self.owned[slot][::-1]
+        self.owned[slot] = []
+        self.table[slot] = 0
+
+    def first_fit(self, free_slots: Iterable[int], positions: int,
+                  running: dict[int, int]) -> int | None:
+        """The first of `free_slots` whose pool holds `positions` beside what the `running`
+        slots (slot -> positions their next chunk fills) still take, or None."""
+        growth = collections.Counter()
+        for slot, filled in running.items():
+            growth[self.pool(slot)] += max(0, self.pages_for(filled) - len(self.owned[slot]))
+        need = self.pages_for(positions)
+        return next((slot for slot in free_slots
+                     if need + growth[self.pool(slot)] <= len(self.free[self.pool(slot)])),
+                    None)
+
+    def make_room(self, running: dict[int, tuple[int, int]],
+                  preempt: Callable[[int], None]) -> None:
+        """Grows every `running` slot (slot -> (positions its next chunk fills, admission order))
+        to its next chunk, oldest admission first; when its pool runs out, calls `preempt` on
+        the pool's running slot admitted last (which must `release` it), until it fits or was
+        itself preempted."""
+        live = dict(running)
+        for slot in sorted(running, key=lambda s: running[s][1]):
+            if slot not in live:  # preempted for an older one
+                continue
+            while not self.grow(slot, live[slot][0]):
+                victim = max((s for s in live if self.pool(s) == self.pool(slot)),
+                             key=lambda s: live[s][1])
+                del live[victim]
+                preempt(victim)
+                if victim == slot:
+                    break
