@@ -45,7 +45,8 @@ from mars_jax.data import datasets
 from mars_jax.data.iterator import ProblemIterator
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
 from mars_jax.models import create_model, get_preset
-from mars_jax.rl.batching import TrainSample, make_batch, pow2_at_least
+from mars_jax.buckets import pow2_at_least
+from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update
 from mars_jax.rl.rollout import RolloutConfig
 from mars_jax.rl.streaming import StreamingRollouts

@@ -10,8 +10,8 @@ engine whose clock follows a roofline cost model (`benchmarks/sim/`).
 
 Hardware: `h200xN` (N H200s, 8 a node) or `v5p-N` (N / 2 TPU v5p chips, Google's naming).
 Workload (the paper's): Qwen3-30B-A3B, 128 prompts x group 8 per update, fan-out 2, 5 stages
-(Solver, V, C, V, C), 64k output budget per role, each output decoded in one go (the streaming
-scheduler cuts no segments; `rollout.segment_tokens` must be 0 with it), 32k prompt cap,
+(Solver, V, C, V, C), 64k output budget per role, each output decoded in one go (the rollout
+scheduler cuts no segments), 32k prompt cap,
 `adaptive` selection, every role trained. Output lengths: `sim.lengths.LengthModel`; grading:
 `sim.agents.SimRollouts` (seeded correctness per role). The scheduler:
 `mars_jax.rl.streaming.StreamingRollouts` (admission, selection, stage barriers, staleness gate,
@@ -25,7 +25,7 @@ slot of 32k + 64k positions, reserved in full as `Engine` does):
                         state's share (8 B per parameter: bf16 weights, AdamW mu and nu,
                         gradients) + the update's temporaries from our AOT record (launch/
                         README.md: 69.3 GiB per H200, 57.0 GiB per v5p chip): the engine's slot
-                        cache stays allocated through the update, as `EngineGenerator` keeps it.
+                        cache stays allocated through the update, as the rollout engine keeps it.
   sequential, KV freed  the same, but the slot cache is freed for each update (the engine is
                         empty then), so only the train state is resident while decoding.
   pipeline              one mesh, agent-granularity streaming; an update is due once as many
@@ -90,7 +90,7 @@ from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import ROLE_SCALE, LengthModel  # noqa: E402
 from benchmarks.sim.sync import SyncRollouts  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
-from mars_jax.rl.batching import pow2_at_least  # noqa: E402
+from mars_jax.buckets import pow2_at_least  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
 from mars_jax.rl.streaming import StreamingRollouts  # noqa: E402
 from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
@@ -138,7 +138,6 @@ class Workload:
     fan_out: int = 2
     max_stages: int = 5
     max_new_tokens: int = 64 * 1024
-    segment_tokens: int | None = None  # streamed outputs are never cut (rl/streaming.py)
     max_prompt_tokens: int = 32 * 1024
     problem_words: int = 150
     answer_tokens: tuple = (("solver", 1000), ("verifier", 600), ("corrector", 1000))
@@ -156,7 +155,6 @@ class Workload:
                              selection="adaptive", max_stages=self.max_stages,
                              max_new_tokens={r: self.max_new_tokens
                                              for r in ("solver", "verifier", "corrector")},
-                             segment_tokens=self.segment_tokens,
                              max_prompt_tokens=self.max_prompt_tokens,
                              enable_thinking=self.enable_thinking,
                              prompt_style=self.prompt_style)
@@ -551,7 +549,7 @@ def run_profile(args) -> None:
     micro-batches of 4 at the benchmark's cuts)."""
     workload = Workload(prompts_per_step=args.cpu_prompts, group_size=args.cpu_group,
                         fan_out=args.cpu_fan_out,
-                        max_new_tokens=args.cpu_budget, segment_tokens=None,
+                        max_new_tokens=args.cpu_budget,
                         max_prompt_tokens=384, problem_words=args.cpu_problem_words,
                         prompt_style="compact", enable_thinking=False,
                         # --cpu_visible=0: an output is embedded whole in the next prompt

@@ -9,8 +9,9 @@ r"""Ahead-of-time compilation of every program of a MarsRL training step for a T
       --topology=h200:8            # needs the CUDA PJRT plugin (pip install jax[cuda12])
 
 Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `rl.batching`):
-  prefill   prefill of a decode batch + its first segment (`sampler._prefill_and_decode`)
-  decode    one further segment of that batch (`sampler._continue_decode`)
+  prefill   with `rollout.decode_engine='generate'`: prefill of a decode batch + its decode
+            (`sampler._prefill_and_decode`)
+  decode    a continued decode of that batch (`sampler._continue_decode`)
   engine_prefill  with `rollout.decode_engine='engine'` instead of the two above: one
             `prefill_chunk` piece of a prefill of every slot's prompt at once (`engine._prefill`)
   engine_insert   a prefilled row copied into a slot (`engine._insert`)
@@ -28,12 +29,11 @@ prints the bytes one weight copy from the training to the rollout submesh writes
 (`weight_sync.transfer_bytes`), e.g. for v5p-512 split 192:64 (3:1):
   python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b.py \
       --topology=v5p:8x8x4 --config.rollout.decode_engine=engine \
-      --config.rollout.scheduler=stream --config.rollout.segment_tokens=0 \
       --config.mesh.rollout.devices=192 --config.mesh.rollout.data=3 \
       --config.mesh.rollout.fsdp=-1 --config.learner.micro_batch_size=64
 On a topology of several hosts (TPU: 4 chips a host on v5p) the engine programs compile for one
 host's engine mesh (`sharding.make_meshes`: host 0's devices, or its last `mesh.rollout.devices`)
-and the update for the global training mesh, as `rollout.scheduler='stream'` runs them.
+and the update for the global training mesh, as the rollout scheduler runs them.
 Per program it prints per-device HBM of arguments, outputs and temporaries (`memory_analysis()`),
 FLOPs and bytes accessed (XLA's `cost_analysis()`: per device, a loop body counted once) and
 whether it fits the chip;
@@ -73,13 +73,12 @@ from mars_jax.config_validation import ConfigError, validate  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
 from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
-from mars_jax.rl import trainer  # noqa: E402
-from mars_jax.rl.batching import pow2_at_least  # noqa: E402
+from mars_jax.buckets import pow2_at_least  # noqa: E402
 from mars_jax.optimizer import make_optimizer  # noqa: E402
 from mars_jax.rl.update import (TrainState, opt_state_shardings, token_logprobs,  # noqa: E402
                                 train_step)
 from mars_jax.types import TrainBatch  # noqa: E402
-from mars_jax.rl.generator import engine_shape  # noqa: E402
+from mars_jax.run_config import engine_shape, update_program_config  # noqa: E402
 from mars_jax.sampling import engine, sampler  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
 
@@ -235,7 +234,7 @@ def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
     micro = learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                  segment=min(r.segment_tokens or new_tokens, new_tokens), micro_batch=micro,
+                  segment=new_tokens, micro_batch=micro,
                   num_micro=pow2_at_least(-(-rows // (micro * learner.mini_batches)),
                                           learner.min_micro_batches),
                   train_len=pow2_at_least(r.max_prompt_tokens + max(r.max_new_tokens.values()),
@@ -275,7 +274,7 @@ class StepPrograms:
         self.sampling = sampler.SamplingParams(
             greedy=False, top_k=config.rollout.top_k, top_p=config.rollout.top_p,
             record_routing=config.learner.routing_replay and self.num_moe > 0)
-        self.update_config = trainer.update_program_config(config)
+        self.update_config = update_program_config(config)
         self.optimizer = make_optimizer(**dict(config.optimizer))
         # Outside `use_mesh`: optax builds a placeholder state eagerly, on the default device.
         self.opt_shardings = opt_state_shardings(self.optimizer, self.weights)

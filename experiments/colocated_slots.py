@@ -11,7 +11,7 @@ from the programs `aot_compile.py` compiled (`--colocated_slots`; needs `engine_
 Per device, from the compiled programs' memory (arguments + outputs - donated + temporaries,
 `aot_compile.Result.total_bytes`) and the engine's KV bytes (`StepPrograms.kv_bytes`):
   before  the run as it is: the optimizer state stays on the device and the engine's slot cache
-          stays allocated through the update (`EngineGenerator` and the streaming engine keep
+          stays allocated through the update (the rollout engine keeps
           it), so KV + max(update program, decode program without its KV + optimizer state)
           must fit.
   after   the optimizer state on the host while decoding and the slot cache out of device

@@ -68,3 +68,4 @@ def build_problem_iterator(config: ConfigDict) -> ProblemIterator:
     return ProblemIterator(load_problems(config.data), seed=config.seed,
                            shuffle=config.data.get("shuffle", True),
                            shard_index=jax.process_index(), shard_count=jax.process_count())
+

@@ -23,7 +23,7 @@ RESUME_FIELDS = (
     "job", "seed", "tokenizer",
     "model.preset", "model.checkpoint", "model.param_dtype",
     "data.name", "data.split", "data.shuffle", "data.arith",
-    "rollout.scheduler", "rollout.mode", "rollout.group_size", "rollout.fan_out",
+    "rollout.mode", "rollout.group_size", "rollout.fan_out",
     "rollout.max_stages", "rollout.roles_trained", "rollout.prompt_style",
     "rollout.enable_thinking", "learner.routing_replay",
 )

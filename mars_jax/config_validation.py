@@ -11,9 +11,7 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                its bounds; a tuple's every element; a placeholder left None is not checked);
   consistency  fan_out <= group_size, seq-mean-token-sum-norm has its
                constant divisor, the mesh (or its rollout / training split) fits the devices,
-               the segment budget fits every role's max_new_tokens, no pipeline output needs
-               more segments than the staleness bound allows, the streaming scheduler runs on
-               the engine, the job's dataset can be found (manual dir or a prepared TFDS dir;
+               the job's dataset can be found (manual dir or a prepared TFDS dir;
                `data` for train and sft, `eval.dataset` for eval_system), an HTTP evaluation
                has a server URL and model name, a warm start (`warm_start.sft`) has a cache
                directory and no `model.checkpoint`, the optimizer state is offloaded only on
@@ -42,10 +40,9 @@ from mars_jax.models.config import ATTENTION_IMPLS, DTYPES, MOE_IMPLS
 from mars_jax.models.presets import PRESETS
 from mars_jax.rl.learner import PI_OLD
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
-from mars_jax.rl.pipeline import MODES, ROLES_TRAINED
-from mars_jax.rl.rollout import STAGE_ROLES, segments_needed
+from mars_jax.rl.rollout import STAGE_ROLES
 from mars_jax.rl.selection import POLICIES
-from mars_jax.rl.streaming import RESUME_MODES
+from mars_jax.rl.streaming import MODES, RESUME_MODES, ROLES_TRAINED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +73,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "matmul_precision": ("default", "float32", "tensorfloat32", "bfloat16"),
     "rollout.mode": MODES,
     "rollout.decode_engine": ("generate", "engine"),
-    "rollout.scheduler": ("step", "stream"),
     "rollout.resume": RESUME_MODES,
     "rollout.selection": POLICIES,
     "rollout.roles_trained": tuple(ROLES_TRAINED),
@@ -150,7 +146,7 @@ RANGES: dict[str, Range] = {
                                        "one sample has none"),
     "rollout.fan_out": Range(1), "rollout.max_stages": Range(1),
     **{f"rollout.max_new_tokens.{role}": Range(1) for role in _ROLES},
-    "rollout.segment_tokens": Range(0), "rollout.max_decode_rows": Range(0),
+    "rollout.max_decode_rows": Range(0),
     "rollout.staleness_bound": Range(0),
     "rollout.engine_slots": Range(0), "rollout.engine_chunk_steps": Range(1),
     "rollout.engine_admit_batch": Range(1), "rollout.engine_prefill_ahead": Range(0),
@@ -366,64 +362,6 @@ def _mesh(config: ConfigDict, device_count: int) -> Iterator[Problem]:
             field, problem = "mesh", str(e)
         yield Problem(field, f"{problem} ({device_count} device(s) available)",
                       _MESH_FIXES[section])
-
-
-@_rule("rollout.segment_tokens", "rollout.max_new_tokens")
-def _segments(config: ConfigDict, device_count: int) -> Iterator[Problem]:
-    segment, budgets = config.rollout.segment_tokens, dict(config.rollout.max_new_tokens)
-    over = {role: n for role, n in budgets.items() if 0 < n < segment}
-    if over:
-        roles = ", ".join(f"rollout.max_new_tokens.{k}={v}" for k, v in over.items())
-        yield Problem("rollout.segment_tokens", f"{segment} exceeds {roles}",
-                      f"set it to at most {min(over.values())}, or 0 to decode each output in "
-                      "one go")
-
-
-@_rule("rollout.scheduler", "rollout.decode_engine", "rollout.segment_tokens",
-       "mesh.rollout.devices")
-def _stream(config: ConfigDict, device_count: int) -> Iterator[Problem]:
-    """The streaming scheduler runs on the engine and cuts no segments."""
-    r = config.rollout
-    if r.scheduler != "stream":
-        if config.mesh.rollout.devices:
-            yield Problem("mesh.rollout.devices", f"{config.mesh.rollout.devices} with "
-                          f"rollout.scheduler={r.scheduler!r}", "set rollout.scheduler='stream' "
-                          "(the engine on the rollout devices), or 0 for one shared mesh")
-        return
-    if r.decode_engine != "engine":
-        yield Problem("rollout.decode_engine", f"{r.decode_engine!r} with rollout.scheduler="
-                      "'stream'", "set rollout.decode_engine='engine' (streaming needs the "
-                      "continuous-batching engine)")
-    if r.segment_tokens:
-        yield Problem("rollout.segment_tokens", f"{r.segment_tokens} with rollout.scheduler="
-                      "'stream'", "set it to 0: a streamed output keeps its slot across updates "
-                      "(rollout.resume says what happens to its KV)")
-
-
-@_rule("rollout.mode", "rollout.segment_tokens", "rollout.staleness_bound",
-       "rollout.max_new_tokens", "rollout.roles_trained", "rollout.max_stages")
-def _staleness(config: ConfigDict, device_count: int) -> Iterator[Problem]:
-    """Pipeline mode decodes one segment of every pending output a step and never restarts one, so
-    an output of K segments trains K - 1 versions after its first: K - 1 must fit the bound."""
-    r = config.rollout
-    if r.mode != "pipeline" or r.segment_tokens <= 0 or r.get("scheduler") == "stream":
-        return
-    stages = 1 if r.roles_trained == "solver" else min(r.max_stages, len(STAGE_ROLES))
-    roles = dict.fromkeys(STAGE_ROLES[:stages])
-    needed = {role: segments_needed(r.max_new_tokens[role], r.segment_tokens) for role in roles}
-    late = {role: k for role, k in needed.items() if k - 1 > r.staleness_bound}
-    if not late:
-        return
-    worst = max(late.values())
-    longest = max(r.max_new_tokens[role] for role in late)
-    what = ", ".join(f"rollout.max_new_tokens.{role}={r.max_new_tokens[role]} needs {k} segments"
-                     for role, k in late.items())
-    yield Problem("rollout.staleness_bound",
-                  f"{r.staleness_bound} is below {worst - 1}: at rollout.segment_tokens="
-                  f"{r.segment_tokens}, {what}, and pipeline mode trains an output of K segments "
-                  "K - 1 policy versions after its first segment",
-                  f"set rollout.staleness_bound >= {worst - 1}, or rollout.segment_tokens >= "
-                  f"{-(-longest // (r.staleness_bound + 1))}, or lower rollout.max_new_tokens")
 
 
 @_rule("job", "data", "eval.dataset", "eval.split")

@@ -16,7 +16,7 @@ import tqdm
 from ml_collections import ConfigDict
 from tensorboardX import SummaryWriter
 
-from mars_jax import builders, preemption, sharding
+from mars_jax import builders, preemption, run_config, sharding
 from mars_jax.agents.eval import EvalProblem, evaluate
 from mars_jax.agents.http_policy import HttpPolicy
 from mars_jax.agents.policy import Policy, RoutedPolicy
@@ -32,11 +32,8 @@ def build_policy(config: ConfigDict) -> Policy:
         with sharding.use_mesh(mesh):
             model = builders.build_model(config, mesh)
         return SamplerPolicy(model, builders.build_tokenizer(config), temperature=e.temperature,
-                             top_p=e.top_p, seed=config.seed,
-                             enable_thinking=config.rollout.enable_thinking,
-                             engine_slots=e.engine_slots,
-                             max_length=config.rollout.max_prompt_tokens
-                             + max(dict(e.max_new_tokens).values()))
+                             top_p=e.top_p, enable_thinking=config.rollout.enable_thinking,
+                             engine=run_config.eval_engine_settings(config, e.engine_slots))
     if e.policy == "http":
         http = lambda url: HttpPolicy(url, e.served_model, temperature=e.temperature, top_p=e.top_p,
                                       timeout_s=e.timeout_s, max_concurrency=e.max_concurrency)

@@ -30,18 +30,18 @@ def test_the_same_config_resumes_silently(capsys):
 
 
 def test_changes_to_what_the_state_means_are_refused_naming_each_field():
-    saved = _saved(rollout__group_size=16, rollout__scheduler="stream", model__preset="bench",
+    saved = _saved(rollout__group_size=16, rollout__mode="sequential", model__preset="bench",
                    seed=7, total_steps=999)
     with pytest.raises(config_diff.ConfigChanged) as info:
         config_diff.check_resume(saved, smoke.get_config(), step=3)
     assert info.value.exit_code == 2
     assert [p.field for p in info.value.problems] == ["model.preset", "rollout.group_size",
-                                                      "rollout.scheduler", "seed"]
+                                                      "rollout.mode", "seed"]
     message = str(info.value)
     assert "checkpoint 3 was saved with, in 4 field(s)" in message
-    assert "rollout.scheduler: 'stream' in the checkpoint, 'step' now; fix: set it back to " \
-           "'stream'" in message
-    assert "--allow_config_change=model.preset,rollout.group_size,rollout.scheduler,seed" in message
+    assert "rollout.mode: 'sequential' in the checkpoint, 'pipeline' now; fix: set it back to " \
+           "'sequential'" in message
+    assert "--allow_config_change=model.preset,rollout.group_size,rollout.mode,seed" in message
 
 
 def test_allowed_changes_and_other_fields_pass_with_one_note(capsys):
@@ -58,9 +58,12 @@ def test_allowed_changes_and_other_fields_pass_with_one_note(capsys):
 
 def test_fields_new_since_the_checkpoint_are_noted_not_refused(capsys):
     saved = _saved()
-    del saved["rollout"]["scheduler"]  # written before the field existed
+    del saved["rollout"]["resume"]  # written before the field existed
+    saved["rollout"]["scheduler"] = "stream"  # a field since removed
     config_diff.check_resume(saved, smoke.get_config(), step=3)
-    assert "rollout.scheduler (absent) -> 'step'" in capsys.readouterr().out
+    note = capsys.readouterr().out
+    assert "rollout.resume (absent) -> 'recompute'" in note
+    assert "rollout.scheduler 'stream' -> (absent)" in note
     config_diff.check_resume(None, smoke.get_config(), step=3)
     assert "holds no config" in capsys.readouterr().out
 

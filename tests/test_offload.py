@@ -102,7 +102,6 @@ def _train(workdir, *extra):
 
 SMALL = ["--config.total_steps=2", "--config.rollout.group_size=2",
          "--config.rollout.prompts_per_step=1", "--config.rollout.max_stages=3",
-         "--config.rollout.segment_tokens=0", "--config.rollout.scheduler=stream",
          "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=8",
          "--config.learner.micro_batch_size=8"] + [
     f"--config.rollout.max_new_tokens.{role}=16" for role in ("solver", "verifier", "corrector")]

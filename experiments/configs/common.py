@@ -51,10 +51,12 @@ def base_config() -> ConfigDict:
         selection="adaptive",       # 'random' | 'balanced' | 'adaptive'
         max_stages=5, roles_trained="all",  # 'all' (MarsRL) | 'solver' (-S) | 'vc' (-VC)
         max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
-        segment_tokens=0,           # 0 = decode each output in one go
-        max_decode_rows=0,          # rows per decode call (KV-cache memory); 0 = all at once
-        decode_engine="generate",   # 'generate' (static batches) | 'engine' (continuous batching)
-        engine_slots=0,             # engine slots; 0 = max_decode_rows, else 16
+        # The rollout scheduler (mars_jax.rl.streaming) decodes on one engine for the whole run:
+        # 'engine' (continuous batching over engine_slots slots) | 'generate' (static batches of
+        # at most max_decode_rows rows, 0 = all; the exact reference).
+        decode_engine="generate",
+        max_decode_rows=0,
+        engine_slots=0,             # engine slots; 0 = 16
         engine_chunk_steps=16,      # engine decode steps between admissions
         engine_admit_batch=1,       # free slots before queued requests are admitted (one prefill)
         engine_prefill_ahead=0,     # prompts per admission prefill call (queued ones prefilled early)
@@ -62,17 +64,14 @@ def base_config() -> ConfigDict:
         engine_page_size=64,        # positions per KV page (with engine_kv_pages)
         engine_paged_attention="auto",  # 'auto' (Pallas kernel on GPU / TPU) | 'gather' | ...
         engine_precompile=False,    # compile the engine's programs at start-up, on a thread pool
-        # 'step': one decode per training step (segments, `decode_engine`); 'stream': one engine
-        # runs across updates, each output graded as it finishes, the next stage submitted at
-        # once, an update every `samples_per_update` trained samples (mars_jax.rl.streaming).
-        scheduler="step",
-        samples_per_update=0,       # stream: 0 = prompts_per_step * group_size
-        resume="recompute",         # stream, after an update: 'recompute' | 'keep' the slots' KV
-        # Pipeline mode: versions a trained sample may lag its first segment; a config whose
-        # outputs need more than staleness_bound + 1 segments is rejected at start-up.
+        # Each output is graded as it finishes and the next stage submitted at once; an update
+        # comes every samples_per_update trained samples (0 = prompts_per_step * group_size).
+        samples_per_update=0,
+        resume="recompute",         # after an update: 'recompute' | 'keep' the slots' KV
+        # Pipeline mode: versions a trained sample may lag its first token.
         staleness_bound=1, max_prompt_tokens=1024,
-        # Pipeline mode admits new problems only while fewer rows than this are pending;
-        # 0 = mars_jax.rl.pipeline.auto_inflight_rows (steady state at full budgets).
+        # Pipeline mode admits new problems only while fewer rollouts than this are in flight;
+        # 0 = mars_jax.rl.streaming.auto_inflight_rows (prompts_per_step problems' trees).
         max_inflight_rows=0,
         # An output ended by length: Solver / Corrector reward (its text is not graded), and
         # whether it may be a Verifier's parent (a truncated Verifier output earns 0, no verdict).

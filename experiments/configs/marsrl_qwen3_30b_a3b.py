@@ -18,10 +18,10 @@ Paper settings: lr 1e-6 constant, 128 prompts x group 8, temperature 0.85, top_p
 seq-mean-token-mean aggregation (Eq. 2), 4 mini-batches per step, pi_old recomputed at the start
 of the step (decoupled objective, behaviour weight capped at 2).
 
-Rollouts: the streaming scheduler in pipeline mode (`rollout.scheduler='stream'`,
-`mars_jax.rl.streaming`), one continuous-batching engine per host (4 chips) on the last 2 of its
-chips (`mesh.rollout.devices=2`, experts split over the 2: `mesh.rollout.expert=2`), the update on
-the other 2 chips of every host (the global training mesh), overlapped with decoding. Each
+Rollouts: the rollout scheduler in pipeline mode (`mars_jax.rl.streaming`), one
+continuous-batching engine per host (4 chips) on the last 2 of its chips
+(`mesh.rollout.devices=2`, experts split over the 2: `mesh.rollout.expert=2`), the update on the
+other 2 chips of every host (the global training mesh), overlapped with decoding. Each
 agent's outputs go to training as soon as their group completes; an update runs every
 128 x 8 = 1,024 trained samples over all hosts. KV cache paged (`engine_kv_pages`): outputs are
 long-tailed, so slots that reserved 96k positions each would mostly sit empty.
@@ -107,7 +107,7 @@ def get_config(arg: str | None = None):
     # Data: the DSR-sub RLVR training set (JSONL in the manual dir, built into TFDS).
     c.data.name, c.data.split = "dsr_sub", "train"
     # Rollouts.
-    c.rollout.scheduler, c.rollout.decode_engine, c.rollout.mode = "stream", "engine", "pipeline"
+    c.rollout.decode_engine, c.rollout.mode = "engine", "pipeline"
     c.rollout.resume = "recompute"
     # Per host: 32 slots over 4,096 pages of 64 positions (2,048 per chip's pool: 131k
     # positions, 12.9 GB of bf16 KV a chip; a 32k + 64k request fits one pool alone). The
@@ -124,7 +124,6 @@ def get_config(arg: str | None = None):
     c.rollout.max_prompt_tokens = 32 * 1024
     for role in ("solver", "verifier", "corrector"):
         c.rollout.max_new_tokens[role] = 64 * 1024
-    c.rollout.segment_tokens = 0  # streamed: an output keeps its slot across updates
     c.rollout.staleness_bound = 3  # a trained sample lags its first token by <= 3 versions
     c.rollout.enable_thinking = True
     # Optimizer: constant 1e-6.

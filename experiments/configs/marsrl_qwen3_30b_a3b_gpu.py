@@ -9,7 +9,7 @@ r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, on one host o
   #   --config.rollout.max_decode_rows=16 --config.rollout.max_new_tokens.solver=32768 \
   #   --config.rollout.max_new_tokens.verifier=32768 --config.rollout.max_new_tokens.corrector=32768
 
-Same run as `marsrl_qwen3_30b_a3b.py` (paper settings, the streaming scheduler in pipeline mode,
+Same run as `marsrl_qwen3_30b_a3b.py` (paper settings, the rollout scheduler in pipeline mode,
 `get_config(arg)` options and `get_sweep()`), with the mesh and micro-batch of 8 GPUs: one process,
 one engine on all 8 GPUs decoding with the trainer's own parameter arrays (no copy; the rollout
 pauses while the update runs), its KV cache paged: 48 slots over 49,152 pages of 32 positions

@@ -19,13 +19,12 @@ def get_config():
     c.data.name, c.data.split = "arith", "train"
     # Model.
     c.model.preset = "tiny"
-    # Rollouts: 2 new problems a step, groups of 4, all 5 stages, decoded in 24-token segments.
+    # Rollouts: 2 new problems a step, groups of 4, all 5 stages.
     c.rollout.prompts_per_step = 2
     c.rollout.group_size = 4
     c.rollout.max_new_tokens.solver = 48
     c.rollout.max_new_tokens.verifier = 48
     c.rollout.max_new_tokens.corrector = 48
-    c.rollout.segment_tokens = 24
     c.rollout.max_prompt_tokens = 512
     c.rollout.prompt_style = "compact"
     # A random model earns no reward, so every group has zero variance: keep those samples (with

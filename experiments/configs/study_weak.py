@@ -18,10 +18,10 @@ RL differs from `study.py`'s where the paper's recipe does: `adaptive` selection
 judges a wrong solution whenever the group holds one), rollouts at T=1.0 (top_p 1.0) so that the
 groups of hard problems are not all wrong; and, for the session's budget, lr 1e-4 (32 problems a
 step, as Study 6's run B, whose held-out Solver ended where lr 3e-5's did) and probes of 256
-held-out problems every 25 steps. Rollouts run on the streaming scheduler in pipeline mode
-(`rollout.scheduler='stream'`, `mars_jax.rl.streaming`): one engine across updates, each output
-graded as it finishes, an update (a step) every 32 x 8 = 256 trained samples, none lagging its
-first token by more than one policy version.
+held-out problems every 25 steps. Rollouts run on the rollout scheduler in pipeline mode
+(`mars_jax.rl.streaming`) on the continuous-batching engine: one engine across updates, each
+output graded as it finishes, an update (a step) every 32 x 8 = 256 trained samples, none
+lagging its first token by more than one policy version.
 """
 import os
 import sys
@@ -56,9 +56,8 @@ def get_config(arg: str = "marsrl"):
     c.rollout.selection = "adaptive"
     c.rollout.temperature, c.rollout.top_p = 1.0, 1.0
     c.optimizer.learning_rate = 1e-4
-    # The streaming scheduler (the per-step one is being removed, and a resumed run must keep
-    # its scheduler): an update every prompts_per_step x group_size trained samples.
-    c.rollout.scheduler, c.rollout.decode_engine, c.rollout.mode = "stream", "engine", "pipeline"
+    # Pipeline mode on the engine: an update every prompts_per_step x group_size trained samples.
+    c.rollout.decode_engine, c.rollout.mode = "engine", "pipeline"
     c.rollout.samples_per_update = c.rollout.prompts_per_step * c.rollout.group_size
     c.rollout.staleness_bound = 1
     c.total_steps = 150

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mars_jax.buckets import pow2_at_least
 from mars_jax.types import TrainBatch
 
 
@@ -27,11 +28,6 @@ class TrainSample:
     advantage: float
     expert_ids: np.ndarray | None = None
     in_loss: bool = True
-
-
-def pow2_at_least(n: int, minimum: int) -> int:
-    """max(`minimum`, the smallest power of two >= `n`)."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_length: int = 32,

@@ -1,5 +1,5 @@
 """Grouped agentic rollouts: the per-problem tree Solver -> Verifier1 -> Corrector1 -> Verifier2 ->
-Corrector2, decoded in segments, graded with agent-specific rewards.
+Corrector2, graded with agent-specific rewards.
 
 A problem's stage s spawns its rollouts only once every rollout of stage s-1 has finished: the
 Solver samples a group of G; each later stage picks `fan_out` outputs of the stage before
@@ -21,14 +21,10 @@ template's generation prompt opens `<think>` (Qwen3-Thinking-2507; read once fro
 generation prompt, `thinking_open`), a response without `</think>` is all thought. An output
 with no visible text (all thought) is never handed to a Verifier.
 
-Segments: a rollout asks for at most `segment_tokens` new tokens per decode; an unfinished one is
-resumed in a later decode by re-prefilling prompt + partial response under the then-current policy
-(continued, never restarted). Each token keeps the log-probability, and with routing replay the
-expert ids of its position, recorded by the decode that produced it. A pipeline step decodes one
-segment of every pending rollout, so an output of K = ceil(max_new_tokens / segment_tokens)
-segments finishes within K steps of its first segment, and its group (whose members start
-together) trains at most K - 1 policy versions after it started; the config check rejects a
-`rollout.staleness_bound` below that (`segments_needed`).
+Decoding (`rl.streaming`): the scheduler submits `pending` rollouts to its engine and hands each
+finished output to `absorb`; a rollout restored from a checkpoint mid-output is resubmitted as a
+continuation of the tokens it has. Each token keeps the log-probability, and with routing replay
+the expert ids of its position, recorded by the decode that produced it.
 
 Context overflow rule: when a Verifier or Corrector prompt would exceed `max_prompt_tokens`, the
 embedded solution (then the report) keeps only its tail (where the final answer is), after a
@@ -45,7 +41,7 @@ import dataclasses
 import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -62,13 +58,6 @@ class ContextOverflow(ValueError):
     """A prompt exceeds `max_prompt_tokens` even after the overflow rule's cuts."""
 
 
-def segments_needed(max_new_tokens: int, segment_tokens: int | None) -> int:
-    """How many decodes an output of up to `max_new_tokens` tokens takes: ceil(max_new_tokens /
-    segment_tokens), 1 without segments. In pipeline mode it trains at most this minus 1 versions
-    after its first segment."""
-    return -(-max_new_tokens // segment_tokens) if segment_tokens else 1
-
-
 def selection_rng(seed: int, problem_uid: str, stage: int) -> np.random.Generator:
     """The generator that picks a stage's parents in one problem's tree: a function of the run's
     seed, the problem and the stage only, so the choice does not depend on the order in which
@@ -79,7 +68,7 @@ def selection_rng(seed: int, problem_uid: str, stage: int) -> np.random.Generato
 def sequence_seed(seed: int, group_uid: str) -> int:
     """A group's first sequence seed (members take the next ones): a function of the run's seed
     and the group's uid only. The streaming scheduler decodes with it, so there a rollout draws
-    the same tokens whatever the order of spawning; the per-step generators seed by call."""
+    the same tokens whatever the order of spawning."""
     return zlib.crc32(f"{seed}:{group_uid}".encode()) >> 1
 
 
@@ -93,33 +82,11 @@ class RolloutConfig:
     max_stages: int = 5
     max_new_tokens: dict = dataclasses.field(
         default_factory=lambda: {"solver": 512, "verifier": 512, "corrector": 512})
-    segment_tokens: int | None = None
     max_prompt_tokens: int = 2048
     enable_thinking: bool = False
     prompt_style: str = "full"
     truncated_reward: float = 0.0   # reward of a Solver / Corrector output ended by length
     verify_truncated: bool = False  # whether such an output may be a Verifier's parent
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """Decode `max_new_tokens` after `prompt_ids` for `role`."""
-
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    role: str
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationOutput:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str           # 'stop' | 'length'
-    expert_ids: np.ndarray | None = None
-
-
-class Generator(Protocol):
-    def __call__(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]: ...
 
 
 @dataclasses.dataclass
@@ -240,46 +207,28 @@ class AgenticRollouts:
 
     # --- decoding ----------------------------------------------------------------------------
 
-    def _budget(self, rollout: Rollout) -> int:
-        return self.config.max_new_tokens[rollout.role] - len(rollout.response_ids)
-
-    def take_requests(self) -> tuple[list[Rollout], list[GenerationRequest]]:
-        """Pops every pending rollout with its request (a partial one continues where it ended)."""
-        batch, self.pending = self.pending, []
-        requests = []
-        for r in batch:
-            budget = self._budget(r)
-            if self.config.segment_tokens:
-                budget = min(budget, self.config.segment_tokens)
-            requests.append(GenerationRequest(tuple(r.prompt_ids + r.response_ids), budget, r.role))
-        return batch, requests
-
-    def absorb(self, batch: Sequence[Rollout], outputs: Sequence[GenerationOutput], version: int
+    def absorb(self, batch: Sequence[Rollout], outputs: Sequence[Any], version: int
                ) -> list[list[Rollout]]:
-        """Appends decoded tokens; grades what finished; spawns next stages. Returns the groups
-        that became complete (every member finished), ready for training."""
+        """Appends each rollout's new tokens (`outputs[i]`: `tokens`, `logprobs`, `finish_reason`
+        'stop' | 'length', `expert_ids` of prompt + response), grades them, spawns next stages.
+        Returns the groups that became complete (every member finished), ready for training."""
         if len(batch) != len(outputs):
-            raise ValueError(f"generator returned {len(outputs)} outputs for {len(batch)} requests")
-        finished = []
+            raise ValueError(f"{len(outputs)} outputs for {len(batch)} rollouts")
         for r, out in zip(batch, outputs):
             if r.first_version is None:
                 r.first_version = version
-            r.response_ids += list(out.token_ids)
+            r.response_ids += list(out.tokens)
             r.logprobs += list(out.logprobs)
             r.expert_ids = _carry_routing(r, out.expert_ids)
-            if out.finish_reason == "stop" or self._budget(r) <= 0:
-                r.finish_reason = "stop" if out.finish_reason == "stop" else "length"
-                r.text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
-                finished.append(r)
-            else:
-                self.pending.append(r)
-        self._grade(finished)
+            r.finish_reason = "stop" if out.finish_reason == "stop" else "length"
+            r.text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+        self._grade(batch)
         groups = []
-        for r in finished:
+        for r in batch:
             tree = self.trees[r.problem_uid]
             tree.finished.setdefault(r.stage, []).append(r)
-        for uid in dict.fromkeys(r.problem_uid for r in finished):
-            groups += self._complete_groups(self.trees[uid], finished)
+        for uid in dict.fromkeys(r.problem_uid for r in batch):
+            groups += self._complete_groups(self.trees[uid], batch)
             self._advance(self.trees[uid])
         return groups
 
@@ -405,8 +354,8 @@ class AgenticRollouts:
 
 def _carry_routing(rollout: Rollout, recorded: np.ndarray | None) -> np.ndarray | None:
     """`rollout`'s expert ids after a decode that recorded `recorded` ([L_moe, prompt + response
-    so far, k]): positions routed by an earlier segment keep that routing, new ones take the
-    decode's. None when the decode recorded none."""
+    so far, k]): positions routed before a checkpoint's continuation keep that routing, new ones
+    take the decode's. None when the decode recorded none."""
     if recorded is None:
         return None
     positions = len(rollout.prompt_ids) + len(rollout.response_ids)

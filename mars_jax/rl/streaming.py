@@ -1,7 +1,8 @@
-"""Agent-granularity streaming on one continuous-batching engine (`rollout.scheduler='stream'`).
+"""The rollout scheduler: agent-granularity streaming on one engine that runs for the whole job.
 
-The engine (`mars_jax.sampling.Engine`, or anything with its `DecodeEngine` methods) runs for the
-whole job and never drains between updates. Each output is graded as soon as it finishes
+The engine (`mars_jax.sampling.Engine`, continuous batching, or `StaticBatchEngine`, static
+batches on `generate`: any `sampling.DecodeEngine`) runs for the whole job and never drains
+between updates. Each output is graded as soon as it finishes
 (`AgenticRollouts.absorb`); when its group's stage completes, the next stage's requests (chosen by
 the selection policy) are submitted to the running engine at once.
 
@@ -64,38 +65,25 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
 
 from mars_jax.distributed import HostGroup
 from mars_jax.preemption import Stopped
-from mars_jax.rl.pipeline import ROLES_TRAINED
-from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, Rollout
+from mars_jax.rl.rollout import STAGE_ROLES, AgenticRollouts, Rollout, RolloutConfig
+from mars_jax.sampling import DecodeEngine, EngineOutput
 
 MODES = ("pipeline", "sequential")
 RESUME_MODES = ("recompute", "keep")
+# rollout.roles_trained -> the roles whose groups are trained.
+ROLES_TRAINED = {"all": ("solver", "verifier", "corrector"), "solver": ("solver",),
+                 "vc": ("verifier", "corrector")}
 
 
-class DecodeEngine(Protocol):
-    """What the scheduler uses of `mars_jax.sampling.Engine`."""
-
-    stats: collections.Counter
-
-    def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int, stop_ids: Sequence[int], n: int,
-               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]: ...
-
-    def stream(self, stop: Callable[[], bool] | None = None
-               ) -> Iterator[tuple[int, object]]: ...
-
-    def finished(self) -> list[tuple[int, object]]: ...
-
-    def in_slots(self) -> list[int]: ...
-
-    def partial(self, request_id: int) -> tuple[list[int], list[float]]: ...
-
-    def recompute(self, request_ids: Sequence[int]) -> None: ...
-
-    def update_weights(self, model) -> None: ...
+def auto_inflight_rows(config: RolloutConfig, prompts_per_step: int) -> int:
+    """The default cap on rollouts in flight (`rollout.max_inflight_rows` 0): the rows of
+    `prompts_per_step` problems' trees (per problem a Solver group plus `fan_out` groups per
+    later stage)."""
+    stages = min(config.max_stages, len(STAGE_ROLES))
+    return prompts_per_step * config.group_size * (1 + config.fan_out * (stages - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,8 +340,7 @@ class StreamingRollouts:
         rollout = self._inflight.pop(request_id)
         done = len(rollout.response_ids)
         reason = "stop" if output.finish_reason == "stop" else "length"
-        new = GenerationOutput(tuple(output.tokens[done:]), tuple(output.logprobs[done:]), reason,
-                               output.expert_ids)
+        new = EngineOutput(output.tokens[done:], output.logprobs[done:], reason, output.expert_ids)
         self._ready += self.rollouts.absorb([rollout], [new], version)
 
     # --- when an update is due -------------------------------------------------------------

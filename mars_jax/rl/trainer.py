@@ -1,13 +1,12 @@
 """The MarsRL training loop: rollouts -> agent-specific rewards -> group advantages -> update.
 
-Each step: decode (pipeline or sequential mode, `mars_jax.rl.pipeline`) with the current
-parameters, train on the groups that completed, write metrics, checkpoint. On one shared mesh
-sampler and update share the same parameter arrays; the policy version is the number of steps
+Each step is one `StreamingRollouts.collect` (one decode engine across steps,
+`mars_jax.rl.streaming`, pipeline or sequential mode; `rollout.decode_engine` 'engine' or
+'generate'), then an update on the groups it handed out, metrics, a checkpoint. On one shared
+mesh engine and update share the same parameter arrays; the policy version is the number of steps
 whose update changed the parameters (a step makes `learner.ppo_epochs * learner.mini_batches`
-optimizer updates, `mars_jax.rl.learner`).
-
-With `rollout.scheduler='stream'` a step is one `StreamingRollouts.collect` (one engine across
-steps, `mars_jax.rl.streaming`). With `mesh.rollout.devices > 0` the engine runs on its own
+optimizer updates, `mars_jax.rl.learner`). The config is read through `mars_jax.run_config`.
+With `mesh.rollout.devices > 0` the engine runs on its own
 submesh with its own copy of the weights (`weight_sync`, copied after every update, metrics
 `sync/*`); in pipeline mode it keeps decoding while the update runs in a worker thread on the
 training mesh (`StreamingRollouts.decode_while`).
@@ -16,15 +15,14 @@ With `eval.probe_every` > 0 each role's decisions are sampled on held-out proble
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
-every host: between decode rounds (`StreamingRollouts`), between generator calls of the per-step
-scheduler, between mini-batches of the update (`learner.ppo_update`); the loop also checks after
+every host: between decode rounds (`StreamingRollouts`), between mini-batches of the update
+(`learner.ppo_update`); the loop also checks after
 each step. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
 the train state from before step s's update (an update stopped half-way is redone:
-`learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: with
-'stream' the requests in flight as partial outputs and, once the rollouts are collected, the
-step's groups put back as ready (`StreamingRollouts.state_dict(put_back=True)`), with the data
-position after them; with 'step' the queues and data position of the step's start (not saved
-when checkpoint s - 1 exists: it holds the same). Then it raises `Preempted` (exit 75) within
+`learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: the
+requests in flight as partial outputs and, once the rollouts are collected, the step's groups put
+back as ready (`StreamingRollouts.state_dict(put_back=True)`), with the data position after them.
+Then it raises `Preempted` (exit 75) within
 `preemption_grace_s` of the signal (or the watchdog exits with 75). A resumed run starts at
 step s. A checkpoint saved mid-step is replaced when its step is saved again (at its end, or
 stopped again) only while another checkpoint exists (or at the last step), so a replacement cut
@@ -32,10 +30,10 @@ short never leaves none; otherwise it stays (a valid point to redo its step from
 
 Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
 run one job on a global training mesh: each host draws its own problems and keeps its own rollout
-queues. With 'stream' each host decodes on an engine of its own over its own devices (all, or its
+queues. Each host decodes on an engine of its own over its own devices (all, or its
 `mesh.rollout.devices`), with its own copy of the weights (`weight_sync.HostCopies`), and the
-hosts agree on the update cadence through `distributed.HostGroup` (`rl/streaming.py`); with
-'step' every decode is one SPMD program over all hosts' requests (`SamplerGenerator`). The update
+hosts agree on the update cadence through `distributed.HostGroup` (`rl/streaming.py`), so a
+model's weights must fit one host's devices. The update
 trains on all hosts' samples joined into one global batch (`distributed.global_train_batch`);
 checkpoints hold each host's data and queue state (`distributed.gather_process_meta`) and the
 recorded routing of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics
@@ -57,23 +55,20 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from mars_jax import (builders, config_diff, console, distributed, memory_fit, offload,
-                      preemption, sharding, weight_sync)
+                      preemption, run_config, sharding, weight_sync)
 from mars_jax.agents.eval_stats import confusion
-from mars_jax.checkpoint import CONFIG_KEY, Checkpointer
+from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
-from mars_jax.rl.generator import EngineGenerator, SamplerGenerator, engine_shape, stream_engine
 from mars_jax.rl import queue_arrays
-from mars_jax.rl.learner import LearnerConfig, UpdateStopped, ppo_update, summarize_updates
-from mars_jax.rl.losses import LossConfig
-from mars_jax.rl.pipeline import auto_inflight_rows, max_staleness, rollout_step, trainable
-from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig, Rollout
+from mars_jax.rl.learner import UpdateStopped, ppo_update, summarize_updates
+from mars_jax.rl.rollout import AgenticRollouts, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
-from mars_jax.rl.update import UpdateConfig, init_train_state
-from mars_jax.sampling import batch_shards
+from mars_jax.rl.update import init_train_state
+from mars_jax.sampling import batch_shards, make_engine
 from mars_jax.sft.probe import probe_model
 from mars_jax.types import TrainBatch
 
@@ -86,45 +81,6 @@ class NonFiniteUpdates(RuntimeError):
     """Too many steps with non-finite updates in a row; the last good checkpoint is kept."""
 
     exit_code = 65  # EX_DATAERR: inspect metrics.jsonl, fix the config, rerun to resume
-
-
-def rollout_config(config: ConfigDict) -> RolloutConfig:
-    r = config.rollout
-    return RolloutConfig(
-        group_size=r.group_size, fan_out=r.fan_out, selection=r.selection,
-        max_stages=1 if r.roles_trained == "solver" else r.max_stages,
-        max_new_tokens=dict(r.max_new_tokens), segment_tokens=r.segment_tokens or None,
-        max_prompt_tokens=r.max_prompt_tokens, enable_thinking=r.enable_thinking,
-        prompt_style=r.prompt_style, truncated_reward=r.truncated_reward,
-        verify_truncated=r.verify_truncated)
-
-
-# Fields of config.loss that are not `LossConfig` fields (they act outside the loss function).
-_LOSS_OUTSIDE = ("pi_old", "mask_truncated")
-_OPTIONAL_LOSS = ("clip_c", "behaviour_weight_cap", "mastered_mask_prob", "target_entropy",
-                  "max_response_len")
-
-
-def loss_config(config: ConfigDict) -> LossConfig:
-    """config.loss as a `LossConfig`; 0 (or '') switches an optional term off (None)."""
-    fields = {k: (None if v in ("", 0) and k in _OPTIONAL_LOSS else v)
-              for k, v in config.loss.items() if k not in _LOSS_OUTSIDE}
-    return LossConfig(**fields)
-
-
-def update_program_config(config: ConfigDict) -> UpdateConfig:
-    """The update program's static settings from config.loss, config.learner and the rollout
-    temperature."""
-    return UpdateConfig(loss=loss_config(config), temperature=config.rollout.temperature,
-                        logits_chunk=config.learner.logits_chunk,
-                        routing_replay=config.learner.routing_replay,
-                        length_halvings=config.learner.length_halvings,
-                        fine_cuts=config.learner.fine_cuts)
-
-
-def learner_config(config: ConfigDict) -> LearnerConfig:
-    return LearnerConfig(ppo_epochs=config.learner.ppo_epochs,
-                         mini_batches=config.learner.mini_batches, pi_old=config.loss.pi_old)
 
 
 def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
@@ -195,22 +151,15 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
 
 
 def _build_stream(config: ConfigDict, rollouts: AgenticRollouts, model, eos, problems,
-                  mesh: jax.sharding.Mesh, inflight_cap: int,
-                  should_stop: Callable[[], bool]) -> StreamingRollouts:
-    """The streaming scheduler (`rollout.scheduler='stream'`) on a fresh engine over `model`
-    (whose arrays live on `mesh`, this host's rollout mesh); with several processes one per
-    host, each with its share of `inflight_cap`, agreeing through a `distributed.HostGroup`."""
-    r = config.rollout
+                  mesh: jax.sharding.Mesh, should_stop: Callable[[], bool]) -> StreamingRollouts:
+    """The rollout scheduler on a fresh engine over `model` (whose arrays live on `mesh`, this
+    host's rollout mesh); with several processes one per host, agreeing through a
+    `distributed.HostGroup`."""
     with sharding.use_mesh(mesh):
-        engine = stream_engine(config, model, eos, mesh=mesh)
-    return StreamingRollouts(
-        rollouts, engine, problems, mode=r.mode, prompts_per_step=r.prompts_per_step,
-        samples_per_update=r.samples_per_update or r.prompts_per_step * r.group_size,
-        max_inflight_rows=-(-inflight_cap // jax.process_count()),
-        staleness_bound=r.staleness_bound, resume=r.resume,
-        roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,
-        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), stop_ids=eos,
-        hosts=distributed.HostGroup("stream"), should_stop=should_stop)
+        engine = make_engine(run_config.engine_settings(config, mesh), model, eos, mesh=mesh)
+    return StreamingRollouts(rollouts, engine, problems, **run_config.stream_options(config),
+                             stop_ids=eos, hosts=distributed.HostGroup("stream"),
+                             should_stop=should_stop)
 
 
 def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, float]:
@@ -226,53 +175,11 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "time/rollout": batch.seconds}
 
 
-def _step_rollouts(config: ConfigDict, step: int, version: int, model, generator, rollouts,
-                   problems, eos, mesh: jax.sharding.Mesh, inflight_cap: int,
-                   should_stop: Callable[[], bool]):
-    """One step's decodes (`rollout.scheduler='step'`): (every completed group, the trainable
-    ones, metrics with the generator to reuse under 'generator'). Raises
-    `preemption.Stopped` before a generator call when `should_stop()` on any host."""
-    seed = config.seed * 1_000_003 + step * 1_009
-    if config.rollout.decode_engine == "engine":
-        if generator is None:
-            generator = EngineGenerator.from_config(config, model, eos, seed=seed, mesh=mesh)
-        generator.set_model(model, seed=seed)
-    else:
-        generator = SamplerGenerator(
-            model, eos, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-            top_k=config.rollout.top_k, seed=seed, record_routing=config.learner.routing_replay,
-            mesh=mesh, max_rows=config.rollout.max_decode_rows)
-    def generate(requests):  # a collective, called by every host equally often
-        if distributed.any_process(should_stop()):
-            raise preemption.Stopped("step: stopped between two generator calls")
-        return generator(requests)
-
-    t0 = time.perf_counter()
-    with sharding.use_mesh(mesh):
-        result = rollout_step(rollouts, problems, generate, mode=config.rollout.mode,
-                              prompts_per_step=config.rollout.prompts_per_step, step=step,
-                              version=version, max_inflight_rows=inflight_cap,
-                              any_process=distributed.any_process)
-    elapsed = time.perf_counter() - t0
-    metrics = role_metrics(result.groups)
-    metrics.update({
-        "tokens_per_second": result.generated_tokens / max(elapsed, 1e-9),
-        "decode/calls": len(result.decode_batches),
-        "decode/requests": sum(sum(b.values()) for b in result.decode_batches),
-        "rollouts/pending": len(rollouts.pending),
-        "rollouts/context_cuts": rollouts.context_cuts,
-        "rollouts/context_drops": rollouts.context_drops,
-        "time/rollout": elapsed, "generator": generator})
-    for stage in range(5):
-        metrics[f"decode/stage{stage}"] = sum(b[stage] for b in result.decode_batches)
-    return result.groups, trainable(result.groups, config.rollout.roles_trained), metrics
-
-
 def _check_resident_memory(config: ConfigDict, state, model_config, mesh: jax.sharding.Mesh,
                            rollout_mesh: jax.sharding.Mesh) -> None:
-    """Refuses (ConfigError, exit 2) a streaming run whose train state, engine weights and KV
-    cache cannot all stay on a chip (`memory_fit`; where the backend reports its memory)."""
-    slots, length = engine_shape(config, rollout_mesh)
+    """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
+    all stay on a chip (`memory_fit`; where the backend reports its memory)."""
+    slots, length = run_config.engine_shape(config, rollout_mesh)
     kv = memory_fit.engine_kv_bytes(config, model_config, slots, length,
                                     batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
@@ -319,7 +226,11 @@ def _restore_queues(meta: dict, arrays: dict, decode: Callable[[list[int]], str]
     and arrays: the queue's token ids and log-probabilities read back from the arrays."""
     routing = (distributed.unpack_host_arrays(meta["routing"], arrays["routing"])
                if meta.get("routing") is not None else None)
-    queue = meta["stream" if "stream" in meta else "rollouts"]
+    if "stream" not in meta:
+        raise CheckpointMismatch("the checkpoint was written by the per-step rollout scheduler "
+                                 "(rollout.scheduler='step'), which no longer exists: resume it "
+                                 "with a mars_jax from before its removal, or start afresh")
+    queue = meta["stream"]
     if meta.get("queue") is not None:
         blocks = distributed.unpack_host_arrays(meta["queue"], arrays["queue"])
         queue = queue_arrays.unpack(queue, queue_arrays.from_host_blocks(blocks), decode)
@@ -356,15 +267,15 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
     optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": decay})
     graphdef, _ = nnx.split(model, nnx.Param)
     state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
-    update_config = update_program_config(config)
+    update_config = run_config.update_program_config(config)
     ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
                   if update_config.loss.needs_ref_logprobs else None)
-    rollouts = AgenticRollouts(tokenizer, rollout_config(config), seed=config.seed,
+    rollouts = AgenticRollouts(tokenizer, run_config.rollout_config(config), seed=config.seed,
                                encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save,
                                 config=config_diff.record(config))
-    learner = learner_config(config)
+    learner = run_config.learner_config(config)
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
         name: distributed.host_arrays_target(index)
@@ -381,10 +292,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
         problems.set_state(meta["data"])
         queue, routing = _restore_queues(
             meta, arrays or {}, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        if config.rollout.scheduler == "stream":
-            saved_stream = (queue, routing)
-        else:
-            rollouts.load_state_dict(queue, routing)
+        saved_stream = (queue, routing)
         nonfinite_streak = meta["nonfinite_streak"]
         version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
         console.note(f"resumed from step {start}")
@@ -393,35 +301,29 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
     writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path,
                            resume_step=start if restored is not None else -1)
     eos = eos_token_ids(tokenizer)
-    inflight_cap = config.rollout.max_inflight_rows or auto_inflight_rows(
-        rollouts.config, config.rollout.prompts_per_step)
     metrics: dict[str, float] = {}
-    generator = None
-    stream = None
-    if config.rollout.scheduler == "stream":
-        _check_resident_memory(config, state, model_config, mesh, rollout_mesh)
-        policy = nnx.merge(graphdef, state.params)
-        if copied_weights:
-            copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
-            policy = weight_sync.rollout_model(graphdef, copy_weights(state.params)[0])
-        stream = _build_stream(config, rollouts, policy, eos, problems, rollout_mesh,
-                               inflight_cap, notice)
-        if saved_stream is not None:
-            stream.load_state_dict(*saved_stream)
+    _check_resident_memory(config, state, model_config, mesh, rollout_mesh)
+    policy = nnx.merge(graphdef, state.params)
+    if copied_weights:
+        copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
+        policy = weight_sync.rollout_model(graphdef, copy_weights(state.params)[0])
+    stream = _build_stream(config, rollouts, policy, eos, problems, rollout_mesh, notice)
+    if saved_stream is not None:
+        stream.load_state_dict(*saved_stream)
     probe_every = config.eval.probe_every
     probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
                       if probe_every else [])
+    probe_settings = run_config.probe_settings(config, config.eval.engine_slots)
 
     def held_out_probe(params) -> dict[str, float]:
         t = time.perf_counter()
         with sharding.use_mesh(mesh):
-            decisions = probe_model(config, nnx.merge(graphdef, params), tokenizer,
-                                    probe_problems, slots=config.eval.engine_slots)
+            decisions = probe_model(nnx.merge(graphdef, params), tokenizer, probe_problems,
+                                    probe_settings)
         return {**decisions, "time/probe": time.perf_counter() - t}
 
     if probe_every and start == 0:
         writer.write(0, held_out_probe(state.params))
-    queue_key = "stream" if stream is not None else "rollouts"
     update_stop = _agreed_stop(notice)
 
     def save(number: int, state, data: dict, queue: dict, routing: dict, *, steps_done=None,
@@ -434,28 +336,23 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
             if len(existing) < 2 and not must:
                 return False
             checkpointer.delete(number)
-        queue_meta, arrays = _queue_meta(queue_key, queue, routing)
+        queue_meta, arrays = _queue_meta("stream", queue, routing)
         extra = {} if steps_done is None else {STEPS_DONE_KEY: steps_done}
         checkpointer.save(number, state, distributed.gather_process_meta({
             "data": data, **queue_meta, "nonfinite_streak": nonfinite_streak,
             "policy_version": version, **extra}), arrays=arrays or None)
         return True
 
-    def save_stopped(step: int, state, step_start, put_back: bool) -> str:
+    def save_stopped(step: int, state, put_back: bool) -> str:
         """Saves a checkpoint to redo `step` from (module docstring); returns what happened,
         for `Preempted`."""
         what = f"SIGTERM in step {step}"
         if nonfinite_streak:
             return (f"{what}; no checkpoint during {nonfinite_streak} non-finite updates, the "
                     "last good one is kept")
-        if stream is None:
-            data, queue, routing = step_start
-            if step - 1 in checkpointer.steps():
-                return f"{what}; checkpoint {step - 1} holds the step's start"
-        else:
-            data = problems.get_state()
-            queue, routing = stream.state_dict(put_back), stream.routing(put_back)
-        if not save(step, state, data, queue, routing, steps_done=step - 1, must=False):
+        queue, routing = stream.state_dict(put_back), stream.routing(put_back)
+        if not save(step, state, problems.get_state(), queue, routing, steps_done=step - 1,
+                    must=False):
             return f"{what}; checkpoint {step} (from earlier in the step) kept"
         checkpointer.wait()
         return f"{what}; checkpoint {step} saved to redo the step from"
@@ -464,22 +361,13 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
-            # the per-step scheduler's queues at the step's start: what a stopped step redoes
-            step_start = None if stream is not None else (
-                problems.get_state(), rollouts.state_dict(), rollouts.routing())
             try:
                 if config.learner.offload_optimizer:  # on the host while the engine decodes
                     state, ref_params = offload.move_update_state(state, ref_params, "host")
-                if stream is not None:
-                    batch = stream.collect(version)
-                    all_groups, groups = batch.all_groups, batch.groups
-                    metrics = role_metrics(all_groups)
-                    metrics.update(_stream_metrics(batch, stream))
-                else:
-                    all_groups, groups, metrics = _step_rollouts(
-                        config, step, version, nnx.merge(graphdef, state.params), generator,
-                        rollouts, problems, eos, mesh, inflight_cap, notice)
-                    generator = metrics.pop("generator")
+                batch = stream.collect(version)
+                groups = batch.groups
+                metrics = role_metrics(batch.all_groups)
+                metrics.update(_stream_metrics(batch, stream))
                 t1 = time.perf_counter()
                 if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
                     state, ref_params = offload.move_update_state(state, ref_params, "device")
@@ -488,8 +376,6 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     normalize_std=config.rollout.normalize_std,
                     mask_truncated=config.loss.mask_truncated)
                 metrics["samples/trained"] = len(samples)
-                if stream is None:
-                    metrics["staleness/max"] = max_staleness(groups, version)
                 history = None
                 if distributed.any_process(bool(samples)):
                     def update(state=state, samples=samples, step=step):
@@ -515,7 +401,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     state = stopped.state
                 elif config.learner.offload_optimizer:
                     state, ref_params = offload.move_update_state(state, ref_params, "device")
-                raise Preempted(save_stopped(step, state, step_start,
+                raise Preempted(save_stopped(step, state,
                                              put_back=isinstance(stopped, UpdateStopped))
                                 ) from None
             if history is not None:
@@ -523,17 +409,17 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
                 if update_metrics["optimizer_steps"] > 0:
                     version += 1
-                    if stream is not None and copied_weights:
+                    if copied_weights:
                         copied, transfer = copy_weights(state.params)
                         stream.weights_updated(weight_sync.rollout_model(graphdef, copied),
                                                version)
                         metrics.update({"sync/seconds": transfer.seconds,
                                         "sync/bytes": transfer.bytes,
                                         "sync/bytes_per_device": transfer.bytes_per_device})
-                    elif stream is not None:
+                    else:
                         stream.weights_updated(nnx.merge(graphdef, state.params), version)
-                elif stream is not None and not copied_weights:  # the same weights in the arrays the
-                    # update returned: it donated those the engine decodes with
+                elif not copied_weights:  # the same weights in the arrays the update returned:
+                    # it donated those the engine decodes with
                     stream.engine.update_weights(nnx.merge(graphdef, state.params))
                 finite = update_metrics["finite"] > 0
                 nonfinite_streak = 0 if finite else nonfinite_streak + 1
@@ -556,8 +442,8 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
             saved = False
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):
-                saved = save(step, state, problems.get_state(), (stream or rollouts).state_dict(),
-                             (stream or rollouts).routing(), must=step == config.total_steps)
+                saved = save(step, state, problems.get_state(), stream.state_dict(),
+                             stream.routing(), must=step == config.total_steps)
             if preempted and step < config.total_steps:
                 checkpointer.wait()
                 raise Preempted(f"SIGTERM at step {step}; " + (

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx, struct
 
 from mars_jax import sharding
+from mars_jax.buckets import length_bucket, pow2_at_least
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3, positions_from_mask
@@ -77,19 +78,6 @@ class SampleResult:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     expert_ids: list[np.ndarray] | None
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (n - 1)).bit_length())
-
-
-def length_bucket(n: int, minimum: int) -> int:
-    """`n` rounded up to the next 2^k or 3 * 2^(k-1), at least `minimum`: above `minimum`, at
-    most a third of a bucket is padding (a power of two alone pads a 330-token prompt to 512),
-    for two programs per doubling of the length."""
-    power = _bucket(n, minimum)
-    three_quarters = 3 * power // 4
-    return three_quarters if n <= three_quarters and three_quarters >= minimum else power
 
 
 def prompt_bucket(prompt_len: int) -> int:
@@ -178,7 +166,7 @@ def batch_shards(mesh: jax.sharding.Mesh | None) -> int:
 
 def _batch_bucket(rows: int, multiple: int) -> int:
     """Rows of a decode batch holding `rows` sequences: a power of two, rounded up to `multiple`."""
-    return -(-_bucket(rows, 1) // multiple) * multiple
+    return -(-pow2_at_least(rows, 1) // multiple) * multiple
 
 
 def _per_row(value, n: int, name: str) -> list:

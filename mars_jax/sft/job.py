@@ -20,7 +20,7 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders
+from mars_jax import builders, run_config
 from mars_jax.metrics import MetricsWriter
 from mars_jax.models import Qwen3, Qwen3Config, create_model, save_pretrained
 from mars_jax.optimizer import make_optimizer
@@ -95,8 +95,8 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
                 metrics.update({f"heldout/{k}": v for k, v in summary.items()})
             if s.probe_every and (step % s.probe_every == 0 or step == s.steps):
                 model = nnx.merge(graphdef, params)
-                decisions = probe_model(config, model, tokenizer, holdout,
-                                        slots=s.probe_slots)
+                decisions = probe_model(model, tokenizer, holdout,
+                                        run_config.probe_settings(config, s.probe_slots))
                 save_pretrained(model, out / f"model_step{step}")
                 metrics.update(decisions)
                 summary = {**summary, **decisions}

@@ -11,16 +11,16 @@ reply), so `probe` samples whole replies, as the evaluation does, and grades the
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
-
-from ml_collections import ConfigDict
 
 from mars_jax.agents import prompts, stages
 from mars_jax.agents.policy import Policy
 from mars_jax.agents.sampler_policy import SamplerPolicy
 from mars_jax.data.arith import evaluate
 from mars_jax.models import Qwen3
+from mars_jax.sampling import EngineSettings
 from mars_jax.sft import traces
 
 
@@ -62,13 +62,22 @@ def probe(policy: Policy, problems: Sequence[dict], *, max_new_tokens: Mapping[s
                                                for s, g in zip(fixed, golds)])}
 
 
-def probe_model(config: ConfigDict, model: Qwen3, tokenizer, problems: Sequence[dict], *,
-                slots: int) -> dict[str, float]:
-    """`probe` of `model` at the `eval` section's sampling settings and budgets, on an engine of
-    `slots` slots (0: one static batch)."""
-    e, budgets = config.eval, dict(config.eval.max_new_tokens)
-    policy = SamplerPolicy(model, tokenizer, temperature=e.temperature, top_p=e.top_p,
-                           seed=config.seed, engine_slots=slots,
-                           max_length=config.rollout.max_prompt_tokens + max(budgets.values()))
-    return probe(policy, problems, max_new_tokens=budgets, seed=config.seed,
-                 style=config.rollout.prompt_style)
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    """Sampling settings and budgets of `probe_model`, decoding on `engine`."""
+
+    temperature: float
+    top_p: float
+    seed: int
+    max_new_tokens: Mapping[str, int]
+    style: str
+    engine: EngineSettings
+
+
+def probe_model(model: Qwen3, tokenizer, problems: Sequence[dict], settings: ProbeSettings
+                ) -> dict[str, float]:
+    """`probe` of `model` in-process under `settings`."""
+    policy = SamplerPolicy(model, tokenizer, temperature=settings.temperature,
+                           top_p=settings.top_p, engine=settings.engine)
+    return probe(policy, problems, max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+                 style=settings.style)

@@ -27,8 +27,8 @@ def _run_job(workdir: Path, total_steps: int) -> list[str]:
          f"--process_id={pid}", f"--config.total_steps={total_steps}",
          f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}",
          "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.dcn.data=2",
-         "--config.rollout.prompts_per_step=1", "--config.rollout.segment_tokens=0",
-         "--config.rollout.drop_zero_variance=False", "--config.checkpoint.every_steps=1"],
+         "--config.rollout.prompts_per_step=1", "--config.rollout.drop_zero_variance=False",
+         "--config.checkpoint.every_steps=1"],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in range(2)]
     return finish(runs, timeout=1200)

@@ -25,8 +25,7 @@ from tests.fault import harness
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("recorded_stream_run.py")
 OVERRIDES = [
-    "--config.total_steps=3", "--config.rollout.scheduler=stream",
-    "--config.rollout.decode_engine=engine", "--config.rollout.segment_tokens=0",
+    "--config.total_steps=3", "--config.rollout.decode_engine=engine",
     "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=2",
     "--config.rollout.max_new_tokens.solver=16", "--config.rollout.max_new_tokens.verifier=16",
     "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.max_stages=3",

@@ -83,42 +83,18 @@ def test_inconsistent_values_are_all_reported_at_once(tmp_path):
     config.rollout.fan_out = 3
     config.sft.keep.solver = 7.0
     config.mesh.data, config.mesh.tensor = 2, 2
-    config.rollout.segment_tokens = 64                # max_new_tokens are 48
     config.data.manual_dir = str(tmp_path / "missing")
     config.rollout.mode = "pipelined"
     config.optimizer.learning_rate = float("nan")
     problems = _problems(config, device_count=8)
     assert set(problems) == {"sft.keep.solver", "rollout.fan_out", "mesh",
-                             "rollout.segment_tokens", "data.manual_dir", "rollout.mode",
+                             "data.manual_dir", "rollout.mode",
                              "optimizer.learning_rate"}
     assert "fix: set it to a number in [0, 1]" in problems["sft.keep.solver"]
     assert "set rollout.fan_out <= 2" in problems["rollout.fan_out"]
     assert "product of axis sizes" in problems["mesh"] and "8" in problems["mesh"]
-    assert "set it to at most 48" in problems["rollout.segment_tokens"]
     assert "does not exist" in problems["data.manual_dir"]
     assert "set it to 'pipeline'" in problems["rollout.mode"]
-
-
-def test_outputs_longer_than_the_staleness_bound_allows_are_rejected_naming_the_three_fields():
-    config = smoke.get_config()
-    config.rollout.segment_tokens, config.rollout.staleness_bound = 8, 1
-    config.rollout.max_new_tokens.solver = 32        # 4 segments: trained 3 versions late
-    config.rollout.max_new_tokens.verifier = config.rollout.max_new_tokens.corrector = 16
-    problems = _problems(config)
-    assert set(problems) == {"rollout.staleness_bound"}
-    message = problems["rollout.staleness_bound"]
-    for field in ("rollout.segment_tokens=8", "rollout.max_new_tokens.solver=32 needs 4",
-                  "rollout.staleness_bound >= 3", "rollout.segment_tokens >= 16"):
-        assert field in message
-    config.rollout.staleness_bound = 3
-    validate(config, common.base_config(), device_count=1)
-    # Sequential mode decodes every output within its step: nothing is late.
-    config.rollout.staleness_bound, config.rollout.mode = 1, "sequential"
-    validate(config, common.base_config(), device_count=1)
-    # A Solver-only run never decodes the Verifier's 64 segments.
-    config.rollout.mode, config.rollout.roles_trained = "pipeline", "solver"
-    config.rollout.staleness_bound, config.rollout.max_new_tokens.verifier = 3, 512
-    validate(config, common.base_config(), device_count=1)
 
 
 def test_file_backed_dataset_without_a_data_dir(tmp_path, monkeypatch):
@@ -243,10 +219,9 @@ def test_run_py_exits_2_naming_unknown_and_mistyped_overrides(tmp_path):
 
 
 def _streaming_smoke():
-    """The smoke config on the streaming scheduler, the one a rollout submesh serves."""
+    """The smoke config on the engine."""
     config = smoke.get_config()
-    config.rollout.scheduler, config.rollout.decode_engine = "stream", "engine"
-    config.rollout.segment_tokens = 0
+    config.rollout.decode_engine = "engine"
     return config
 
 
@@ -283,19 +258,3 @@ def test_a_split_that_fits_is_valid():
     config.mesh.data, config.mesh.fsdp = 1, -1
     config.mesh.rollout.devices, config.mesh.rollout.expert = 2, 2
     validate(config, common.base_config(), device_count=8)
-
-
-def test_a_split_needs_the_streaming_scheduler():
-    config = smoke.get_config()
-    config.mesh.data, config.mesh.fsdp = 1, -1
-    config.mesh.rollout.devices = 2
-    problems = _problems(config, device_count=8)
-    assert set(problems) == {"mesh.rollout.devices"}
-    assert "rollout.scheduler='stream'" in problems["mesh.rollout.devices"]
-
-
-def test_streaming_needs_the_engine_and_no_segments():
-    config = smoke.get_config()
-    config.rollout.scheduler = "stream"
-    problems = _problems(config, device_count=8)
-    assert set(problems) == {"rollout.decode_engine", "rollout.segment_tokens"}

@@ -3,8 +3,9 @@ a crash, and every cut or dropped prompt is counted."""
 import collections
 
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
-from mars_jax.rl.pipeline import rollout_step
-from mars_jax.rl.rollout import CUT_MARKER, AgenticRollouts, GenerationOutput, RolloutConfig
+from mars_jax.rl.rollout import CUT_MARKER, AgenticRollouts, RolloutConfig
+from mars_jax.sampling import EngineOutput
+from tests.rl.scripted import decode_all
 
 TOKENIZER = tiny_tokenizer()
 EOS = eos_token_ids(TOKENIZER)[0]
@@ -29,7 +30,7 @@ class LongWindedGenerator:
         for r in requests:
             self.prompts[r.role].append(list(r.prompt_ids))
             ids = TOKENIZER.encode(SCRIPT[r.role], add_special_tokens=False) + [EOS]
-            outputs.append(GenerationOutput(tuple(ids), (-0.5,) * len(ids), "stop"))
+            outputs.append(EngineOutput(tuple(ids), (-0.5,) * len(ids), "stop"))
         return outputs
 
 
@@ -45,10 +46,9 @@ def test_overflowing_outputs_are_cut_to_their_tail_and_counted():
         {"id": "solver-too-long", "problem": "What is 1 + 1? " + "Think. " * 80, "answer": "2"},
     ])
     generate = LongWindedGenerator()
-    out = rollout_step(engine, problems, generate, mode="sequential", prompts_per_step=3, step=1,
-                       version=0)
+    groups, _ = decode_all(engine, problems, generate, count=3)
 
-    stages = collections.Counter((g[0].problem_uid, g[0].stage) for g in out.groups)
+    stages = collections.Counter((g[0].problem_uid, g[0].stage) for g in groups)
     assert stages == {("1-0", s): 1 for s in range(5)} | {("1-1", 0): 1}
     assert engine.context_drops == 2  # the too-long problem and the Verifier of the other
     assert engine.context_cuts > 0

@@ -50,20 +50,17 @@ def test_a_storage_outage_fails_the_run_then_the_next_start_resumes(two_steps, t
     assert (workdir / "metrics.jsonl").read_text() == metrics
 
 
-def test_a_resume_that_changes_the_group_size_or_scheduler_exits_2_naming_them(two_steps,
-                                                                              tmp_path):
+def test_a_resume_that_changes_the_group_size_or_mode_exits_2_naming_them(two_steps, tmp_path):
     workdir = _copy(two_steps, tmp_path)
     changed = subprocess.run(
         harness.command(workdir, "--config.total_steps=3", "--config.rollout.group_size=4",
-                        "--config.rollout.scheduler=stream",
-                        "--config.rollout.decode_engine=engine",
-                        "--config.rollout.segment_tokens=0"),
+                        "--config.rollout.mode=sequential"),
         env=harness.env(), capture_output=True, text=True, timeout=900)
     assert changed.returncode == 2, changed.stderr[-3000:]
     for line in ("the config differs from the one checkpoint 2 was saved with, in 2 field(s)",
                  "rollout.group_size: 2 in the checkpoint, 4 now; fix: set it back to 2",
-                 "rollout.scheduler: 'step' in the checkpoint, 'stream' now",
-                 "--allow_config_change=rollout.group_size,rollout.scheduler"):
+                 "rollout.mode: 'pipeline' in the checkpoint, 'sequential' now",
+                 "--allow_config_change=rollout.group_size,rollout.mode"):
         assert line in changed.stderr
     assert "Traceback" not in changed.stderr and "KeyError" not in changed.stderr
     assert [row["step"] for row in harness.metrics(workdir)] == [1, 2]

@@ -26,12 +26,11 @@ import marsrl_qwen3_30b_a3b  # noqa: E402
 
 # The bench preset (8 layers, 16 experts) at short lengths.
 BENCH = ["--config=experiments/configs/smoke.py", "--config.model.preset=bench",
-         "--config.rollout.max_prompt_tokens=64", "--config.rollout.segment_tokens=32",
-         "--config.learner.micro_batch_size=8"] + [
+         "--config.rollout.max_prompt_tokens=64", "--config.learner.micro_batch_size=8"] + [
     f"--config.rollout.max_new_tokens.{role}=64" for role in ("solver", "verifier", "corrector")]
 # The tiny preset at short lengths: every program compiles in seconds.
 TINY = ["--config=experiments/configs/smoke.py", "--config.rollout.max_prompt_tokens=64",
-        "--config.rollout.segment_tokens=16", "--config.learner.micro_batch_size=8"] + [
+        "--config.learner.micro_batch_size=8"] + [
     f"--config.rollout.max_new_tokens.{role}=32" for role in ("solver", "verifier", "corrector")]
 
 
@@ -170,7 +169,7 @@ def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
                      "--config.mesh.rollout.devices=0", "--config.mesh.rollout.data=-1",
                      "--config.mesh.rollout.expert=1",
                      "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=8",
-                     "--config.rollout.max_prompt_tokens=128", "--config.rollout.segment_tokens=0",
+                     "--config.rollout.max_prompt_tokens=128",
                      *(f"--config.rollout.max_new_tokens.{role}=128"
                        for role in ("solver", "verifier", "corrector")),
                      "--config.rollout.engine_kv_pages=64", "--config.rollout.engine_page_size=64",
@@ -193,7 +192,7 @@ def test_30b_decode_on_fsdp_gathers_tokens_not_experts(tmp_path):
                      "--config.mesh.rollout.devices=0", "--config.mesh.rollout.data=-1",
                      "--config.mesh.rollout.expert=1",
                      "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=128",
-                     "--config.rollout.max_prompt_tokens=128", "--config.rollout.segment_tokens=0",
+                     "--config.rollout.max_prompt_tokens=128",
                      *(f"--config.rollout.max_new_tokens.{role}=128"
                        for role in ("solver", "verifier", "corrector")),
                      "--programs=engine_decode",
@@ -246,8 +245,6 @@ def test_tiny_split_compiles_the_engine_on_the_rollout_submesh_and_the_update_on
     (replicated there: data=2)."""
     result, report = _aot(tmp_path, "--topology=v5e:2x2", *TINY,
                           "--config.rollout.decode_engine=engine",
-                          "--config.rollout.scheduler=stream",
-                          "--config.rollout.segment_tokens=0",
                           "--config.mesh.rollout.devices=2")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert report["mesh"]["data"] == 2 and report["rollout_mesh"]["data"] == 2

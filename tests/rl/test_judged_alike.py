@@ -9,7 +9,8 @@ from mars_jax.agents.eval import EvalProblem, make_record
 from mars_jax.agents.policy import Completion
 from mars_jax.agents.system import LoopConfig, ProblemLoop
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
-from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, RolloutConfig
+from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig
+from mars_jax.sampling import EngineOutput
 
 TOKENIZER = tiny_tokenizer()
 EOS = eos_token_ids(TOKENIZER)[0]
@@ -60,10 +61,10 @@ def _rl(replies):
     rollouts.add_problems([PROBLEM], ["t0"])
     done = []
     for text, reason in replies:
-        [rollout], [request] = rollouts.take_requests()
+        [rollout], rollouts.pending = rollouts.pending, []
         ids = _ids(text, reason)
-        assert len(ids) <= request.max_new_tokens
-        rollouts.absorb([rollout], [GenerationOutput(ids, (-0.5,) * len(ids), reason)], 0)
+        assert len(ids) <= budgets[rollout.role]
+        rollouts.absorb([rollout], [EngineOutput(list(ids), [-0.5] * len(ids), reason)], 0)
         done.append(rollout)
     assert len(rollouts.pending) <= 1
     return rollouts, done, (rollouts.pending or [None])[0]

@@ -17,8 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = [
     "--config.total_steps=3", "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=1",
     "--config.rollout.max_new_tokens.solver=16", "--config.rollout.max_new_tokens.verifier=16",
-    "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.segment_tokens=0",
-    "--config.rollout.max_stages=3", "--config.rollout.scheduler=stream",
+    "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.max_stages=3",
     "--config.rollout.decode_engine=engine", "--config.rollout.engine_slots=4",
     "--config.rollout.samples_per_update=4", "--config.learner.micro_batch_size=8",
 ]

@@ -1,7 +1,7 @@
 """Exact resume: 6 steps straight == 3 steps, SIGKILL, restart, 3 more (bitwise, on CPU), with
-the per-step scheduler and with the streaming one (requests in flight in the engine at the
-checkpoint are resubmitted as continuations). Rewards are the parity of each rollout's index in
-its group (`tests/fault/parity_reward_run.py`), so every update moves the parameters."""
+static batches (`rollout.decode_engine='generate'`) and on the engine (requests in flight in the
+engine at the checkpoint are resubmitted as continuations). Rewards are the parity of each
+rollout's index in its group (`tests/fault/parity_reward_run.py`), so every update moves the parameters."""
 import json
 import os
 import signal
@@ -22,12 +22,12 @@ SCRIPT = REPO / "tests/fault/parity_reward_run.py"  # experiments/run.py with pa
 OVERRIDES = [
     "--config.total_steps=6", "--config.rollout.group_size=2", "--config.rollout.prompts_per_step=1",
     "--config.rollout.max_new_tokens.solver=16", "--config.rollout.max_new_tokens.verifier=16",
-    "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.segment_tokens=8",
-    "--config.rollout.max_stages=3", "--config.learner.micro_batch_size=8",
+    "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.max_stages=3",
+    "--config.learner.micro_batch_size=8",
     "--config.learner.min_length=512",
 ]
-STREAM = ["--config.rollout.scheduler=stream", "--config.rollout.decode_engine=engine",
-          "--config.rollout.segment_tokens=0", "--config.rollout.engine_slots=4"]
+STREAM = ["--config.rollout.decode_engine=engine",
+          "--config.rollout.engine_slots=4"]
 TIMING_KEYS = ("time/", "tokens_per_second", "stream/deferred_seconds")
 
 
@@ -59,10 +59,10 @@ def _metrics(workdir):
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
 
-# The per-step scheduler's kill runs with the slow tests (its resume path is also the
-# streaming one's: the checkpoint, the data iterator and the PRNG state).
+# Static batches' kill runs with the slow tests (its resume path is also the engine's: the
+# checkpoint, the data iterator and the queues; the engine's adds requests in flight).
 @pytest.mark.parametrize("extra", [pytest.param((), marks=pytest.mark.slow), STREAM],
-                         ids=["step", "stream"])
+                         ids=["generate", "engine"])
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path, extra):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(_command(straight, extra), env=_env(), check=True, capture_output=True,

@@ -3,7 +3,8 @@ import math
 
 from experiments.configs import smoke
 from mars_jax.rl.rollout import Rollout
-from mars_jax.rl.trainer import role_metrics, rollout_config
+from mars_jax.rl.trainer import role_metrics
+from mars_jax.run_config import rollout_config
 
 CORRECT = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
 WRONG = "**Final Verdict:** bad.\n**List of Findings:** Critical Error\n**Correctness:** Wrong"
@@ -87,18 +88,15 @@ def test_rollout_config_maps_every_field():
     config = smoke.get_config()
     r = config.rollout
     r.group_size, r.fan_out, r.selection, r.max_stages = 6, 3, "balanced", 4
-    r.segment_tokens, r.max_prompt_tokens = 0, 300
+    r.max_prompt_tokens = 300
     r.truncated_reward, r.verify_truncated = 0.25, False
     r.enable_thinking, r.prompt_style = True, "full"
     r.max_new_tokens.solver, r.max_new_tokens.verifier, r.max_new_tokens.corrector = 11, 22, 33
     out = rollout_config(config)
     assert (out.group_size, out.fan_out, out.selection, out.max_stages) == (6, 3, "balanced", 4)
-    assert out.segment_tokens is None  # 0: each output decoded in one go
     assert (out.max_prompt_tokens, out.enable_thinking, out.prompt_style) == (300, True, "full")
     assert (out.truncated_reward, out.verify_truncated) == (0.25, False)
     assert out.max_new_tokens == {"solver": 11, "verifier": 22, "corrector": 33}
-    r.segment_tokens = 8
-    assert rollout_config(config).segment_tokens == 8
 
 
 def test_rollout_config_solver_only_grows_no_tree_beyond_the_solver():

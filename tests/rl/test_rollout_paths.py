@@ -4,9 +4,10 @@ import collections
 
 from experiments.configs import smoke
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
-from mars_jax.rl.pipeline import rollout_step
-from mars_jax.rl.rollout import AgenticRollouts, GenerationOutput, RolloutConfig
-from mars_jax.rl.trainer import rollout_config
+from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig
+from mars_jax.run_config import rollout_config
+from mars_jax.sampling import EngineOutput
+from tests.rl.scripted import decode_all
 
 TOKENIZER = tiny_tokenizer()
 EOS = eos_token_ids(TOKENIZER)[0]
@@ -23,7 +24,7 @@ class RoleScript:
         self.requests.update(r.role for r in requests)
         ids = {role: tuple(TOKENIZER.encode(t, add_special_tokens=False)) + (EOS,)
                for role, t in self.texts.items()}
-        return [GenerationOutput(ids[r.role][:r.max_new_tokens], (-0.1,) * len(ids[r.role][:r.max_new_tokens]),
+        return [EngineOutput(ids[r.role][:r.max_new_tokens], (-0.1,) * len(ids[r.role][:r.max_new_tokens]),
                                  "stop" if len(ids[r.role]) <= r.max_new_tokens else "length")
                 for r in requests]
 
@@ -47,22 +48,20 @@ def test_when_every_verifier_passes_the_tree_ends_without_a_corrector():
                            "verifier": "**Final Verdict:** fine.\n**List of Findings:** None\n"
                                        "**Correctness:** Correct",
                            "corrector": "2 + 3 = 5, so \\boxed{5}"})
-    out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=2,
-                       step=1, version=0)
+    groups, levels = decode_all(engine, _problems(), generate, count=2)
     # By hand: 2 problems x G Solvers; then per problem FAN_OUT parents x G Verifiers; then no
     # Verifier output reports an error, so no Corrector is eligible and both trees end.
-    assert out.decode_batches == [collections.Counter({0: 2 * GROUP}),
+    assert levels == [collections.Counter({0: 2 * GROUP}),
                                   collections.Counter({1: 2 * FAN_OUT * GROUP})]
     assert generate.requests == {"solver": 2 * GROUP, "verifier": 2 * FAN_OUT * GROUP}
-    assert sorted((g[0].problem_uid, g[0].stage) for g in out.groups) == (
+    assert sorted((g[0].problem_uid, g[0].stage) for g in groups) == (
         [("1-0", 0)] + [("1-0", 1)] * FAN_OUT + [("1-1", 0)] + [("1-1", 1)] * FAN_OUT)
-    assert all(len(g) == GROUP for g in out.groups)
+    assert all(len(g) == GROUP for g in groups)
     # The solutions are right and the Verifiers say so: every reward is 1.
-    assert {r.reward for g in out.groups for r in g} == {1.0}
+    assert {r.reward for g in groups for r in g} == {1.0}
     assert engine.pending == [] and engine.trees == {}  # nothing left in flight, nothing leaks
-    nxt = rollout_step(engine, _problems(), generate, mode="pipeline", prompts_per_step=1, step=2,
-                       version=1)
-    assert nxt.decode_batches == [collections.Counter({0: GROUP})]  # only the new problem's Solver
+    _, levels = decode_all(engine, _problems(), generate, count=1, prefix="2")
+    assert levels[0] == collections.Counter({0: GROUP})  # only the new problem's Solver
 
 
 def test_roles_trained_solver_decodes_the_solver_group_only():
@@ -70,11 +69,10 @@ def test_roles_trained_solver_decodes_the_solver_group_only():
     config.rollout.group_size, config.rollout.roles_trained = GROUP, "solver"
     engine = _engine(rollout_config(config))
     generate = RoleScript({"solver": "2 + 3 = 6, so \\boxed{6}"})  # wrong: a Verifier would be due
-    out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=2,
-                       step=1, version=0)
+    groups, _ = decode_all(engine, _problems(), generate, count=2)
     assert generate.requests == {"solver": 2 * GROUP}
-    assert [g[0].stage for g in out.groups] == [0, 0]
-    assert {r.reward for g in out.groups for r in g} == {0.0}
+    assert [g[0].stage for g in groups] == [0, 0]
+    assert {r.reward for g in groups for r in g} == {0.0}
     assert engine.pending == [] and engine.trees == {}
 
 
@@ -93,10 +91,10 @@ class MixedSolvers(RoleScript):
                 text = next(solvers)
                 if text is None:  # cut by length
                     ids = (7,) * request.max_new_tokens
-                    outputs[i] = GenerationOutput(ids, (-0.1,) * len(ids), "length")
+                    outputs[i] = EngineOutput(ids, (-0.1,) * len(ids), "length")
                 else:
                     ids = tuple(TOKENIZER.encode(text, add_special_tokens=False)) + (EOS,)
-                    outputs[i] = GenerationOutput(ids, (-0.1,) * len(ids), "stop")
+                    outputs[i] = EngineOutput(ids, (-0.1,) * len(ids), "stop")
         return outputs
 
 
@@ -107,9 +105,8 @@ def test_each_verifier_judges_its_own_parent_and_each_corrector_revises_it():
     generate = MixedSolvers({"solver": "replaced", "verifier": "**Final Verdict:** a slip.\n**List of Findings:** 1.\n"
                                          "**Correctness:** Wrong",
                              "corrector": "2 + 3 = 5, so \\boxed{5}"})
-    out = rollout_step(engine, _problems(), generate, mode="sequential", prompts_per_step=1,
-                       step=1, version=0)
-    by_uid = {r.uid: r for g in out.groups for r in g}
+    groups, _ = decode_all(engine, _problems(), generate, count=1)
+    by_uid = {r.uid: r for g in groups for r in g}
     solvers, verifiers, correctors = ([r for r in by_uid.values() if r.stage == s]
                                       for s in range(3))
     assert [r.finish_reason for r in solvers] == ["stop", "stop", "length", "stop"]

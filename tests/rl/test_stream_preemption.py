@@ -138,14 +138,14 @@ def test_a_real_engine_stream_stopped_mid_collect_and_restored_decodes_the_same_
 
 def test_queues_round_trip_exactly_through_a_checkpoint(tmp_path):
     """A stream's state mid-run (requests in flight, ready groups, trees) and the per-step
-    scheduler's (`AgenticRollouts`) through `host_arrays`, orbax and back: equal, texts
+    rollouts' (`AgenticRollouts`) through `host_arrays`, orbax and back: equal, texts
     re-derived from the ids."""
     stream = _stream("pipeline", ScriptedEngine())
     _collect(stream, range(2), [])
     stream.collect(2)
     rollouts = _rollouts()
     rollouts.add_problems([next(_problems())], ["p0"])
-    requests = rollouts.take_requests()[0][:2]
+    requests = rollouts.pending[:2]
     for r in requests:
         r.response_ids, r.logprobs = [5, 6, 7], [-0.25, -1.5, -3.125]
     rollouts.pending = requests

@@ -59,6 +59,9 @@ def test_study_configs_run_shrunk(tmp_path):
         rl.model.checkpoint = str(tmp_path / "sft" / "model")
         rl.total_steps, rl.checkpoint.every_steps = 2, 2
         rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
+        # A 2-step SFT model's groups are mostly all wrong: count them; sequential mode, so that
+        # each step holds whole trees.
+        rl.rollout.drop_zero_variance, rl.rollout.mode = False, "sequential"
         # Room for the Solver's thought and its one-line solution (a solution cut off inside
         # its thought has no visible text to verify); Verifier reports are cut short.
         rl.rollout.max_new_tokens.update(solver=study.MAX_NEW_TOKENS["solver"], verifier=16,
@@ -74,16 +77,16 @@ def test_study_configs_run_shrunk(tmp_path):
             rows = rows[1:]
         assert [r["step"] for r in rows] == [1, 2], variant
         assert all(r["reward/solver"] is not None for r in rows), variant
-        # MarsRL-S stops after the Solver; the others verify step 1's solutions in step 2.
-        assert (rows[-1]["reward/verifier"] is not None) == (variant != "marsrl_s"), variant
+        # MarsRL-S stops after the Solver; the others verify each step's solutions.
+        assert (rows[0]["reward/verifier"] is not None) == (variant != "marsrl_s"), variant
 
 
 @pytest.mark.parametrize("variant", ROLES)
 def test_study_weak_runs_as_the_paper_on_the_strong_study_s_problems(variant):
     config = study_weak.get_config(variant)
     assert (config.rollout.selection, config.rollout.temperature) == ("adaptive", 1.0)
-    # The streaming scheduler, an update every prompts_per_step x group_size trained samples.
-    assert (config.rollout.scheduler, config.rollout.mode) == ("stream", "pipeline")
+    # Pipeline mode on the engine, an update every prompts_per_step x group_size trained samples.
+    assert (config.rollout.decode_engine, config.rollout.mode) == ("engine", "pipeline")
     assert config.rollout.samples_per_update == 32 * 8
     assert study_weak.ROOT != study.ROOT
     # Problems, budgets and the evaluation are the strong study's.
@@ -107,7 +110,7 @@ def test_study_weak_sft_continues_study5_and_probes_each_saved_step():
 
 
 def test_study_weak_marsrl_runs_shrunk(tmp_path):
-    """Two MarsRL steps of `study_weak` (adaptive selection, T=1.0, the streaming scheduler) from
+    """Two MarsRL steps of `study_weak` (adaptive selection, T=1.0, pipeline on the engine) from
     the committed study SFT model, tiny sizes: every role's groups-without-gradient and
     truncation shares are logged."""
     rl = study_weak.get_config("marsrl")

@@ -1,0 +1,99 @@
+"""What every decode user needs of an engine: the `DecodeEngine` protocol (`Engine`, continuous
+batching, and `StaticBatchEngine`, static batches on `generate`), `EngineSettings` and
+`make_engine` (every engine option, for every user), and `decode_batch`, the one adapter from a
+batch of requests to outputs. The rollout scheduler (`rl.streaming`) drives the protocol
+directly; the in-process policy (`agents.sampler_policy`), hence the probes and the evaluation,
+go through `decode_batch`."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+from mars_jax.sampling.engine import Engine, EngineOutput
+from mars_jax.sampling.static_engine import StaticBatchEngine
+
+ENGINE_KINDS = ("engine", "generate")
+
+
+class DecodeEngine(Protocol):
+    """Requests in, `EngineOutput`s out (`Engine`'s methods; `StaticBatchEngine` has them)."""
+
+    stats: collections.Counter
+
+    def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
+               top_p: float, top_k: int, seed: int, stop_ids: Sequence[int], n: int,
+               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]: ...
+
+    def stream(self, stop: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[int, EngineOutput]]: ...
+
+    def run(self) -> dict[int, EngineOutput]: ...
+
+    def finished(self) -> list[tuple[int, EngineOutput]]: ...
+
+    def in_slots(self) -> list[int]: ...
+
+    def partial(self, request_id: int) -> tuple[list[int], list[float]]: ...
+
+    def recompute(self, request_ids: Sequence[int]) -> None: ...
+
+    def update_weights(self, model) -> None: ...
+
+
+def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
+                 budgets: Sequence[int], *, stop_ids: Sequence[int], first_seed: int,
+                 temperature: float, top_p: float, top_k: int = 0) -> list[EngineOutput]:
+    """Decodes request i = (`prompts[i]`, `budgets[i]`) on `engine`; outputs in request order.
+    Requests with the same prompt and budget are one `submit` (the prompt prefilled once);
+    groups take sequence seeds `first_seed`, `first_seed + 1`, ... in order of first
+    appearance, so a caller continues at `first_seed + len(prompts)`."""
+    groups: dict[tuple, list[int]] = {}
+    for index, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        groups.setdefault((tuple(prompt), int(budget)), []).append(index)
+    ids: dict[int, int] = {}
+    seed = first_seed
+    for (prompt, budget), indices in groups.items():
+        submitted = engine.submit(prompt, max_new_tokens=budget, stop_ids=stop_ids, seed=seed,
+                                  n=len(indices), temperature=temperature, top_p=top_p,
+                                  top_k=top_k)
+        seed += len(indices)
+        ids.update(zip(indices, submitted))
+    outputs = engine.run()
+    return [outputs[ids[i]] for i in range(len(prompts))]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """A decode engine: `kind` 'engine' (continuous batching over `slots` slots of `max_length`
+    positions, `options` its other `Engine` keyword settings, compiled ahead for prompts up to
+    `max_prompt_tokens` with `precompile`) or 'generate' (`StaticBatchEngine`, calls of at most
+    `max_rows` rows, 0: all). Request keys derive from `seed` and each request's sequence seed."""
+
+    kind: str = "generate"
+    seed: int = 0
+    slots: int = 0
+    max_length: int = 0
+    record_routing: bool = False
+    options: dict = dataclasses.field(default_factory=dict)
+    precompile: bool = False
+    max_prompt_tokens: int = 0
+    max_rows: int = 0
+
+
+def make_engine(settings: EngineSettings, model, stop_ids: Sequence[int], *, mesh=None
+                ) -> DecodeEngine:
+    """The engine `settings` describe over `model`'s arrays (on `mesh`); a recomputed request's
+    prompt + tokens past `max_prompt_tokens` compile when met."""
+    if settings.kind not in ENGINE_KINDS:
+        raise ValueError(f"kind: {settings.kind!r} is not one of {ENGINE_KINDS}")
+    if settings.kind == "generate":
+        return StaticBatchEngine(model, seed=settings.seed, record_routing=settings.record_routing,
+                                 mesh=mesh, max_rows=settings.max_rows)
+    engine = Engine(model, num_slots=settings.slots, max_length=settings.max_length,
+                    max_stop_ids=max(8, len(tuple(stop_ids))), seed=settings.seed % (1 << 32),
+                    record_routing=settings.record_routing, mesh=mesh, **settings.options)
+    if settings.precompile:
+        engine.precompile(range(1, settings.max_prompt_tokens + 1))
+    return engine
