@@ -74,12 +74,12 @@ from mars_jax import sharding
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.paged_kv import KERNELS, default_kernel
 from mars_jax.models.qwen3 import Qwen3
-from mars_jax.sampling import precompile as ahead
 from mars_jax.sampling.engine_programs import (MIN_SPAN, SlotState, _decode_chunk, _deactivate,
                                                _init_pool, _init_state, _insert, _prefill,
                                                _put_routing, _put_slots, _take_slots,
                                                span_bucket)
 from mars_jax.sampling.pages import PageTable
+from mars_jax.sampling.precompile import compile_ahead
 from mars_jax.sampling.processors import check_sampling
 from mars_jax.sampling.sampler import batch_shards, prompt_bucket
 from mars_jax.sampling.scheduler import Group, SlotScheduler, shrink_plan
@@ -239,7 +239,7 @@ class Engine(SlotScheduler):
         prompt_lengths = list(prompt_lengths)
         if any(n < 1 or n > self.max_length for n in prompt_lengths):
             raise ValueError(f"prompt_lengths: each must be in [1, max_length={self.max_length}]")
-        return ahead.compile_ahead(self, prompt_lengths, threads=threads)
+        return compile_ahead(self, prompt_lengths, threads=threads)
 
     # --- requests ---
 
