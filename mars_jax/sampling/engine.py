@@ -19,7 +19,7 @@ all ahead on a thread pool by `precompile`. Requests coming and going change onl
 values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
 (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk
-plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`sampler.length_bucket`; at least
+plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`buckets.length_bucket`; at least
 `min_span`, at most `max_length`): it copies those positions out of the slot cache once, decodes
 over them, and writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span))
 + 3 spans (for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
@@ -71,6 +71,7 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import sharding
+from mars_jax.buckets import pow2_at_least
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.paged_kv import KERNELS, default_kernel
 from mars_jax.models.qwen3 import Qwen3
@@ -429,7 +430,7 @@ class Engine(SlotScheduler):
             by_bucket.setdefault(prompt_bucket(len(seq)), []).append(i)
         out: list[tuple | None] = [None] * len(sequences)
         for bucket, members in by_bucket.items():
-            rows = 1 << (len(members) - 1).bit_length()
+            rows = pow2_at_least(len(members), 1)
             padded = np.zeros((rows, bucket), np.int32)
             last = np.zeros((rows,), np.int32)
             for row, i in enumerate(members):

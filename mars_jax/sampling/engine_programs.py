@@ -41,12 +41,12 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mars_jax import sharding
+from mars_jax.buckets import length_bucket
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.flash_attention import pad_to
 from mars_jax.layers.paged_kv import POOL_AXES, PagedKVCache, write_pages
 from mars_jax.sampling.processors import choose_tokens_per_row
-from mars_jax.sampling.sampler import length_bucket
 
 MIN_SPAN = 128  # default shortest KV span a decode chunk attends over
 

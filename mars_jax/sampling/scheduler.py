@@ -21,6 +21,8 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from mars_jax.buckets import pow2_at_least
+
 
 @dataclasses.dataclass
 class Group:
@@ -50,7 +52,7 @@ def bucket_rows(per_block: int, *, pools: int = 1, shards: int = 1) -> int:
 def slot_bucket(rows: int, *, pools: int = 1, shards: int = 1) -> int:
     """The smallest slot bucket that holds `rows` running requests in a block (a power of two
     per block)."""
-    return bucket_rows(1 << (rows - 1).bit_length(), pools=pools, shards=shards)
+    return bucket_rows(pow2_at_least(rows, 1), pools=pools, shards=shards)
 
 
 def slot_buckets(num_slots: int, *, pools: int = 1, shards: int = 1) -> list[int]:

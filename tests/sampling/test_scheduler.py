@@ -137,4 +137,4 @@ def test_the_host_modules_import_no_jax():
             "    sys.modules[name] = module\n"
             "    spec.loader.exec_module(module)\n"
             "assert 'jax' not in sys.modules, 'jax imported'\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parents[1])
