@@ -6,7 +6,7 @@ r"""MarsRL on Qwen3-30B-A3B-Thinking-2507 at the paper's settings, on one host o
   python experiments/aot_compile.py --topology=h200:8 \
       --config=experiments/configs/marsrl_qwen3_30b_a3b_gpu.py
   # 8 x H100 (80 GB): the update at 64k outputs does not fit (AOT below); halve the outputs
-  #   --config.rollout.max_decode_rows=16 --config.rollout.max_new_tokens.solver=32768 \
+  #   --config.rollout.max_new_tokens.solver=32768 \
   #   --config.rollout.max_new_tokens.verifier=32768 --config.rollout.max_new_tokens.corrector=32768
 
 Same run as `marsrl_qwen3_30b_a3b.py` (paper settings, the rollout scheduler in pipeline mode,
@@ -53,7 +53,6 @@ def get_config(arg: str | None = None):
         c.learner.micro_batch_size = 8  # one row per GPU per micro-batch
         c.mesh.rollout.devices = 0  # one shared mesh: the engine decodes on the trainer's arrays
         c.mesh.rollout.data, c.mesh.rollout.expert = -1, 1
-        c.rollout.max_decode_rows = 32  # 4 rows per H200 (H100: --config.rollout.max_decode_rows=16)
         c.rollout.engine_slots = 48
         c.rollout.engine_kv_pages, c.rollout.engine_page_size = 49152, 32
         # MoE dispatch: 'auto', i.e. `dense` for decode (<= 256 tokens a call; expert-parallel

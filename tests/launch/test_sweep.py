@@ -50,11 +50,10 @@ def test_paper_and_runlocal_configs():
     assert paper.model.checkpoint == paper.tokenizer == "/data/qwen"
     assert (paper.rollout.prompts_per_step, paper.rollout.group_size) == (128, 8)
     assert paper.rollout.max_new_tokens.solver == 65536
-    # Streamed in pipeline mode on per-host engines: no segments, the paper's staleness of a
-    # 4-segment output (3 versions) bounds every trained sample.
-    assert (paper.rollout.scheduler, paper.rollout.decode_engine, paper.rollout.mode) == (
-        "stream", "engine", "pipeline")
-    assert paper.rollout.segment_tokens == 0 and paper.rollout.staleness_bound == 3
+    # Pipeline mode on per-host engines: the paper's staleness of a 4-segment output (3
+    # versions) bounds every trained sample.
+    assert (paper.rollout.decode_engine, paper.rollout.mode) == ("engine", "pipeline")
+    assert paper.rollout.staleness_bound == 3
     assert paper.rollout.max_prompt_tokens == 32768 and paper.rollout.max_stages == 5
     assert (paper.rollout.temperature, paper.rollout.top_p) == (0.85, 1.0)
     assert paper.optimizer.learning_rate == 1e-6 and paper.model.param_dtype == "bfloat16"

@@ -126,9 +126,8 @@ def test_routing_is_carried_over_a_continuation_and_through_the_state_dict():
     restored.load_state_dict(engine.state_dict(), saved)
     generate = RoundRobinGenerator({"solver": [SOLVER_28]}, routing=True)
     generate.calls = 1  # the continuation is decode 2
-    decode_level(restored, generate, version=1)
-    first = next(r for g in [restored.trees["1-0"].finished[0]] for r in g
-                 if r.uid == partial.uid)
+    [group] = decode_level(restored, generate, version=1)
+    first = next(r for r in group if r.uid == partial.uid)
     assert first.text == SOLVER_28 and len(first.response_ids) == 28
     expected = np.array([1] * (p + 16) + [2] * 12)
     np.testing.assert_array_equal(first.expert_ids[0, :, 0], expected)
