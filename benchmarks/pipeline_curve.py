@@ -3,7 +3,7 @@ length tail: `pipeline_sim.py`'s rows at the paper's batch (128 problems x 8, fa
 stages, Solver mean 19k) on H200 nodes and TPU v5p, 8 to 512 chips, log-normal sigma 0.7 / 1.0 /
 1.3.
 
-  nice -n 19 python benchmarks/pipeline_curve.py --chips=512,256,64,8  # what the JSON lacks
+  nice -n 19 python benchmarks/pipeline_curve.py --chips=512,256,128,64,8  # what the JSON lacks
   python benchmarks/pipeline_curve.py --table_only    # the table and plot from the JSON
 
 Per point the rows `--rows` of `pipeline_sim.py` (each `--updates` updates, the first
@@ -141,7 +141,7 @@ def plot(points: dict, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chips", type=lambda s: [int(c) for c in s.split(",")],
-                        default=[8, 64, 256, 512])
+                        default=[8, 64, 128, 256, 512])
     parser.add_argument("--sigmas", type=lambda s: [float(c) for c in s.split(",")],
                         default=[0.7, 1.0, 1.3])
     parser.add_argument("--kinds", default="h200,v5p")
