@@ -137,7 +137,6 @@ class Shapes:
     decode_batch: int
     prompt_len: int
     new_tokens: int
-    segment: int
     micro_batch: int
     num_micro: int
     train_len: int
@@ -234,7 +233,7 @@ def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
     micro = learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                  segment=new_tokens, micro_batch=micro,
+                  micro_batch=micro,
                   num_micro=pow2_at_least(-(-rows // (micro * learner.mini_batches)),
                                           learner.min_micro_batches),
                   train_len=pow2_at_least(r.max_prompt_tokens + max(r.max_new_tokens.values()),

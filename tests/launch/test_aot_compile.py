@@ -59,8 +59,7 @@ def _aot(tmp_path: Path, *args: str, env: dict[str, str] | None = None
 
 def test_paper_shapes():
     shapes = aot_compile.step_shapes(marsrl_qwen3_30b_a3b.get_config())
-    assert (shapes.decode_batch, shapes.prompt_len, shapes.new_tokens, shapes.segment) == (
-        1024, 32768, 65536, 65536)  # streamed: no segments
+    assert (shapes.decode_batch, shapes.prompt_len, shapes.new_tokens) == (1024, 32768, 65536)
     # One mini-batch of the step's 1,024 rows: 4 mini-batches of 256 rows, two micro-batches of
     # 128 (one row per training chip of v5p-512) each.
     assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (128, 2, 131072)
