@@ -43,6 +43,7 @@ from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.rollout import STAGE_ROLES
 from mars_jax.rl.selection import POLICIES
 from mars_jax.rl.streaming import MODES, RESUME_MODES, ROLES_TRAINED
+from mars_jax.sampling.decode import ENGINE_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "job": ("train", "eval_system", "sft"),
     "matmul_precision": ("default", "float32", "tensorfloat32", "bfloat16"),
     "rollout.mode": MODES,
-    "rollout.decode_engine": ("generate", "engine"),
+    "rollout.decode_engine": ENGINE_KINDS,
     "rollout.resume": RESUME_MODES,
     "rollout.selection": POLICIES,
     "rollout.roles_trained": tuple(ROLES_TRAINED),

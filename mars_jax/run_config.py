@@ -1,6 +1,7 @@
 """A run's `ml_collections` config translated, in this one place, into the typed settings each
 part takes: rollouts, loss, update program, learner, the rollout scheduler, its decode engine and
-the held-out probe. Nothing below this module reads a `ConfigDict`."""
+the held-out probe. The `rl` (trainer apart), `sampling`, `agents` and `models` packages and
+`sft.probe` take these settings, never a `ConfigDict`."""
 from __future__ import annotations
 
 import jax

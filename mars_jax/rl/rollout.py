@@ -49,6 +49,7 @@ from mars_jax.agents import prompts, stages
 from mars_jax.agents.policy import Completion
 from mars_jax.data.tokenizer import generation_opens_thinking
 from mars_jax.rl.selection import Candidate, select_parents
+from mars_jax.sampling import EngineOutput
 
 STAGE_ROLES = ("solver", "verifier", "corrector", "verifier", "corrector")
 CUT_MARKER = "[... earlier text cut ...]\n"
@@ -207,7 +208,7 @@ class AgenticRollouts:
 
     # --- decoding ----------------------------------------------------------------------------
 
-    def absorb(self, batch: Sequence[Rollout], outputs: Sequence[Any], version: int
+    def absorb(self, batch: Sequence[Rollout], outputs: Sequence[EngineOutput], version: int
                ) -> list[list[Rollout]]:
         """Appends each rollout's new tokens (`outputs[i]`: `tokens`, `logprobs`, `finish_reason`
         'stop' | 'length', `expert_ids` of prompt + response), grades them, spawns next stages.

@@ -68,7 +68,7 @@ from mars_jax.rl.learner import UpdateStopped, ppo_update, summarize_updates
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import init_train_state
-from mars_jax.sampling import batch_shards, make_engine
+from mars_jax.sampling import EngineSettings, batch_shards, make_engine
 from mars_jax.sft.probe import probe_model
 from mars_jax.types import TrainBatch
 
@@ -150,13 +150,14 @@ def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_conf
     return batch if jax.process_count() == 1 else distributed.global_train_batch(batch, mesh)
 
 
-def _build_stream(config: ConfigDict, rollouts: AgenticRollouts, model, eos, problems,
-                  mesh: jax.sharding.Mesh, should_stop: Callable[[], bool]) -> StreamingRollouts:
-    """The rollout scheduler on a fresh engine over `model` (whose arrays live on `mesh`, this
+def _build_stream(config: ConfigDict, engine: EngineSettings, rollouts: AgenticRollouts, model,
+                  eos, problems, mesh: jax.sharding.Mesh, should_stop: Callable[[], bool]
+                  ) -> StreamingRollouts:
+    """The rollout scheduler on a fresh `engine` over `model` (whose arrays live on `mesh`, this
     host's rollout mesh); with several processes one per host, agreeing through a
     `distributed.HostGroup`."""
     with sharding.use_mesh(mesh):
-        engine = make_engine(run_config.engine_settings(config, mesh), model, eos, mesh=mesh)
+        engine = make_engine(engine, model, eos, mesh=mesh)
     return StreamingRollouts(rollouts, engine, problems, **run_config.stream_options(config),
                              stop_ids=eos, hosts=distributed.HostGroup("stream"),
                              should_stop=should_stop)
@@ -175,13 +176,13 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "time/rollout": batch.seconds}
 
 
-def _check_resident_memory(config: ConfigDict, state, model_config, mesh: jax.sharding.Mesh,
-                           rollout_mesh: jax.sharding.Mesh) -> None:
+def _check_resident_memory(config: ConfigDict, engine: EngineSettings, state, model_config,
+                           mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh) -> None:
     """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
-    all stay on a chip (`memory_fit`; where the backend reports its memory)."""
-    slots, length = run_config.engine_shape(config, rollout_mesh)
-    kv = memory_fit.engine_kv_bytes(config, model_config, slots, length,
-                                    batch_shards(rollout_mesh))
+    all stay on a chip (`memory_fit`; where the backend reports its memory). Static batches
+    (`engine.kind='generate'`) keep no KV cache between rounds."""
+    kv = 0 if engine.kind == "generate" else memory_fit.engine_kv_bytes(
+        config, model_config, engine.slots, engine.max_length, batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
             if rollout_mesh is not mesh else None)
     memory_fit.check(memory_fit.resident(state, copy, kv, rollout_mesh),
@@ -207,13 +208,13 @@ def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
 _ARRAYS = ("routing", "queue")  # a checkpoint's per-host arrays (`distributed.host_arrays`)
 
 
-def _queue_meta(key: str, queue: dict, routing: dict) -> tuple[dict, dict]:
-    """(this host's checkpoint meta for a scheduler's `queue` state, under `key`, and its
+def _queue_meta(queue: dict, routing: dict) -> tuple[dict, dict]:
+    """(this host's checkpoint meta for the scheduler's `queue` state, under "stream", and its
     `routing`; the arrays to save): token ids and log-probabilities as arrays (`queue_arrays`),
     the rest of the queue and the arrays' index in the meta. A collective
     (`distributed.host_arrays`)."""
     packed, arrays = queue_arrays.pack(queue)
-    meta, saved = {key: packed}, {}
+    meta, saved = {"stream": packed}, {}
     for name, values in (("routing", routing), ("queue", queue_arrays.host_blocks(arrays))):
         meta[name], array = distributed.host_arrays(values)
         if array is not None:
@@ -302,12 +303,13 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                            resume_step=start if restored is not None else -1)
     eos = eos_token_ids(tokenizer)
     metrics: dict[str, float] = {}
-    _check_resident_memory(config, state, model_config, mesh, rollout_mesh)
+    engine = run_config.engine_settings(config, rollout_mesh)
+    _check_resident_memory(config, engine, state, model_config, mesh, rollout_mesh)
     policy = nnx.merge(graphdef, state.params)
     if copied_weights:
         copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
         policy = weight_sync.rollout_model(graphdef, copy_weights(state.params)[0])
-    stream = _build_stream(config, rollouts, policy, eos, problems, rollout_mesh, notice)
+    stream = _build_stream(config, engine, rollouts, policy, eos, problems, rollout_mesh, notice)
     if saved_stream is not None:
         stream.load_state_dict(*saved_stream)
     probe_every = config.eval.probe_every
@@ -336,7 +338,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
             if len(existing) < 2 and not must:
                 return False
             checkpointer.delete(number)
-        queue_meta, arrays = _queue_meta("stream", queue, routing)
+        queue_meta, arrays = _queue_meta(queue, routing)
         extra = {} if steps_done is None else {STEPS_DONE_KEY: steps_done}
         checkpointer.save(number, state, distributed.gather_process_meta({
             "data": data, **queue_meta, "nonfinite_streak": nonfinite_streak,
