@@ -6,7 +6,9 @@ Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_atte
 when the queries span more than one block and the dense scores would take more than
 `AUTO_DENSE_MAX_SCORE_BYTES` (512 MiB): where the scores fit, the dense kernel is the faster one
 (on this project's CPU the toy study's RL update, at 768-1,024 columns, took 48 s dense against
-107 s blockwise; benchmarks/RESULTS.md).
+107 s blockwise; benchmarks/RESULTS.md). `impl='flash'` runs blockwise except for one query a
+row (a decode step): its scores are one row a head, and the dense kernel reads the cache in its
+own layouts, where the blockwise one would read a transposed copy of each layer's cache.
 
 Without a cache (a sequence attending to itself, key slot = query slot) the dense kernel splits the
 queries into up to `MAX_CAUSAL_BLOCKS` blocks of at least `MIN_CAUSAL_BLOCK` (`causal_blocks`):
@@ -157,10 +159,10 @@ class Attention(nnx.Module):
 
     def _use_flash(self, q: jax.Array, keys: int) -> bool:
         """Whether `impl` runs the blockwise kernel for queries `q` `[B, T, heads, D]` over
-        `keys` keys ('auto': see the module docstring)."""
-        if self.impl != "auto":
-            return self.impl == "flash"
+        `keys` keys (see the module docstring)."""
         batch, length, heads, _ = q.shape
+        if self.impl != "auto":
+            return self.impl == "flash" and length > 1
         return length > self.block and batch * heads * length * keys * 4 > AUTO_DENSE_MAX_SCORE_BYTES
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
@@ -190,16 +192,21 @@ class Attention(nnx.Module):
             cache = _write_cache(cache, k, v, cache_index)
         if not from_cache:  # the queries see only their own keys (module docstring)
             mask = mask.first_keys(k.shape[1])
-        if self._use_flash(q, cache.v.shape[2] if from_cache else k.shape[1]):
-            if from_cache:  # back to [B, S, K, D]
-                k, v = jnp.transpose(cache.k, (0, 3, 1, 2)), jnp.swapaxes(cache.v, 1, 2)
-            out = flash_attention(q, k.astype(x.dtype), v.astype(x.dtype), mask, scale,
-                                  block_q=self.block, block_k=self.block)
-        elif from_cache:
-            out = _cached_attention(q, cache.k.astype(x.dtype), cache.v.astype(x.dtype), mask,
-                                    scale)
+            if self._use_flash(q, k.shape[1]):
+                out = flash_attention(q, k, v, mask, scale, block_q=self.block,
+                                      block_k=self.block)
+            else:
+                out = self_attention(q, k, v, mask, scale)
+            return self._output(out, x.dtype), cache
+        # Only the first keys the mask covers are read (the engine's decode chunk attends over a
+        # span of a longer cache, updated in place).
+        keys = mask.kv_segments.shape[1]
+        k, v = cache.k[..., :keys].astype(x.dtype), cache.v[:, :, :keys].astype(x.dtype)
+        if self._use_flash(q, keys):  # back to [B, S, K, D]
+            out = flash_attention(q, jnp.transpose(k, (0, 3, 1, 2)), jnp.swapaxes(v, 1, 2), mask,
+                                  scale, block_q=self.block, block_k=self.block)
         else:
-            out = self_attention(q, k, v, mask, scale)
+            out = _cached_attention(q, k, v, mask, scale)
         return self._output(out, x.dtype), cache
 
     def _output(self, out: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -209,22 +209,19 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
 def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
                   steps: int, span: int, kernel: str = "gather"):
     """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
-    only (the caller guarantees that every active slot's `length + steps <= span`); returns
-    the state, the page pool, the chunk's tokens and log-probabilities `[slots, steps]` (a
-    slot's first `step` increase entries are its own) and the steps run. Stops early when every
-    slot is idle, or once `stop_after` (> 0) requests have ended. Slots idle at the start keep
-    their cache. Paged (`pool` given, else None): row b's positions are in pages `table[b]`
+    only (the caller guarantees that every active slot's `length + steps <= span`), the cache
+    updated in place (no copy of the span); returns the state, the page pool, the chunk's
+    tokens and log-probabilities `[slots, steps]` (a slot's first `step` increase entries are
+    its own) and the steps run. Stops early when every slot is idle, or once `stop_after`
+    (> 0) requests have ended. An idle row's cache is written at its `length` (clamped to its
+    last position): nothing reads an idle row's cache again. Paged (`pool` given, else None): row b's positions are in pages `table[b]`
     (`span / page` of them; the caller gives 0, the trash page, where a row owns none and for
     every row idle at the start), attended by `kernel` (`paged_kv`)."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
         state = state.replace(cache=tuple(PagedKVCache(p.k, p.v, table, kernel) for p in pool))
-    max_length = span if pool is not None else state.cache[0].v.shape[2]
-    full_cache, was_active = state.cache, state.active
-    if span < max_length:
-        state = state.replace(cache=tuple(KVCache(c.k[..., :span], c.v[:, :, :span])
-                                          for c in state.cache))
+    positions = span if pool is not None else state.cache[0].v.shape[2]  # a row's cache
 
     def cond(carry):
         i, s, _, _, ended = carry
@@ -242,7 +239,7 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
         finished = active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (step >= s.budget))
         out = model.forward(token[:, None], positions=s.length[:, None],
                             mask=AttentionMask.filled(s.length + 1, span), cache=s.cache,
-                            cache_index=jnp.minimum(s.length, span - 1))
+                            cache_index=jnp.minimum(s.length, positions - 1))
         experts = s.experts
         if experts is not None:
             write = lambda e, new, at: jax.lax.dynamic_update_slice_in_dim(e, new, at, axis=1)
@@ -260,15 +257,6 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
     carry = (jnp.zeros((), jnp.int32), state, jnp.zeros((num_slots, steps), jnp.int32),
              jnp.zeros((num_slots, steps), jnp.float32), jnp.zeros((), jnp.int32))
     i, state, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
-    if span < max_length:  # the span written back for the slots that decoded
-        keep = lambda new, old: jnp.where(
-            was_active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-        state = state.replace(cache=tuple(
-            KVCache(jax.lax.dynamic_update_slice(
-                        full.k, keep(c.k, full.k[..., :span]), (0, 0, 0, 0)),
-                    jax.lax.dynamic_update_slice(
-                        full.v, keep(c.v, full.v[:, :, :span]), (0, 0, 0, 0)))
-            for c, full in zip(state.cache, full_cache)))
     if pool is not None:
         pool = tuple(KVCache(c.k, c.v) for c in state.cache)
         state = state.replace(cache=())

@@ -167,6 +167,25 @@ def test_one_row_reads_are_slices_unless_the_mesh_splits_the_slots():
     assert not engine_programs._slots_sharded(256)  # no mesh
 
 
+@pytest.mark.parametrize("span", [1024, 2048])
+def test_a_decode_chunk_holds_no_second_copy_of_the_cache(tmp_path, span):
+    """The chunk writes the slots' cache in place and reads one layer's span at a time: its
+    temporaries stay under one layer's KV, with blockwise attention configured and over a span
+    shorter than the cache (a chunk that copied the span, or read each layer's cache transposed,
+    held a span of every layer: half the cache or more)."""
+    layers = 6
+    model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path, moe=False,
+                                                     num_hidden_layers=layers),
+                            attention_impl="flash", attention_block=4)
+    engine = Engine(model, num_slots=8, max_length=2048, chunk_steps=4)
+    state = engine._state
+    kv_bytes = sum(c.k.nbytes + c.v.nbytes for c in state.cache)
+    compiled = engine_programs._decode_chunk.lower(
+        engine._graphdef, engine._weights, state, None, None, jnp.int32(0), steps=4,
+        span=span).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < kv_bytes / layers
+
+
 def test_prefill_ahead_prefills_queued_prompts_in_few_calls_with_the_same_tokens(model,
                                                                              reference):
     """4 slots, 10 requests: each admission's prefill call also takes the next queued prompts
