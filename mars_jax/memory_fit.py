@@ -3,8 +3,8 @@
 Resident per chip: the train state's shard (parameters, optimizer state), the engine's copy of
 the weights (when it decodes on a copy) and its KV cache (reserved slots or the page pools,
 spread over the rollout mesh's devices). Programs' temporaries (the update's activations, a
-decode chunk's span copy) come on top and are not counted here: `experiments/aot_compile.py`
-compiles the programs and reports them.
+decode step's attention over one layer) come on top and are not counted here:
+`experiments/aot_compile.py` compiles the programs and reports them.
 """
 from __future__ import annotations
 

@@ -91,6 +91,18 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
 
 
+def device_free_bytes(devices) -> int | None:
+    """The fewest bytes free on `devices` (limit less in use), None where a device does not
+    report its memory (CPU)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
+
+
 def kv_bytes_per_token(config) -> int:
     """KV-cache bytes one token of context takes in a slot (keys and values of every layer)."""
     return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
@@ -356,15 +368,16 @@ class Engine(SlotScheduler):
 
     def _shrink(self) -> None:
         """Once nothing waits and the running requests fit a slot bucket at most half the
-        current one, decodes just their rows (gathered, KV caches included) so idle slots stop
-        costing compute; tokens are unchanged (each row keeps its state). With a page pool per
+        current one, decodes just their rows (gathered, KV caches included, when they fit beside
+        the full state in device memory) so idle slots stop costing compute; tokens are
+        unchanged (each row keeps its state). With a page pool per
         batch shard, each shard's requests stay in that shard's block of rows."""
         if self._queue:
             return
         plan = shrink_plan(self._running_slots(), current_rows=self._state.length.shape[0],
                            row_of=self._row, block_of=lambda s: self._pages.pool(s),
                            pools=self._pools(), shards=self._multiple)
-        if plan is None:
+        if plan is None or not self._room_for(len(plan.index)):
             return
         if self._full is None:
             self._full = self._state
@@ -372,6 +385,19 @@ class Engine(SlotScheduler):
                                   jnp.asarray(np.array(plan.live, bool)))
         self._rows = plan.rows
         self.stats["shrinks"] += 1
+
+    def _room_for(self, rows: int) -> bool:
+        """Whether `rows` gathered rows of the slot state fit beside it in the free memory of
+        each of its devices (True where the backend does not report memory, as on CPU)."""
+        free = device_free_bytes(self._state.length.sharding.addressable_devices)
+        if free is None:
+            return True
+        per_row = sum(max(shard.data.nbytes for shard in leaf.addressable_shards)
+                      for leaf in jax.tree.leaves(self._state)) / self._state.length.shape[0]
+        if per_row * rows <= free:
+            return True
+        self.stats["shrinks_skipped"] += 1
+        return False
 
     def _expand(self) -> None:
         """Back to all slots (the shrunk rows written to theirs)."""

@@ -267,6 +267,22 @@ def test_slots_are_reused_without_recompiling(model, monkeypatch):
     assert engine.stats["shrinks"] > 0
 
 
+@pytest.mark.parametrize("free", [None, 10 ** 12, 1])
+def test_the_tail_is_gathered_only_where_its_rows_fit_beside_the_slots(model, reference,
+                                                                        monkeypatch, free):
+    """Free device memory unreported (CPU) or ample: the tail's rows are gathered into a smaller
+    slot bucket; one byte free: they are not (the gather holds them beside every slot's cache).
+    The tokens are `generate`'s either way."""
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: free)
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4)
+    outputs = _serve(engine, range(10))
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+    gathered = free != 1
+    assert (engine.stats["shrinks"] > 0) == gathered
+    assert (engine.stats["shrinks_skipped"] > 0) != gathered
+
+
 @pytest.mark.parametrize("paging, on_mesh", [
     ({}, False), pytest.param(dict(kv_pages=8, page_size=8), False, marks=pytest.mark.slow),
     (dict(kv_pages=64, page_size=8), True)])
