@@ -310,17 +310,40 @@ class Engine(SlotScheduler):
 
     def recompute(self, request_ids: Sequence[int]) -> None:
         """Re-prefills the KV caches of requests in slots from prompt + tokens so far under the
-        current weights, in one batched prefill; they go on from there (same PRNG steps, same
+        current weights, in batched prefills of as many requests as `_prefill_parts` lets one
+        prompt cache hold beside the slots; they go on from there (same PRNG steps, same
         budgets)."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
         self._expand()
-        for request in requests:
-            request.routing = self._recorded_routing(request)
-        for request, prefilled in zip(requests, self._prefill(
-                [r.group.prompt + r.tokens for r in requests])):
-            self._insert(request, request.slot, prefilled)
+        sequences = [r.group.prompt + r.tokens for r in requests]
+        for part in self._prefill_parts(sequences):
+            for i in part:
+                requests[i].routing = self._recorded_routing(requests[i])
+            for i, prefilled in zip(part, self._prefill([sequences[i] for i in part])):
+                self._insert(requests[i], requests[i].slot, prefilled)
+
+    def _prefill_parts(self, sequences: list[list[int]]) -> list[list[int]]:
+        """`sequences`' indices in parts, longest first, each part's prompt cache (its rows
+        rounded up to a power of two, at the longest prompt bucket) spread over the engine's
+        devices taking at most half their fewest free bytes, or one sequence; a single part
+        where the backend does not report memory (CPU)."""
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        devices = self._state.length.sharding.addressable_devices
+        free = device_free_bytes(devices)
+        if free is None:
+            return [order] if order else []
+        parts: list[list[int]] = []
+        for i in order:
+            part = parts[-1] if parts else None
+            rows = pow2_at_least(len(part) + 1, 1) if part else 0
+            bucket = prompt_bucket(len(sequences[part[0]])) if part else 0
+            if part and rows * bucket * self.kv_bytes_per_token / len(devices) <= free / 2:
+                part.append(i)
+            else:
+                parts.append([i])
+        return parts
 
     def partial(self, request_id: int) -> tuple[list[int], list[float]]:
         """Tokens and log-probabilities a queued or decoding request has so far."""

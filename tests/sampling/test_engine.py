@@ -381,6 +381,42 @@ def test_recompute_of_a_decoding_request_equals_a_fresh_prefill_under_new_weight
                                   continued.expert_ids[0][:, len(sequence):])
 
 
+def test_prefill_parts_by_hand(model, monkeypatch):
+    """Longest first; a part grows while its prompt cache (rows to a power of two, at its first
+    sequence's bucket: 24 for 20 tokens, 16 for 12 and fewer) takes at most half the free
+    memory, here 2 rows of 24 positions' KV; unreported memory: one part."""
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4)
+    sequences = [[5] * 5, [5] * 20, [5] * 12, [5] * 3]
+    assert engine._prefill_parts(sequences) == [[1, 2, 0, 3]]  # CPU: no memory stats
+    free = 2 * (2 * 24 * engine.kv_bytes_per_token)
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: free)
+    assert engine._prefill_parts(sequences) == [[1, 2], [0, 3]]
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: 0)
+    assert engine._prefill_parts(sequences) == [[1], [2], [0], [3]]
+
+
+def test_a_recompute_in_parts_continues_every_request_as_in_one_prefill(model, monkeypatch):
+    """Four requests mid-decode re-prefilled one per call (no free memory reported) or all in
+    one: the same tokens, and as many prefill calls as parts."""
+    def run(free):
+        monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: free)
+        engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4)
+        ids = [engine.submit(REQUESTS[i]["prompt"], max_new_tokens=20, temperature=0.8,
+                             seed=i)[0] for i in range(4)]
+        engine._step()
+        in_slots = engine.in_slots()
+        calls = engine.stats["prefill_calls"]
+        engine.recompute(in_slots)
+        calls = engine.stats["prefill_calls"] - calls
+        outputs = engine.run()
+        return [outputs[i].tokens for i in ids], len(in_slots), calls
+
+    whole, held, one_call_each_bucket = run(None)
+    parts, _, calls = run(0)
+    assert parts == whole and held == 4
+    assert calls == held > one_call_each_bucket
+
+
 def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, tmp_path):
     new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
     prompt = REQUESTS[5]["prompt"]
