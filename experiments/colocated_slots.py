@@ -15,8 +15,9 @@ Per device, from the compiled programs' memory (arguments + outputs - donated + 
           it), so KV + max(update program, decode program without its KV + optimizer state)
           must fit.
   after   the optimizer state on the host while decoding and the slot cache out of device
-          memory while the update runs (freed: the engine is empty at a synchronous step's
-          barrier, or re-prefilled after the update with `rollout.resume='recompute'`): KV +
+          memory while the update runs (`Engine.free_kv`, called by the trainer where nothing is
+          lost: the engine is empty at a synchronous step's barrier, or
+          `rollout.resume='recompute'` re-prefills it after the update): KV +
           decode program without its KV must fit, and the update program alone.
 On several hosts each host's engine decodes its own copy of the weights on its own chips
 (`sharding.make_meshes`), which are also training chips: then the engine's weights sit beside

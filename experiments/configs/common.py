@@ -108,7 +108,9 @@ def base_config() -> ConfigDict:
     # A batch has at least min_length columns and min_micro_batches micro-batches (padding ones
     # skip their forward and backward), so that fewer shapes compile. offload_optimizer: on one
     # shared mesh the optimizer state (and the KL reference parameters) wait in pinned host
-    # memory while the engine decodes and return for the update (mars_jax.offload).
+    # memory while the engine decodes and return for the update (mars_jax.offload); the engine's
+    # KV cache leaves the devices for the update where nothing is lost (no request in a slot, or
+    # resume='recompute', which re-prefills them after it).
     c.learner = ConfigDict(dict(ppo_epochs=1, mini_batches=1, micro_batch_size=8, min_length=32,
                                 min_micro_batches=1, pack=True,
                                 logits_chunk=256, routing_replay=False, length_halvings=2,

@@ -218,6 +218,13 @@ class StreamingRollouts:
             if not self._round(version, until=lambda: not busy()):
                 return
 
+    def free_kv(self) -> None:
+        """The engine's KV cache off its devices for an update on them (the optimizer state
+        offloaded, `learner.offload_optimizer`), where that loses nothing: no request holds a
+        slot, or `resume='recompute'` re-prefills them after the update anyway."""
+        if self.resume == "recompute" or not self.engine.in_slots():
+            self.engine.free_kv()
+
     def weights_updated(self, model, version: int) -> None:
         """Decodes with `model` from now on; requests in slots go on per `resume`."""
         del version  # requests keep their first_version; the next submissions get the new one

@@ -372,6 +372,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 metrics.update(_stream_metrics(batch, stream))
                 t1 = time.perf_counter()
                 if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
+                    stream.free_kv()  # into the KV cache's room where nothing is lost
                     state, ref_params = offload.move_update_state(state, ref_params, "device")
                 samples = training_samples(
                     groups, drop_zero_variance=config.rollout.drop_zero_variance,

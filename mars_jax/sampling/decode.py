@@ -41,6 +41,8 @@ class DecodeEngine(Protocol):
 
     def update_weights(self, model) -> None: ...
 
+    def free_kv(self) -> None: ...
+
 
 def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
                  budgets: Sequence[int], *, stop_ids: Sequence[int], first_seed: int,

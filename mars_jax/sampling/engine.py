@@ -220,6 +220,7 @@ class Engine(SlotScheduler):
                      "positions; KV cache %d bytes per token, %d in all", num_slots, max_length,
                      multiple, self._pages.pool_pages, page_size, self.kv_bytes_per_token,
                      self.kv_bytes)
+        self._kv_freed = False                 # `free_kv` deleted the cache: see `_allocate_kv`
         self._full: SlotState | None = None   # all slots, while `_state` holds just a few
         self._rows: dict[int, int] = {}       # slot -> row of `_state` while shrunk
         self.stats = collections.Counter()
@@ -237,6 +238,31 @@ class Engine(SlotScheduler):
         waiting)."""
         self._graphdef, self._weights = nnx.split(model)
         self._drop_prefills()
+
+    def free_kv(self) -> None:
+        """Deletes the slots' KV cache (paged: the page pools) and the group prompts prefilled
+        ahead from device memory, e.g. for an update on the same chips. The next `recompute`,
+        admission or decode allocates the cache again and first re-prefills every request then
+        holding a slot from prompt + tokens so far (`recompute`, under the weights of that
+        time)."""
+        self._expand()
+        self._drop_prefills()
+        if not self._kv_freed:
+            for array in jax.tree.leaves((self._state.cache, self._pool)):
+                array.delete()
+            self._kv_freed = True
+
+    def _allocate_kv(self) -> bool:
+        """Allocates the cache `free_kv` deleted (zeros, same shapes and shardings); whether it
+        did."""
+        if not self._kv_freed:
+            return False
+        zeros = lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding)
+        with self._mesh():
+            self._state = self._state.replace(cache=jax.tree.map(zeros, self._state.cache))
+            self._pool = jax.tree.map(zeros, self._pool)
+        self._kv_freed = False
+        return True
 
     def precompile(self, prompt_lengths: Sequence[int] = (), *, threads: int | None = None
                    ) -> int:
@@ -310,13 +336,15 @@ class Engine(SlotScheduler):
 
     def recompute(self, request_ids: Sequence[int]) -> None:
         """Re-prefills the KV caches of requests in slots from prompt + tokens so far under the
-        current weights, in batched prefills of as many requests as `_prefill_parts` lets one
-        prompt cache hold beside the slots; they go on from there (same PRNG steps, same
-        budgets)."""
+        current weights (after `free_kv`: every request holding a slot), in batched prefills of
+        as many requests as `_prefill_parts` lets one prompt cache hold beside the slots; they go
+        on from there (same PRNG steps, same budgets)."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
         self._expand()
+        if self._allocate_kv():  # after `free_kv`: every request in a slot
+            requests = [self._requests[i] for i in self.in_slots()]
         sequences = [r.group.prompt + r.tokens for r in requests]
         for part in self._prefill_parts(sequences):
             for i in part:
@@ -369,6 +397,8 @@ class Engine(SlotScheduler):
     # --- the loop ---
 
     def _step(self) -> bool:
+        if self._kv_freed:
+            self.recompute([])
         self._admit()
         if self._pages is not None:
             self._ensure_pages()

@@ -43,6 +43,9 @@ class StaticBatchEngine:
     def update_weights(self, model) -> None:
         self.model = model
 
+    def free_kv(self) -> None:
+        """Nothing to free: `generate` holds its cache only within a call."""
+
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
                n: int = 1, generated: tuple[Sequence[int], Sequence[float]] | None = None

@@ -115,6 +115,9 @@ class ScriptedEngine:
     def update_weights(self, model):
         pass
 
+    def free_kv(self):
+        self.stats["kv_frees"] += 1
+
 
 def _problems():
     for i in itertools.count():
@@ -304,3 +307,48 @@ def test_after_an_update_requests_in_slots_are_recomputed_or_kept(resume):
         stream.weights_updated(None, version + 1)
         assert engine.stats["recomputes"] - before == (in_slots if resume == "recompute" else 0)
     assert seen  # some update found requests mid-decode
+
+
+@pytest.mark.parametrize("resume", ["recompute", "keep"])
+def test_the_kv_cache_leaves_for_an_update_only_where_nothing_is_lost(resume):
+    """'recompute': always; 'keep': only while no request holds a slot."""
+    engine = ScriptedEngine()
+    stream = _stream("pipeline", engine, resume=resume)
+    outcomes = set()
+    for version in range(4):
+        stream.collect(version)
+        before, held = engine.stats["kv_frees"], bool(engine.in_slots())
+        stream.free_kv()
+        freed = engine.stats["kv_frees"] - before == 1
+        assert freed == (resume == "recompute" or not held)
+        outcomes.add(held)
+        stream.weights_updated(None, version + 1)
+    assert True in outcomes
+
+
+@pytest.mark.parametrize("paging", [{}, dict(kv_pages=40, page_size=16)])
+def test_freeing_the_kv_cache_for_each_update_trains_what_keeping_it_trains(paging):
+    """With requests in slots at every update: their KV deleted before it and re-prefilled
+    after it (the colocated run's `free_kv`) against the cache kept through it; both recompute
+    under the new weights (`resume='recompute'`)."""
+    model = create_model(get_preset("tiny"), seed=0)
+    problem_list = [{"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}
+                    for i in range(64)]
+
+    def run(free):
+        stream = _real_stream(model, iter(problem_list), **paging)
+        current, record, held = model, [], 0
+        for version in range(7):  # requests hold slots at the updates from version 4 on
+            record += _trained(stream.collect(version))
+            held += len(stream.engine.in_slots())
+            if free:
+                stream.free_kv()
+            current = _perturbed(current, version)
+            stream.weights_updated(current, version + 1)
+        return record, held
+
+    kept, held = run(free=False)
+    freed, _ = run(free=True)
+    assert held and [(u, t) for u, t, _ in freed] == [(u, t) for u, t, _ in kept]
+    for (_, _, a), (_, _, b) in zip(freed, kept):
+        np.testing.assert_allclose(a, b, atol=1e-5)

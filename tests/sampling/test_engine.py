@@ -417,6 +417,30 @@ def test_a_recompute_in_parts_continues_every_request_as_in_one_prefill(model, m
     assert calls == held > one_call_each_bucket
 
 
+@pytest.mark.parametrize("paging", PAGING)
+def test_after_free_kv_the_requests_in_slots_go_on_as_after_a_recompute(model, paging):
+    """The cache's arrays are deleted; the next decode allocates it and re-prefills the
+    requests holding slots: the tokens of a run that recomputed them instead."""
+    def run(free):
+        engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, **paging)
+        ids = [engine.submit(REQUESTS[i]["prompt"], max_new_tokens=20, temperature=0.0)[0]
+               for i in range(6)]
+        engine._step()
+        held = engine.in_slots()
+        if free:
+            cache = jax.tree.leaves((engine._state.cache, engine._pool))
+            engine.free_kv()
+            assert all(array.is_deleted() for array in cache)
+        else:
+            engine.recompute(held)
+        outputs = engine.run()
+        return [outputs[i].tokens for i in ids], held
+
+    recomputed, held = run(free=False)
+    freed, _ = run(free=True)
+    assert len(held) == 4 and freed == recomputed
+
+
 def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, tmp_path):
     new_model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path / "new", moe=True, seed=1))
     prompt = REQUESTS[5]["prompt"]
