@@ -481,22 +481,27 @@ class Engine(SlotScheduler):
     def _admit(self) -> None:
         """Fills free slots from the queue once `_admission_size` of them are free (or nothing
         runs); the prompts not yet prefilled are prefilled together (one call per prompt bucket
-        and batch bucket)."""
+        and batch bucket, in the parts of `_prefill_parts`), each admitted request inserted
+        once its prompt is."""
         admitted = self._admit_queued(self._place)
         if not admitted:
             return
         self._expand()
         groups, continued = self._prefill_plan(admitted, self.prefill_ahead)
-        prefills = self._prefill([g.prompt for g in groups]
-                                 + [r.group.prompt + r.tokens for r in continued])
-        for group, prefilled in zip(groups, prefills):
-            group.prefilled = prefilled
-        for request, prefilled in zip(continued, prefills[len(groups):]):
-            request.group.prefilled = prefilled
-        for request in admitted:
-            self._insert(request, request.slot, request.group.prefilled)
-            self._running.add(request.id)
-            self._seated(request)
+        owners = groups + [r.group for r in continued]
+        sequences = [g.prompt for g in groups] + [r.group.prompt + r.tokens for r in continued]
+        for part in self._prefill_parts(sequences) or [[]]:
+            for i, prefilled in zip(part, self._prefill([sequences[i] for i in part])):
+                owners[i].prefilled = prefilled
+            waiting = []
+            for request in admitted:
+                if request.group.prefilled is None:
+                    waiting.append(request)
+                    continue
+                self._insert(request, request.slot, request.group.prefilled)
+                self._running.add(request.id)
+                self._seated(request)
+            admitted = waiting
 
     def _prefill(self, sequences: list[list[int]]) -> list[tuple]:
         """Per sequence: (prompt cache, logits, routing, row) of a batched prefill, sequences

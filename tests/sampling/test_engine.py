@@ -395,6 +395,20 @@ def test_prefill_parts_by_hand(model, monkeypatch):
     assert engine._prefill_parts(sequences) == [[1], [2], [0], [3]]
 
 
+@pytest.mark.parametrize("paging", PAGING)
+def test_an_admission_prefilled_in_parts_gives_generates_tokens(model, reference, monkeypatch,
+                                                               paging):
+    """No free memory reported: each admitted prompt is prefilled alone (and queued ones ahead),
+    each request inserted once its prompt is; the tokens are `generate`'s."""
+    monkeypatch.setattr(engine_module, "device_free_bytes", lambda devices: 0)
+    engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, admit_batch=3,
+                    prefill_ahead=4, **paging)
+    outputs = _serve(engine, range(10))
+    for i, ref in enumerate(reference):
+        assert outputs[i].tokens == ref.tokens[0], i
+    assert engine.stats["prefill_calls"] == engine.stats["prefills"]
+
+
 def test_a_recompute_in_parts_continues_every_request_as_in_one_prefill(model, monkeypatch):
     """Four requests mid-decode re-prefilled one per call (no free memory reported) or all in
     one: the same tokens, and as many prefill calls as parts."""
