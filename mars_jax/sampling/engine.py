@@ -79,6 +79,8 @@ from mars_jax.sampling.engine_programs import (MIN_SPAN, SlotState, _decode_chun
                                                _init_pool, _init_state, _insert, _prefill,
                                                _put_routing, _put_slots, _take_slots,
                                                span_bucket)
+from mars_jax.sampling.kv_memory import (bytes_per_row, device_free_bytes, kv_bytes_per_token,
+                                          prefill_parts)
 from mars_jax.sampling.pages import PageTable
 from mars_jax.sampling.precompile import compile_ahead
 from mars_jax.sampling.processors import check_sampling
@@ -89,24 +91,6 @@ __all__ = ["MIN_SPAN", "PREFILL_CHUNK", "Engine", "EngineOutput", "SlotState",
            "kv_bytes_per_token", "span_bucket"]
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in pieces this long
-
-
-def device_free_bytes(devices) -> int | None:
-    """The fewest bytes free on `devices` (limit less in use), None where a device does not
-    report its memory (CPU)."""
-    free = []
-    for device in devices:
-        stats = device.memory_stats()
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free)
-
-
-def kv_bytes_per_token(config) -> int:
-    """KV-cache bytes one token of context takes in a slot (keys and values of every layer)."""
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-            * jnp.dtype(config.compute_dtype).itemsize)
 
 
 @dataclasses.dataclass
@@ -220,10 +204,13 @@ class Engine(SlotScheduler):
                      "positions; KV cache %d bytes per token, %d in all", num_slots, max_length,
                      multiple, self._pages.pool_pages, page_size, self.kv_bytes_per_token,
                      self.kv_bytes)
-        self._kv_freed = False                 # `free_kv` deleted the cache: see `_allocate_kv`
         self._full: SlotState | None = None   # all slots, while `_state` holds just a few
         self._rows: dict[int, int] = {}       # slot -> row of `_state` while shrunk
         self.stats = collections.Counter()
+
+    def _devices(self) -> list:
+        """This process's devices of the slot state."""
+        return list(self._state.length.sharding.addressable_devices)
 
     def _mesh(self):
         return sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -250,7 +237,11 @@ class Engine(SlotScheduler):
         if not self._kv_freed:
             for array in jax.tree.leaves((self._state.cache, self._pool)):
                 array.delete()
-            self._kv_freed = True
+
+    @property
+    def _kv_freed(self) -> bool:
+        """Whether `free_kv` deleted the cache (and nothing has allocated it since)."""
+        return jax.tree.leaves((self._state.cache, self._pool))[0].is_deleted()
 
     def _allocate_kv(self) -> bool:
         """Allocates the cache `free_kv` deleted (zeros, same shapes and shardings); whether it
@@ -261,7 +252,6 @@ class Engine(SlotScheduler):
         with self._mesh():
             self._state = self._state.replace(cache=jax.tree.map(zeros, self._state.cache))
             self._pool = jax.tree.map(zeros, self._pool)
-        self._kv_freed = False
         return True
 
     def precompile(self, prompt_lengths: Sequence[int] = (), *, threads: int | None = None
@@ -337,8 +327,8 @@ class Engine(SlotScheduler):
     def recompute(self, request_ids: Sequence[int]) -> None:
         """Re-prefills the KV caches of requests in slots from prompt + tokens so far under the
         current weights (after `free_kv`: every request holding a slot), in batched prefills of
-        as many requests as `_prefill_parts` lets one prompt cache hold beside the slots; they go
-        on from there (same PRNG steps, same budgets)."""
+        the parts `kv_memory.prefill_parts` makes; they go on from there (same PRNG steps, same
+        budgets)."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
@@ -353,25 +343,10 @@ class Engine(SlotScheduler):
                 self._insert(requests[i], requests[i].slot, prefilled)
 
     def _prefill_parts(self, sequences: list[list[int]]) -> list[list[int]]:
-        """`sequences`' indices in parts, longest first, each part's prompt cache (its rows
-        rounded up to a power of two, at the longest prompt bucket) spread over the engine's
-        devices taking at most half their fewest free bytes, or one sequence; a single part
-        where the backend does not report memory (CPU)."""
-        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-        devices = self._state.length.sharding.addressable_devices
-        free = device_free_bytes(devices)
-        if free is None:
-            return [order] if order else []
-        parts: list[list[int]] = []
-        for i in order:
-            part = parts[-1] if parts else None
-            rows = pow2_at_least(len(part) + 1, 1) if part else 0
-            bucket = prompt_bucket(len(sequences[part[0]])) if part else 0
-            if part and rows * bucket * self.kv_bytes_per_token / len(devices) <= free / 2:
-                part.append(i)
-            else:
-                parts.append([i])
-        return parts
+        """`kv_memory.prefill_parts` of `sequences` on the engine's devices."""
+        devices = self._devices()
+        return prefill_parts([len(s) for s in sequences], free=device_free_bytes(devices),
+                             devices=len(devices), bytes_per_token=self.kv_bytes_per_token)
 
     def partial(self, request_id: int) -> tuple[list[int], list[float]]:
         """Tokens and log-probabilities a queued or decoding request has so far."""
@@ -423,8 +398,8 @@ class Engine(SlotScheduler):
         """Once nothing waits and the running requests fit a slot bucket at most half the
         current one, decodes just their rows (gathered, KV caches included, when they fit beside
         the full state in device memory) so idle slots stop costing compute; tokens are
-        unchanged (each row keeps its state). With a page pool per
-        batch shard, each shard's requests stay in that shard's block of rows."""
+        unchanged (each row keeps its state). With a page pool per batch shard, each shard's
+        requests stay in that shard's block of rows."""
         if self._queue:
             return
         plan = shrink_plan(self._running_slots(), current_rows=self._state.length.shape[0],
@@ -442,12 +417,8 @@ class Engine(SlotScheduler):
     def _room_for(self, rows: int) -> bool:
         """Whether `rows` gathered rows of the slot state fit beside it in the free memory of
         each of its devices (True where the backend does not report memory, as on CPU)."""
-        free = device_free_bytes(self._state.length.sharding.addressable_devices)
-        if free is None:
-            return True
-        per_row = sum(max(shard.data.nbytes for shard in leaf.addressable_shards)
-                      for leaf in jax.tree.leaves(self._state)) / self._state.length.shape[0]
-        if per_row * rows <= free:
+        free = device_free_bytes(self._devices())
+        if free is None or bytes_per_row(self._state, self._state.length.shape[0]) * rows <= free:
             return True
         self.stats["shrinks_skipped"] += 1
         return False
@@ -481,8 +452,8 @@ class Engine(SlotScheduler):
     def _admit(self) -> None:
         """Fills free slots from the queue once `_admission_size` of them are free (or nothing
         runs); the prompts not yet prefilled are prefilled together (one call per prompt bucket
-        and batch bucket, in the parts of `_prefill_parts`), each admitted request inserted
-        once its prompt is."""
+        and batch bucket, in the parts `kv_memory.prefill_parts` makes), each admitted request
+        inserted once its prompt is."""
         admitted = self._admit_queued(self._place)
         if not admitted:
             return

@@ -214,9 +214,10 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
     tokens and log-probabilities `[slots, steps]` (a slot's first `step` increase entries are
     its own) and the steps run. Stops early when every slot is idle, or once `stop_after`
     (> 0) requests have ended. An idle row's cache is written at its `length` (clamped to its
-    last position): nothing reads an idle row's cache again. Paged (`pool` given, else None): row b's positions are in pages `table[b]`
-    (`span / page` of them; the caller gives 0, the trash page, where a row owns none and for
-    every row idle at the start), attended by `kernel` (`paged_kv`)."""
+    last position): the engine never reads an idle row's cache again. Paged (`pool` given, else
+    None): row b's positions are in pages `table[b]` (`span / page` of them; the caller gives 0,
+    the trash page, where a row owns none and for every row idle at the start), attended by
+    `kernel` (`paged_kv`)."""
     model = nnx.merge(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:

@@ -1,0 +1,58 @@
+"""What the engine's KV cache takes and what device memory holds beside it: bytes a token of
+context takes, the devices' free bytes, a batch's bytes per row, and how many prompts one prefill
+may take at once (`prefill_parts`). Arithmetic only; the engine decides with it."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mars_jax.buckets import pow2_at_least
+from mars_jax.sampling.sampler import prompt_bucket
+
+
+def kv_bytes_per_token(config) -> int:
+    """KV-cache bytes one token of context takes in a slot (keys and values of every layer)."""
+    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+            * jnp.dtype(config.compute_dtype).itemsize)
+
+
+def device_free_bytes(devices) -> int | None:
+    """The fewest bytes free on `devices` (limit less in use), None where a device does not
+    report its memory (CPU)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
+
+
+def bytes_per_row(tree: Any, rows: int) -> float:
+    """Bytes one of the `rows` rows of `tree`'s arrays takes on the fullest device (every leaf's
+    largest shard, summed, over `rows`)."""
+    return sum(max(shard.data.nbytes for shard in leaf.addressable_shards)
+               for leaf in jax.tree.leaves(tree)) / rows
+
+
+def prefill_parts(lengths: Sequence[int], *, free: int | None, devices: int,
+                  bytes_per_token: int) -> list[list[int]]:
+    """Indices of sequences of `lengths` in parts, longest first: a part grows while its prompt
+    cache (its rows rounded up to a power of two, at its first sequence's prompt bucket), divided
+    evenly over `devices`, takes at most half of `free`; a part holds at least one sequence.
+    One part when `free` is None (memory not reported)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if free is None:
+        return [order] if order else []
+    parts: list[list[int]] = []
+    for i in order:
+        part = parts[-1] if parts else None
+        if part and (pow2_at_least(len(part) + 1, 1) * prompt_bucket(lengths[part[0]])
+                     * bytes_per_token / devices <= free / 2):
+            part.append(i)
+        else:
+            parts.append([i])
+    return parts
