@@ -66,6 +66,18 @@ def resident(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: M
                     kv_cache=-(-kv_bytes // rollout_mesh.devices.size))
 
 
+def offloaded_phases(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: Mesh, *,
+                     kv_through_update: bool) -> tuple[Resident, Resident]:
+    """`resident` while decoding and while updating, with the optimizer state offloaded
+    (`learner.offload_optimizer`): the train state less its `opt_state` beside the KV cache,
+    then the whole train state, beside the KV cache only where it stays through the update
+    (`kv_through_update`: not freed, `Engine.free_kv`)."""
+    decoding = resident(state.replace(opt_state=None), engine_weights, kv_bytes, rollout_mesh)
+    updating = resident(state, engine_weights, kv_bytes if kv_through_update else 0,
+                        rollout_mesh)
+    return decoding, updating
+
+
 def check(parts: Resident, limit: int | None, shared: bool) -> None:
     """Raises ConfigError naming the fields to change when `parts` exceed `limit` bytes (a
     chip's memory; None: unknown, nothing checked). `shared`: the engine's and the trainer's

@@ -33,6 +33,16 @@ def test_resident_bytes_count_the_state_the_copy_and_the_kv_cache_by_hand():
     assert parts.train_state == 3 * params + counters
     assert parts.engine_weights == params  # replicated on each of the 4 rollout chips
     assert parts.kv_cache == kv // 4
+    # Offloaded: Adam's moments and count leave for the decode; the KV cache leaves for the
+    # update unless it stays ('keep').
+    opt_counters = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim == 0)
+    for through in (False, True):
+        decoding, updating = memory_fit.offloaded_phases(state, copy, kv, rollout,
+                                                         kv_through_update=through)
+        assert decoding.train_state == params + counters - opt_counters
+        assert decoding.kv_cache == kv // 4 and decoding.engine_weights == params
+        assert updating.train_state == parts.train_state
+        assert updating.kv_cache == (kv // 4 if through else 0)
 
 
 @pytest.mark.parametrize("shared, limit, fits", [

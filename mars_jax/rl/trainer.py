@@ -180,13 +180,18 @@ def _check_resident_memory(config: ConfigDict, engine: EngineSettings, state, mo
                            mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh) -> None:
     """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
     all stay on a chip (`memory_fit`; where the backend reports its memory). Static batches
-    (`engine.kind='generate'`) keep no KV cache between rounds."""
+    (`engine.kind='generate'`) keep no KV cache between rounds; with the optimizer offloaded,
+    decoding and the update are checked apart (`memory_fit.offloaded_phases`)."""
     kv = 0 if engine.kind == "generate" else memory_fit.engine_kv_bytes(
         config, model_config, engine.slots, engine.max_length, batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
             if rollout_mesh is not mesh else None)
-    memory_fit.check(memory_fit.resident(state, copy, kv, rollout_mesh),
-                     memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
+    phases = (memory_fit.offloaded_phases(state, copy, kv, rollout_mesh,
+                                          kv_through_update=config.rollout.resume != "recompute")
+              if config.learner.offload_optimizer
+              else (memory_fit.resident(state, copy, kv, rollout_mesh),))
+    for parts in phases:
+        memory_fit.check(parts, memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
 
 
 def _weight_copier(params, mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh):
