@@ -127,12 +127,12 @@ def records_path(root: Path, name: str) -> Path:
 
 def discover_runs(settings: Settings, *, evaluated_only: bool) -> list[Run]:
     """The base and every RL run directory under the root named as in the module docstring that
-    has checkpoints (or, with `evaluated_only`, records); selection filled in from the config."""
+    has records (or, unless `evaluated_only`, checkpoints); selection filled in from the config."""
     root, runs = settings.root, [Run("base", "base")]
     for path in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
         match = RUN_NAME.match(path.name)
-        ready = (records_path(root, path.name).exists() if evaluated_only
-                 else (path / "checkpoints").is_dir())
+        ready = records_path(root, path.name).exists() or (
+            not evaluated_only and (path / "checkpoints").is_dir())
         if match and ready:
             variant, selection, seed = match.groups()
             selection = selection or settings.train_config(variant).rollout.selection
@@ -164,8 +164,13 @@ def export_final(config: ConfigDict, run_dir: Path) -> tuple[Path, int]:
 
 
 def evaluate(run: Run, settings: Settings) -> None:
-    """Exports (RL runs) and evaluates one model into `records_path(root, run.name)`."""
+    """Exports (RL runs) and evaluates one model into `records_path(root, run.name)`; nothing
+    when those records are complete (the run's checkpoints may be gone)."""
     root = settings.root
+    e = settings.eval_config(run.variant, Path()).eval
+    path = records_path(root, run.name)
+    if path.exists() and len(load_records(path)) == e.num_problems * e.num_samples:
+        return
     model_dir = root / "sft" / "model"
     if run.variant != "base":
         train_config = settings.train_config(run.variant)
@@ -173,8 +178,8 @@ def evaluate(run: Run, settings: Settings) -> None:
         model_dir, _ = export_final(train_config, root / run.name)
     summary = eval_job.run(settings.eval_config(run.variant, model_dir),
                            str(root / "eval" / run.name))
-    if len(load_records(records_path(root, run.name))) != summary["num_records"]:
-        raise ValueError(f"{records_path(root, run.name)} holds other runs than the "
+    if len(load_records(path)) != summary["num_records"]:
+        raise ValueError(f"{path} holds other runs than the "
                          f"{summary['num_records']} asked: it was written with other eval "
                          "settings; delete it")
 

@@ -76,6 +76,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.decode_engine": ENGINE_KINDS,
     "rollout.resume": RESUME_MODES,
     "rollout.selection": POLICIES,
+    "rollout.verifier_selection": ("", *POLICIES),
     "rollout.roles_trained": tuple(ROLES_TRAINED),
     "rollout.prompt_style": tuple(STYLES),
     "optimizer.schedule": ("constant", "cosine"),
@@ -178,7 +179,7 @@ RANGES: dict[str, Range] = {
     "eval.timeout_s": Range(0, low_open=True), "eval.max_concurrency": Range(1),
     "eval.engine_slots": Range(0), "eval.probe_every": Range(0), "eval.probe_problems": Range(1),
     "warm_start.learning_rate": Range(0), "warm_start.warmup_steps": Range(0),
-    "sft.steps": Range(1), "sft.rows": Range(1), "sft.row_tokens": Range(1),
+    "sft.steps": Range(1), "sft.stop_at": Range(0), "sft.rows": Range(1), "sft.row_tokens": Range(1),
     "sft.short_rows": Range(0), "sft.short_row_tokens": Range(0),
     "sft.solver_error_rate": _PROBABILITY, "sft.verifier_flawed_rate": _PROBABILITY,
     **{f"sft.keep.{role}": _PROBABILITY for role in _ROLES},
@@ -328,6 +329,13 @@ def _groups(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     if r.max_stages > len(STAGE_ROLES):
         yield Problem("rollout.max_stages", f"{r.max_stages} > {len(STAGE_ROLES)} stages "
                       f"{STAGE_ROLES}", f"set it to {len(STAGE_ROLES)} or less")
+
+
+@_rule("sft.steps", "sft.stop_at")
+def _sft_stop(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    if config.sft.stop_at > config.sft.steps:
+        yield Problem("sft.stop_at", f"{config.sft.stop_at} > sft.steps={config.sft.steps}: the "
+                      "job would end after its schedule", f"set it to {config.sft.steps} or less")
 
 
 @_rule("loss.aggregation", "loss.max_response_len")

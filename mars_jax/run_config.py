@@ -19,6 +19,7 @@ def rollout_config(config: ConfigDict) -> RolloutConfig:
     r = config.rollout
     return RolloutConfig(
         group_size=r.group_size, fan_out=r.fan_out, selection=r.selection,
+        verifier_selection=r.verifier_selection,
         max_stages=1 if r.roles_trained == "solver" else r.max_stages,
         max_new_tokens=dict(r.max_new_tokens), max_prompt_tokens=r.max_prompt_tokens,
         enable_thinking=r.enable_thinking, prompt_style=r.prompt_style,

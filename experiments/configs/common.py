@@ -49,6 +49,7 @@ def base_config() -> ConfigDict:
         mode="pipeline",            # 'pipeline' | 'sequential'
         prompts_per_step=4, group_size=8, fan_out=2,
         selection="adaptive",       # 'random' | 'balanced' | 'adaptive'
+        verifier_selection="",      # the Verifier stage's own policy; '' = selection
         max_stages=5, roles_trained="all",  # 'all' (MarsRL) | 'solver' (-S) | 'vc' (-VC)
         max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
         # The rollout scheduler (mars_jax.rl.streaming) decodes on one engine for the whole run:
@@ -145,6 +146,9 @@ def base_config() -> ConfigDict:
     # probability that a problem's example of each role is trained on.
     c.sft = ConfigDict(dict(arch="",   # '' = model.preset; else a mars_jax.sft.job.ARCHS name
                             steps=200, rows=16, row_tokens=512,
+                            # stop_at > 0: the job ends after that step, the prefix of a run of
+                            # `steps` (its schedule still decays over `steps`).
+                            stop_at=0,
                             # short_rows > 0: each batch also has short_rows rows of
                             # short_row_tokens, which take the examples that fit (attention
                             # over short rows costs less); see mars_jax.sft.train.pack.

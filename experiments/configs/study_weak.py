@@ -12,16 +12,20 @@ run stopped early: `sft` continues Study 5's SFT model (`P8`, rebuilt by `study.
 history) on the current traces at lr 1e-3, cosine over 750 steps (Study 6's p9 recipe, whose
 step-750 model is `study.py`'s warm start), probing each role every 50 steps and saving
 `model_step<N>/`; the weak warm start is its step-`WEAK_STEP` model, chosen on those probes
-against the bar of experiments/RESULTS.md (Study 7) before any RL.
+against the bar of experiments/RESULTS.md (Study 7) before any RL, and committed in
+`RESULTS/sft` (a rebuild on another CPU is another model: the amendment in RESULTS.md).
 
-RL differs from `study.py`'s where the paper's recipe does: `adaptive` selection (the Verifier
-judges a wrong solution whenever the group holds one), rollouts at T=1.0 (top_p 1.0) so that the
-groups of hard problems are not all wrong; and, for the session's budget, lr 1e-4 (as Study 6's
-run B, whose held-out Solver ended where lr 3e-5's did) and probes of 256
-held-out problems every 25 steps. Rollouts run on the rollout scheduler in pipeline mode
-(`mars_jax.rl.streaming`) on the continuous-batching engine: one engine across updates, each
-output graded as it finishes, an update (a step) every 32 x 8 = 256 trained samples, none
-lagging its first token by more than one policy version.
+RL differs from `study.py`'s where the paper's recipe does: `adaptive` selection for the Corrector
+stage (it revises a report that rightly found an error whenever the group holds one), rollouts at
+T=1.0 (top_p 1.0) so that the groups of hard problems are not all wrong; the Verifier stage's
+selection is `balanced` (a right or a wrong solution, each half the time, whenever the Solver's
+group holds both): under `adaptive` it judged a wrong solution ~94% of the time and learnt to
+answer "Wrong" to everything by step 50 (the amendment in experiments/RESULTS.md, Study 7). For
+the session's budget: lr 1e-4 (as Study 6's run B, whose held-out Solver ended where lr 3e-5's
+did) and probes of 256 held-out problems every 25 steps. Rollouts run on the rollout scheduler in
+pipeline mode (`mars_jax.rl.streaming`) on the continuous-batching engine: one engine across
+updates, each output graded as it finishes, an update (a step) every 32 x 8 = 256 trained
+samples, none lagging its first token by more than one policy version.
 """
 import os
 import sys
@@ -53,7 +57,7 @@ def get_config(arg: str = "marsrl"):
         c.sft.steps, c.sft.probe_every = SFT_STEPS, 50
         return c
     c.model.checkpoint = f"{ROOT}/sft/model"
-    c.rollout.selection = "adaptive"
+    c.rollout.selection, c.rollout.verifier_selection = "adaptive", "balanced"
     c.rollout.temperature, c.rollout.top_p = 1.0, 1.0
     c.optimizer.learning_rate = 1e-4
     # Pipeline mode on the engine: an update every prompts_per_step x group_size trained samples.

@@ -3,9 +3,10 @@ Corrector2, graded with agent-specific rewards.
 
 A problem's stage s spawns its rollouts only once every rollout of stage s-1 has finished: the
 Solver samples a group of G; each later stage picks `fan_out` outputs of the stage before
-(`mars_jax.rl.selection`: random | balanced | adaptive; the Corrector only takes Verifier outputs
-that report an error) and samples a group of G for each. A trajectory stops early when no
-eligible parent remains (e.g. every Verifier output passed the solution).
+(`mars_jax.rl.selection`: random | balanced | adaptive, `verifier_selection` overriding it for
+the Verifier stage; the Corrector only takes Verifier outputs that report an error) and samples a
+group of G for each. A trajectory stops early when no eligible parent remains (e.g. every
+Verifier output passed the solution).
 
 Grading: a finished output is judged by `mars_jax.agents.stages`, as the V-C loop judges it
 (`parse_solution` / `parse_verification`, `usable`, `correct`). A Solver or Corrector output
@@ -80,6 +81,7 @@ class RolloutConfig:
     group_size: int = 8
     fan_out: int = 2
     selection: str = "adaptive"
+    verifier_selection: str = ""    # the Verifier stage's policy; "" = `selection`
     max_stages: int = 5
     max_new_tokens: dict = dataclasses.field(
         default_factory=lambda: {"solver": 512, "verifier": 512, "corrector": 512})
@@ -284,8 +286,10 @@ class AgenticRollouts:
             usable = [(r, stages.parse_verification(self._completion(r))) for r in parents]
             candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=r.verdict)
                           for r, _ in usable]
+        policy = (self.config.verifier_selection if role == "verifier" else ""
+                  ) or self.config.selection
         chosen = select_parents(candidates, stage=role, fan_out=self.config.fan_out,
-                                policy=self.config.selection,
+                                policy=policy,
                                 rng=selection_rng(self.seed, tree.uid, stage))
         problem, style = tree.problem["problem"], self.config.prompt_style
         for index in chosen:

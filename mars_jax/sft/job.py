@@ -60,8 +60,10 @@ def build_model(config: ConfigDict) -> Qwen3:
 
 
 def run(config: ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `sft.steps` steps and returns the final held-out losses (also in `summary.json`)."""
+    """Trains `sft.steps` steps (`sft.stop_at` when set) and returns the final held-out losses
+    (also in `summary.json`)."""
     s, out = config.sft, Path(workdir)
+    last = s.stop_at or s.steps
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = builders.build_tokenizer(config)
     model = build_model(config)
@@ -86,14 +88,14 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
     summary = heldout_loss(params, heldout, graphdef)
     try:
         writer.write(0, {f"heldout/{k}": v for k, v in summary.items()})
-        for step in tqdm.tqdm(range(1, s.steps + 1), desc="sft", disable=jax.process_index() != 0):
+        for step in tqdm.tqdm(range(1, last + 1), desc="sft", disable=jax.process_index() != 0):
             params, opt_state, metrics = sft_step(params, opt_state, next(batches),
                                                   graphdef=graphdef, optimizer=optimizer)
             metrics = {k: float(v) for k, v in metrics.items()}
-            if step % s.eval_every == 0 or step == s.steps:
+            if step % s.eval_every == 0 or step == last:
                 summary = heldout_loss(params, heldout, graphdef)
                 metrics.update({f"heldout/{k}": v for k, v in summary.items()})
-            if s.probe_every and (step % s.probe_every == 0 or step == s.steps):
+            if s.probe_every and (step % s.probe_every == 0 or step == last):
                 model = nnx.merge(graphdef, params)
                 decisions = probe_model(model, tokenizer, holdout,
                                         run_config.probe_settings(config, s.probe_slots))

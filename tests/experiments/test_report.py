@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments import report
+from mars_jax.models.hf_io import CheckpointError
 
 PROBLEMS = 60
 
@@ -69,10 +70,20 @@ def test_discover_runs_parses_the_layout(study):
     assert runs["marsrl_s_seed1"] == report.Run("marsrl_s_seed1", "marsrl_s", "balanced", 1)
     assert runs["marsrl_vc"] == report.Run("marsrl_vc", "marsrl_vc", "balanced", None)
     assert runs["marsrl_random_seed0"] == report.Run("marsrl_random_seed0", "marsrl", "random", 0)
-    # To evaluate, a run needs checkpoints.
+    # To be evaluated, a run needs checkpoints; one evaluated already needs only its records.
     (study / "marsrl_s_seed9" / "checkpoints").mkdir()
     to_evaluate = report.discover_runs(report.Settings(study), evaluated_only=False)
-    assert [r.name for r in to_evaluate] == ["base", "marsrl_s_seed9"]
+    assert {r.name for r in to_evaluate} == set(RUNS) | {"marsrl_s_seed9"}
+
+
+def test_a_run_whose_records_are_complete_is_not_evaluated_again(study):
+    """Complete records (60 problems x 2 samples) need no checkpoint: nothing is evaluated; a
+    run asked for more problems than its records hold is exported first, which needs the
+    warm start (absent here) and the run's checkpoints."""
+    run = report.Run("marsrl_seed0", "marsrl", "balanced", 0)
+    report.evaluate(run, report.Settings(study, num_problems=PROBLEMS, num_samples=2))
+    with pytest.raises(CheckpointError, match="sft/model"):
+        report.evaluate(run, report.Settings(study, num_problems=PROBLEMS + 1, num_samples=2))
 
 
 def test_report_tables_and_targets_from_records(study):

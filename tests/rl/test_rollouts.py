@@ -207,3 +207,28 @@ def test_truncated_corrector_outputs_reach_the_second_verifier_only_if_asked(ver
     # Cut before its box: reward 0 like any truncated answer (it would have earned 1).
     assert [(r.finish_reason, r.reward) for r in corrector_group] == [("length", 0.0)] * 2
     assert [g[0].stage for g in steps[3]] == ([3] if verify_truncated else [])
+
+
+RIGHT = "1 + 1 = 2, so \\boxed{2}"
+
+
+@pytest.mark.parametrize("verifier_selection, judged", [("", {"wrong"}),
+                                                        ("balanced", {"right", "wrong"})])
+def test_verifier_selection_overrides_the_policy_for_the_verifier_stage_only(
+        verifier_selection, judged):
+    """A Solver group of 2 right and 2 wrong solutions, fan-out 2, `adaptive` selection: the
+    Verifier judges the two wrong ones, or one of each under `verifier_selection='balanced'`;
+    the Corrector stage stays adaptive (both its parents rightly flagged a wrong solution)."""
+    config = RolloutConfig(group_size=4, fan_out=2, selection="adaptive",
+                           verifier_selection=verifier_selection, prompt_style="compact",
+                           max_stages=3, max_new_tokens={"solver": 64, "verifier": 128,
+                                                         "corrector": 64})
+    engine = AgenticRollouts(TOKENIZER, config, seed=0, encode=encode_chat)
+    generate = RoundRobinGenerator({"solver": [RIGHT, SCRIPT["solver"]],
+                                    "verifier": [SCRIPT["verifier"]],
+                                    "corrector": [SCRIPT["corrector"]]})
+    [solvers], verifiers, correctors = _one_problem(engine, generate, 3)
+    assert sorted(r.reward for r in solvers) == [0.0, 0.0, 1.0, 1.0]
+    name = {True: "right", False: "wrong"}
+    assert {name[g[0].judged_correct] for g in verifiers} == judged and len(verifiers) == 2
+    assert [g[0].solution for g in correctors] == [SCRIPT["solver"]] * 2

@@ -106,3 +106,28 @@ def test_sft_job_lowers_heldout_loss_and_saves_a_loadable_model(tmp_path):
     graphdef, params = nnx.split(loaded, nnx.Param)
     np.testing.assert_allclose(train.heldout_loss(params, heldout, graphdef)["loss"], final,
                                rtol=1e-5)
+
+
+def _losses(config, workdir) -> list[float]:
+    job.run(config, str(workdir))
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
+
+
+def test_stop_at_ends_the_job_on_the_full_schedule(tmp_path):
+    """`sft.stop_at` trains the first steps of a run of `sft.steps`: the same losses under its
+    cosine schedule, unlike a run of `stop_at` steps, whose schedule decays sooner."""
+    config = base_config()
+    config.job, config.tokenizer, config.rollout.prompt_style = "sft", "tiny", "compact"
+    config.sft.steps, config.sft.rows, config.sft.row_tokens = 8, 2, 640
+    config.sft.holdout_problems, config.sft.eval_every = 2, 8
+    config.optimizer.learning_rate, config.optimizer.schedule = 3e-3, "cosine"
+    full = _losses(config, tmp_path / "full")
+    config.sft.stop_at = 4
+    stopped = _losses(config, tmp_path / "stopped")
+    config.sft.steps, config.sft.stop_at = 4, 0
+    short = _losses(config, tmp_path / "short")
+    assert len(full) == 8 and len(stopped) == len(short) == 4
+    np.testing.assert_allclose(stopped, full[:4], rtol=1e-6)
+    assert abs(short[3] - full[3]) > 1e-4, (short, full)
+    assert (tmp_path / "stopped" / "model" / "config.json").exists()
