@@ -64,7 +64,7 @@ def get_config(arg: str = "marsrl"):
     c.rollout.decode_engine, c.rollout.mode = "engine", "pipeline"
     c.rollout.samples_per_update = c.rollout.prompts_per_step * c.rollout.group_size
     c.rollout.staleness_bound = 1
-    c.total_steps = 150
+    c.total_steps = 100
     c.eval.probe_every, c.eval.probe_problems = 25, 256
     # The evaluation on an engine of 256 slots, as the rollouts (study.py's 64 sized a static
     # batch's temporaries): a weak Verifier sends most runs through 4 rounds of revision, and a

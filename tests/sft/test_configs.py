@@ -85,6 +85,7 @@ def test_study_configs_run_shrunk(tmp_path):
 def test_study_weak_runs_as_the_paper_on_the_strong_study_s_problems(variant):
     config = study_weak.get_config(variant)
     assert (config.rollout.selection, config.rollout.temperature) == ("adaptive", 1.0)
+    assert config.rollout.verifier_selection == "balanced"  # Study 7's amendment
     # Pipeline mode on the engine, an update every prompts_per_step x group_size trained samples.
     assert (config.rollout.decode_engine, config.rollout.mode) == ("engine", "pipeline")
     assert config.rollout.samples_per_update == 32 * 8
@@ -110,11 +111,11 @@ def test_study_weak_sft_continues_study5_and_probes_each_saved_step():
 
 
 def test_study_weak_marsrl_runs_shrunk(tmp_path):
-    """Two MarsRL steps of `study_weak` (adaptive selection, T=1.0, pipeline on the engine) from
-    the committed study SFT model, tiny sizes: every role's groups-without-gradient and
-    truncation shares are logged."""
+    """Two MarsRL steps of `study_weak` (adaptive selection, balanced for the Verifier, T=1.0,
+    pipeline on the engine) from its committed warm start, tiny sizes: every role's
+    groups-without-gradient and truncation shares are logged."""
     rl = study_weak.get_config("marsrl")
-    rl.model.checkpoint = str(Path(study.RESULTS) / "sft" / "model")
+    rl.model.checkpoint = str(Path(study_weak.RESULTS) / "sft" / "model")
     rl.total_steps, rl.checkpoint.every_steps, rl.eval.probe_every = 2, 2, 0
     rl.rollout.prompts_per_step, rl.rollout.group_size = 1, 2
     rl.rollout.samples_per_update = 2
