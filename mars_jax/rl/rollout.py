@@ -286,8 +286,9 @@ class AgenticRollouts:
             usable = [(r, stages.parse_verification(self._completion(r))) for r in parents]
             candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=r.verdict)
                           for r, _ in usable]
-        policy = (self.config.verifier_selection if role == "verifier" else ""
-                  ) or self.config.selection
+        policy = self.config.selection
+        if role == "verifier" and self.config.verifier_selection:
+            policy = self.config.verifier_selection
         chosen = select_parents(candidates, stage=role, fan_out=self.config.fan_out,
                                 policy=policy,
                                 rng=selection_rng(self.seed, tree.uid, stage))
