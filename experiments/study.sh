@@ -19,7 +19,8 @@
 # rows so far in $OUT, default $ROOT/report) and its metrics, `done` file and evaluation records
 # copied to <results>/runs/<run> and <results>/eval/<run> for git (its checkpoints stay out).
 # The repository's tables come from `python experiments/report.py --root=$ROOT
-# --config_module=<study_weak | study> --skip_eval --out=<dir>`: experiments/results/study_weak/report (Study 7) and
+# --config_module=<study_weak | study> --skip_eval --out=<dir>`:
+# experiments/results/study_weak/report (Study 7) and
 # experiments/results/study/four_rows, .../selection (Study 6).
 # Everything runs under `nice -n 19`. Re-running it skips runs finished with the same extra
 # arguments (a `done` file in the run directory holds them) and resumes an interrupted one, or one

@@ -14,7 +14,8 @@ def test_fingerprint_follows_the_fields_that_train_the_warm_start():
     same.model.preset = "bench"             # the architecture is sft.arch's
     assert base.sft.arch
     assert warm_start.fingerprint(same) == warm_start.fingerprint(base)
-    for field, value in [("sft.steps", 7), ("sft.stop_at", 3), ("warm_start.learning_rate", 0.5), ("seed", 1),
+    for field, value in [("sft.steps", 7), ("sft.stop_at", 3), ("warm_start.learning_rate", 0.5),
+                         ("seed", 1),
                          ("data.arith.max_operand", 8), ("optimizer.b2", 0.9),
                          ("sft.arch", "toy"), ("rollout.prompt_style", "full")]:
         changed = quickstart.get_config()
