@@ -165,7 +165,8 @@ def export_final(config: ConfigDict, run_dir: Path) -> tuple[Path, int]:
 
 def evaluate(run: Run, settings: Settings) -> None:
     """Exports (RL runs) and evaluates one model into `records_path(root, run.name)`; nothing
-    when those records are complete (the run's checkpoints may be gone)."""
+    when those records already number num_problems x num_samples (the run's checkpoints may be
+    gone; `check_complete` checks them later)."""
     root = settings.root
     e = settings.eval_config(run.variant, Path()).eval
     path = records_path(root, run.name)
