@@ -16,10 +16,11 @@ Layout under `--root`:
                                     names. Other selections are reported for marsrl only.
   eval/<base | run name>/eval/records.jsonl   the evaluation records (`mars_jax.eval_job`)
 
-Without `--skip_eval`, each run's newest checkpoint is exported once to `<run>/final_model` (HF
-format) and every model is evaluated with the `eval` section of `--config_module`'s config
-(resumable with the same settings; delete `eval/<name>` to evaluate with other ones). With it,
-only existing records are read (a run without records is left out).
+Without `--skip_eval`, the newest checkpoint of each finished run (one with the `done` file that
+`study.sh` writes when the run ends) is exported once to `<run>/final_model` (HF format) and every
+model is evaluated with the `eval` section of `--config_module`'s config (resumable with the same
+settings; delete `eval/<name>` to evaluate with other ones). With it, only existing records are
+read (a run without records is left out).
 
 A row pools the runs of one (variant, selection) over their seeds. Intervals (`eval_stats`):
 percentile bootstrap, `--resamples` replicates, each drawing the row's seeds and, crossed with
@@ -127,12 +128,13 @@ def records_path(root: Path, name: str) -> Path:
 
 def discover_runs(settings: Settings, *, evaluated_only: bool) -> list[Run]:
     """The base and every RL run directory under the root named as in the module docstring that
-    has records (or, unless `evaluated_only`, checkpoints); selection filled in from the config."""
+    has records (or, unless `evaluated_only`, checkpoints and the `done` file `study.sh` writes when
+    the run ends: a run still training is left out); selection filled in from the config."""
     root, runs = settings.root, [Run("base", "base")]
     for path in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
         match = RUN_NAME.match(path.name)
         ready = records_path(root, path.name).exists() or (
-            not evaluated_only and (path / "checkpoints").is_dir())
+            not evaluated_only and (path / "checkpoints").is_dir() and (path / "done").is_file())
         if match and ready:
             variant, selection, seed = match.groups()
             selection = selection or settings.train_config(variant).rollout.selection

@@ -13,7 +13,7 @@
 #   strong (experiments/configs/study.py): study.py:sft from experiments/results/study/warm_start.
 #   A retrained model is another model on another CPU (float rounding): Study 7's amendment.
 # Then the warm start's evaluation (the base row, $OUT/base) -> RL runs in this order:
-# marsrl_seed0, marsrl_s_seed0, marsrl_seed1, marsrl_s_seed1 (the two-seed rows first),
+# marsrl_seed0, marsrl_s_seed0, marsrl_s_seed1, marsrl_seed1 (the two-seed rows first),
 # marsrl_vc_seed0 (strong: then MarsRL with the two selection policies other than the config's,
 # seed 0), each evaluated by experiments/report.py as soon as it ends (tables and plots of the
 # rows so far in $OUT, default $ROOT/report) and its metrics, `done` file and evaluation records
@@ -77,8 +77,10 @@ if [[ ! -f $ROOT/eval/base/eval/summary.json ]] && ! compgen -G "$ROOT/marsrl*" 
   run experiments/report.py --root="$ROOT" --config_module=$MODULE --out="$OUT/base"
 fi
 
-runs=(marsrl:0: marsrl_s:0: marsrl:1: marsrl_s:1: marsrl_vc:0:)
-if [[ $STUDY == strong ]]; then
+# RUNS (space-separated variant:seed:selection specs) replaces the list, e.g. to run one row beside
+# another study.sh on the same root: RUNS="marsrl:1:" bash experiments/study.sh ...
+read -ra runs <<< "${RUNS:-marsrl:0: marsrl_s:0: marsrl_s:1: marsrl:1: marsrl_vc:0:}"
+if [[ $STUDY == strong && -z ${RUNS:-} ]]; then
   default_selection=$(python -c "import sys; sys.path.insert(0, 'experiments/configs'); \
 import study; print(study.get_config('marsrl').rollout.selection)")
   for sel in adaptive balanced random; do

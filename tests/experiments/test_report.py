@@ -70,8 +70,12 @@ def test_discover_runs_parses_the_layout(study):
     assert runs["marsrl_s_seed1"] == report.Run("marsrl_s_seed1", "marsrl_s", "balanced", 1)
     assert runs["marsrl_vc"] == report.Run("marsrl_vc", "marsrl_vc", "balanced", None)
     assert runs["marsrl_random_seed0"] == report.Run("marsrl_random_seed0", "marsrl", "random", 0)
-    # To be evaluated, a run needs checkpoints; one evaluated already needs only its records.
+    # To be evaluated, a run needs checkpoints and its `done` file (one still training is left
+    # out); one evaluated already needs only its records.
     (study / "marsrl_s_seed9" / "checkpoints").mkdir()
+    to_evaluate = report.discover_runs(report.Settings(study), evaluated_only=False)
+    assert {r.name for r in to_evaluate} == set(RUNS)
+    (study / "marsrl_s_seed9" / "done").write_text("\n")
     to_evaluate = report.discover_runs(report.Settings(study), evaluated_only=False)
     assert {r.name for r in to_evaluate} == set(RUNS) | {"marsrl_s_seed9"}
 
