@@ -30,14 +30,18 @@ def _finite(value) -> bool:
 
 
 def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
-    """The progress bar's postfix: this step's mean reward of each role that had samples, and
-    the share of its outputs cut off by the token budget when any was (`cut 75%`: a reward lost
-    to the budget, not to a wrong answer)."""
+    """The progress bar's postfix: this step's mean reward of each role that had samples, the
+    share of its outputs cut off by the token budget when any was (`cut 75%`: a reward lost to
+    the budget, not to a wrong answer) and the Verifier's replies without a readable verdict
+    when any (`no verdict 40%`, the cut ones included: no reward whatever it judged)."""
     out = {}
     for role in ROLES:
         reward, cut = metrics.get(f"reward/{role}"), metrics.get(f"truncated/{role}")
         if _finite(reward):
             out[role] = f"{reward:.2f}" + (f" cut {cut:.0%}" if _finite(cut) and cut > 0 else "")
+    no_verdict = metrics.get("verifier/no_verdict")
+    if "verifier" in out and _finite(no_verdict) and no_verdict > 0:
+        out["verifier"] += f" no verdict {no_verdict:.0%}"
     return out
 
 
@@ -55,10 +59,9 @@ def window(rows: Sequence[dict]) -> int:
     return max(1, len(rows) // 4)
 
 
-def mean_reward(rows: Sequence[dict], role: str, metric: str = "reward") -> float:
-    """Mean over `rows` of the steps' `metric/role` (default: the mean reward; steps without
-    that role left out)."""
-    values = [row[f"{metric}/{role}"] for row in rows if _finite(row.get(f"{metric}/{role}"))]
+def step_mean(rows: Sequence[dict], key: str) -> float:
+    """Mean over `rows` of the steps' `key` (steps without a finite value left out; nan if none)."""
+    values = [row[key] for row in rows if _finite(row.get(key))]
     return float(np.mean(values)) if values else math.nan
 
 
@@ -77,17 +80,21 @@ def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
              f"  samples per role  {samples} ({trained} in the loss)",
              f"  mean reward       first {k} steps -> last {k} steps"]
     for role in ROLES:
-        first_mean, last_mean = mean_reward(rows[:k], role), mean_reward(rows[-k:], role)
+        first_mean, last_mean = (step_mean(part, f"reward/{role}") for part in (rows[:k], rows[-k:]))
         if math.isfinite(first_mean) or math.isfinite(last_mean):
             lines.append(f"    {role:<15} {first_mean:.3f} -> {last_mean:.3f} "
                          f"({last_mean - first_mean:+.3f})")
-    cut = {role: [mean_reward(part, role, "truncated") for part in (rows[:k], rows[-k:])]
+    cut = {role: [step_mean(part, f"truncated/{role}") for part in (rows[:k], rows[-k:])]
            for role in ROLES}
     cut = {role: ends for role, ends in cut.items() if any(map(math.isfinite, ends))}
     if cut:
         lines.append(f"  cut off by the token budget (no reward), first {k} -> last {k} steps")
         lines += [f"    {role:<15} {first:.0%} -> {last:.0%}"
                   for role, (first, last) in cut.items()]
+    no_verdict = [step_mean(part, "verifier/no_verdict") for part in (rows[:k], rows[-k:])]
+    if any(map(math.isfinite, no_verdict)):
+        lines += [f"  Verifier replies without a readable verdict, cut off or not (no reward)",
+                  f"    {'verifier':<15} {no_verdict[0]:.0%} -> {no_verdict[1]:.0%}"]
     lines += [f"  metrics      {workdir / 'metrics.jsonl'}",
               f"  TensorBoard  tensorboard --logdir {workdir / 'tensorboard'}",
               f"  checkpoints  {workdir / 'checkpoints'}",

@@ -13,7 +13,8 @@ def test_summary_reports_steps_samples_rewards_and_paths(tmp_path):
     rows = [{"step": i + 1, "reward/solver": r, "samples/solver": 8, "samples/verifier": 4,
              "samples/corrector": 0, "samples/trained": 10, "policy_version": i + 1,
              "reward/verifier": 0.5 if i else None, "reward/corrector": None,
-             "truncated/solver": 0.0, "truncated/verifier": 0.25 * (i > 5)}
+             "truncated/solver": 0.0, "truncated/verifier": 0.25 * (i > 5),
+             "verifier/no_verdict": 0.5 if i else None}
             for i, r in enumerate(solver)]
     probe = {"step": 0, "probe/solver_accuracy": 0.5}  # before training: not a step
     _write(tmp_path, rows[::-1] + [probe])  # read back in step order whatever the file order
@@ -27,6 +28,8 @@ def test_summary_reports_steps_samples_rewards_and_paths(tmp_path):
     assert "cut off by the token budget (no reward), first 2 -> last 2 steps" in text
     assert "    solver          0% -> 0%" in text
     assert "    verifier        0% -> 25%" in text  # steps 7 and 8 cut a quarter off
+    assert "Verifier replies without a readable verdict, cut off or not (no reward)\n" \
+           "    verifier        50% -> 50%" in text  # step 1 had no Verifier: left out
     assert f"metrics      {tmp_path / 'metrics.jsonl'}" in text
     assert f"tensorboard --logdir {tmp_path / 'tensorboard'}" in text
     assert f"checkpoints  {tmp_path / 'checkpoints'}" in text
@@ -41,6 +44,9 @@ def test_postfix_shows_the_roles_that_had_samples():
     metrics = {"reward/solver": 0.25, "reward/verifier": float("nan"), "reward/corrector": 1.0,
                "truncated/solver": 0.0, "truncated/corrector": 0.75}
     assert console.postfix(metrics) == {"solver": "0.25", "corrector": "1.00 cut 75%"}
+    verifier = {"reward/verifier": 0.25, "truncated/verifier": 0.1, "verifier/no_verdict": 0.4}
+    assert console.postfix(verifier) == {"verifier": "0.25 cut 10% no verdict 40%"}
+    assert console.postfix({**verifier, "verifier/no_verdict": 0.0}) == {"verifier": "0.25 cut 10%"}
 
 
 def test_a_line_cut_short_by_a_crash_ends_what_is_read(tmp_path):

@@ -35,7 +35,7 @@ def test_main_job_learns_and_summarises(tmp_path):
         assert any((r.get(f"reward/{role}") or 0) > 0 for r in rows), role
     assert all(r["update/grad_norm"] > 0 for r in rows)
     k = console.window(rows)
-    first, last = (console.mean_reward(part, "solver") for part in (rows[:k], rows[-k:]))
+    first, last = (console.step_mean(part, "reward/solver") for part in (rows[:k], rows[-k:]))
     assert last > first, (first, last)
     for line in ("mean reward", f"{first:.3f} -> {last:.3f}", str(workdir / "metrics.jsonl"),
                  "tensorboard --logdir", str(workdir / "checkpoints"), "resume"):

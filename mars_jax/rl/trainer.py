@@ -89,7 +89,8 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     (`groups_all_right/`: with the other, the groups without gradient); the Verifier's accuracy
     (verdict right), recall (wrong solutions flagged Wrong), specificity, balanced accuracy,
     precision and pass rate (verdicts Correct: what lets the V-C loop accept), as in
-    `mars_jax.agents.eval_stats`."""
+    `mars_jax.agents.eval_stats`, and the share of its replies without a readable verdict, cut
+    off or not (`verifier/no_verdict`: no reward whatever the solution)."""
     samples = [r for g in groups for r in g]
     metrics: dict[str, float] = {}
     share = lambda flags: float(np.mean(flags)) if flags else float("nan")
@@ -107,6 +108,8 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     verdicts = confusion((bool(r.judged_correct), r.verdict) for r in samples
                          if r.role == "verifier")
     metrics["verifier/accuracy"] = metrics["reward/verifier"]
+    metrics["verifier/no_verdict"] = share([r.verdict is None for r in samples
+                                            if r.role == "verifier"])
     for key in ("recall", "specificity", "balanced_accuracy", "precision", "pass_rate"):
         metrics[f"verifier/{key}"] = float(getattr(verdicts, key))
     return metrics

@@ -47,6 +47,7 @@ def test_role_metrics_by_hand():
         "verifier/balanced_accuracy": (2 / 4 + 2 / 3) / 2,
         "verifier/precision": 2 / 3,  # 3 Wrong verdicts, 2 on wrong solutions
         "verifier/pass_rate": 3 / 7,  # 3 Correct verdicts
+        "verifier/no_verdict": 1 / 7,  # the cut output (finished by itself here)
         # Nothing cut off; of the 5 groups only the one-Corrector group [1.0] is all right.
         "truncated/solver": 0.0, "truncated/verifier": 0.0, "truncated/corrector": 0.0,
         "groups_all_wrong/solver": 0.0, "groups_all_wrong/verifier": 0.0,
@@ -66,6 +67,7 @@ def test_role_metrics_truncation_and_groups_without_gradient():
     metrics = role_metrics(groups)
     assert metrics["truncated/solver"] == 2 / 6
     assert metrics["truncated/verifier"] == 2 / 4
+    assert metrics["verifier/no_verdict"] == 2 / 4  # the two cut replies
     assert (metrics["groups_all_wrong/solver"], metrics["groups_all_right/solver"]) == (1 / 3, 1 / 3)
     assert (metrics["groups_all_wrong/verifier"], metrics["groups_all_right/verifier"]) == (1 / 2, 0.0)
     assert math.isnan(metrics["truncated/corrector"])
@@ -76,7 +78,8 @@ def test_role_metrics_without_verifiers_or_wrong_solutions_are_nan():
     metrics = role_metrics([[_rollout(0, 1.0), _rollout(0, 0.0)]])
     assert (metrics["reward/solver"], metrics["samples/verifier"]) == (0.5, 0)
     for key in ("reward/verifier", "reward/corrector", "verifier/accuracy", "verifier/recall",
-                "verifier/balanced_accuracy", "verifier/pass_rate", "length/verifier"):
+                "verifier/balanced_accuracy", "verifier/pass_rate", "verifier/no_verdict",
+                "length/verifier"):
         assert math.isnan(metrics[key]), key
     only_correct = role_metrics([[_rollout(1, 1.0, CORRECT, True), _rollout(1, 0.0, WRONG, True)]])
     assert only_correct["verifier/accuracy"] == 0.5
