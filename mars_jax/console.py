@@ -72,6 +72,7 @@ def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
     if not rows:
         return f"no steps recorded in {workdir / 'metrics.jsonl'}"
     k, last = window(rows), rows[-1]
+    ends = lambda key: [step_mean(part, key) for part in (rows[:k], rows[-k:])]  # first, last
     samples = " · ".join(f"{role} {sum(row.get(f'samples/{role}', 0) for row in rows)}"
                          for role in ROLES)
     trained = sum(row.get("samples/trained", 0) for row in rows)
@@ -80,20 +81,19 @@ def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
              f"  samples per role  {samples} ({trained} in the loss)",
              f"  mean reward       first {k} steps -> last {k} steps"]
     for role in ROLES:
-        first_mean, last_mean = (step_mean(part, f"reward/{role}") for part in (rows[:k], rows[-k:]))
+        first_mean, last_mean = ends(f"reward/{role}")
         if math.isfinite(first_mean) or math.isfinite(last_mean):
             lines.append(f"    {role:<15} {first_mean:.3f} -> {last_mean:.3f} "
                          f"({last_mean - first_mean:+.3f})")
-    cut = {role: [step_mean(part, f"truncated/{role}") for part in (rows[:k], rows[-k:])]
-           for role in ROLES}
-    cut = {role: ends for role, ends in cut.items() if any(map(math.isfinite, ends))}
+    cut = {role: ends(f"truncated/{role}") for role in ROLES}
+    cut = {role: pair for role, pair in cut.items() if any(map(math.isfinite, pair))}
     if cut:
         lines.append(f"  cut off by the token budget (no reward), first {k} -> last {k} steps")
         lines += [f"    {role:<15} {first:.0%} -> {last:.0%}"
                   for role, (first, last) in cut.items()]
-    no_verdict = [step_mean(part, "verifier/no_verdict") for part in (rows[:k], rows[-k:])]
+    no_verdict = ends("verifier/no_verdict")
     if any(map(math.isfinite, no_verdict)):
-        lines += [f"  Verifier replies without a readable verdict, cut off or not (no reward)",
+        lines += ["  Verifier replies without a readable verdict, cut off or not (no reward)",
                   f"    {'verifier':<15} {no_verdict[0]:.0%} -> {no_verdict[1]:.0%}"]
     lines += [f"  metrics      {workdir / 'metrics.jsonl'}",
               f"  TensorBoard  tensorboard --logdir {workdir / 'tensorboard'}",

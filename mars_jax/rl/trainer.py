@@ -105,11 +105,10 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
                                                      for g in role_groups])
         metrics[f"groups_all_right/{role}"] = share([min(r.reward for r in g) >= 1
                                                      for g in role_groups])
-    verdicts = confusion((bool(r.judged_correct), r.verdict) for r in samples
-                         if r.role == "verifier")
+    verifiers = [r for r in samples if r.role == "verifier"]
+    verdicts = confusion((bool(r.judged_correct), r.verdict) for r in verifiers)
     metrics["verifier/accuracy"] = metrics["reward/verifier"]
-    metrics["verifier/no_verdict"] = share([r.verdict is None for r in samples
-                                            if r.role == "verifier"])
+    metrics["verifier/no_verdict"] = share([r.verdict is None for r in verifiers])
     for key in ("recall", "specificity", "balanced_accuracy", "precision", "pass_rate"):
         metrics[f"verifier/{key}"] = float(getattr(verdicts, key))
     return metrics
