@@ -9,7 +9,7 @@ workdir resumes it. A training config with `warm_start.sft` first builds (or reu
 model (`mars_jax.sft.warm_start`). The console shows notes, progress bars and, after training, a
 summary (`mars_jax.console`); library INFO logs (orbax, absl) appear only with `--verbosity=0`
 (the default here shows warnings and errors). A resumed training run whose config changes a
-field that changes what its checkpoint means (`mars_jax.config_diff.RESUME_FIELDS`: scheduler,
+field that changes what its checkpoint means (`mars_jax.config_diff.RESUME_FIELDS`: mode,
 group size, model, data, ...) stops, naming each field, unless `--allow_config_change=field,...`
 lists it; other changes are noted. Exit codes: 2 the config is invalid (checked before anything
 is built; the message lists each field with its fix: unknown or mistyped `--config.` overrides,
@@ -44,7 +44,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
     "allow_config_change", [], "Config fields (or sections) a resumed training run may change "
     "although they change what its checkpoint holds (mars_jax.config_diff.RESUME_FIELDS), e.g. "
-    "rollout.group_size,rollout.scheduler.")
+    "rollout.group_size,rollout.mode.")
 flags.mark_flags_as_required(["config", "workdir"])
 _OVERRIDE = re.compile(r"--(?:no)?config\.([^=\s]+)")
 
