@@ -7,7 +7,6 @@ the optimizer state), which moved. The export is then served by `transformers se
 evaluated by `eval_system.py` through the OpenAI-compatible client."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,10 +28,12 @@ from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import init_train_state
 from tests import hf_fixtures
 from tests.cpu_env import cpu_env
+from tests.distributed.processes import finish, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_VOCAB = 261  # the tiny byte-level tokenizer's ids
 LEARNING_RATE = 1e-3
+SHARD_GB = 0.00005  # about 54 kB: the tiny model's export in several files
 TRAIN = [
     sys.executable, str(REPO / "tests/fault/parity_reward_run.py"),
     "--config=" + str(REPO / "experiments/configs/smoke.py"),
@@ -121,10 +122,26 @@ def test_bad_step_and_workdir_are_named(run, tmp_path):
         export_hf.export(tmp_path / "nothing", tmp_path / "out")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_two_processes_export_what_one_process_does(run, tmp_path):
+    """The command on 2 processes of 2 devices each (parameters sharded across them, gathered
+    for writing, process 0 writing) writes the tensors of the in-process export."""
+    _, workdir = run
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    export_hf.export(workdir, single, mesh="fsdp", max_shard_bytes=int(SHARD_GB * 1024 ** 3))
+    port = free_port()
+    runs = [subprocess.Popen(
+        [sys.executable, str(REPO / "experiments/export_hf.py"), f"--workdir={workdir}",
+         f"--output={multi}", "--mesh=fsdp", f"--max_shard_gb={SHARD_GB}",
+         f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+        env=cpu_env(devices=2, PYTHONPATH=str(REPO)), cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = finish(runs, timeout=300)
+    assert "exported step 2" in outputs[0] and "exported" not in outputs[1]
+    assert sorted(p.name for p in multi.iterdir()) == sorted(p.name for p in single.iterdir())
+    expected, exported = _hf_state(single), _hf_state(multi)
+    assert exported.keys() == expected.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, log: Path, limit_s: float = 300) -> None:
@@ -148,7 +165,7 @@ def test_export_served_by_transformers_serve_is_evaluated(run, tmp_path):
     _, workdir = run
     model_dir = tmp_path / "export"
     export_hf.export(workdir, model_dir)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     with log.open("w") as sink:
