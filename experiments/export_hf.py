@@ -16,8 +16,8 @@ writes.
 Writes to `--output`: `config.json`, safetensors in the parameters' dtype (one file, or files of
 at most `--max_shard_gb` with `model.safetensors.index.json`), `generation_config.json` (the
 turn-ending ids, the run's evaluation temperature and top-p) and the run's tokenizer with its chat
-template (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`; the tiny byte-level
-tokenizer is written as a `PreTrainedTokenizerFast` that `AutoTokenizer` loads). The run's
+template (`tokenizer.save_tokenizer`: Qwen3's or a directory's files as they are; the tiny
+byte-level one as a `PreTrainedTokenizerFast` that `AutoTokenizer` loads). The run's
 directory is only read: a run still training may be exported.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from transformers import GenerationConfig
 from mars_jax import builders, distributed, sharding
 from mars_jax.checkpoint import (CONFIG_KEY, CheckpointMismatch, committed_steps, read_meta,
                                  restore_params)
-from mars_jax.data.tokenizer import eos_token_ids
+from mars_jax.data.tokenizer import eos_token_ids, save_tokenizer
 from mars_jax.models import Qwen3, Qwen3Config, get_preset, save_pretrained
 
 RUN_CONFIG_FILE = "config.json"  # the resolved config a run writes into its workdir
@@ -110,20 +110,13 @@ def restore_model(checkpoints: Path, step: int, config: Qwen3Config,
     return nnx.merge(graphdef, restore_params(checkpoints, step, target))
 
 
-def save_tokenizer(config: ConfigDict, output: Path) -> None:
-    """The run's tokenizer and chat template, and a generation config with its turn-ending ids
-    and the run's evaluation temperature and top-p."""
+def save_generation_config(config: ConfigDict, output: Path) -> None:
+    """The turn-ending ids of the run's tokenizer and the run's evaluation temperature and top-p."""
     tokenizer = builders.build_tokenizer(config)
-    tokenizer.save_pretrained(output)
-    eos = list(eos_token_ids(tokenizer))
-    GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=True,
+    GenerationConfig(eos_token_id=list(eos_token_ids(tokenizer)),
+                     pad_token_id=tokenizer.pad_token_id, do_sample=True,
                      temperature=config.eval.temperature, top_p=config.eval.top_p
                      ).save_pretrained(output)
-    if config.tokenizer == "tiny":  # built in code: name a class every transformers loads
-        path = output / "tokenizer_config.json"
-        saved = json.loads(path.read_text())
-        saved["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(saved, indent=2))
 
 
 def export(workdir: str | Path, output: str | Path, *, step: int | None = None,
@@ -137,7 +130,8 @@ def export(workdir: str | Path, output: str | Path, *, step: int | None = None,
     model = restore_model(checkpoints, step, model_config(config), export_mesh(config, mesh))
     save_pretrained(model, output, max_shard_bytes=max_shard_bytes)
     if jax.process_index() == 0:
-        save_tokenizer(config, output)
+        save_tokenizer(config.tokenizer, output)
+        save_generation_config(config, output)
     return step
 
 
