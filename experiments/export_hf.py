@@ -23,11 +23,13 @@ directory is only read: a run still training may be exported.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import jax
 from absl import app, flags, logging
+from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 from transformers import GenerationConfig
@@ -46,7 +48,7 @@ class ExportError(ValueError):
     """A run that cannot be exported: names the directory, step or field."""
 
 
-def choose_step(checkpoints: Path, step: int | None) -> int:
+def choose_step(checkpoints: epath.Path, step: int | None) -> int:
     """`step`, or the newest committed step under `checkpoints`."""
     try:
         steps = committed_steps(checkpoints)
@@ -61,7 +63,7 @@ def choose_step(checkpoints: Path, step: int | None) -> int:
     return step
 
 
-def run_config(workdir: Path, meta: dict) -> ConfigDict:
+def run_config(workdir: epath.Path, meta: dict) -> ConfigDict:
     """The run's config: `workdir/config.json` when present, else the checkpoint's copy."""
     path = workdir / RUN_CONFIG_FILE
     if path.exists():
@@ -89,6 +91,7 @@ def model_config(config: ConfigDict) -> Qwen3Config:
 
 
 def export_mesh(config: ConfigDict, kind: str) -> jax.sharding.Mesh:
+    """The run's training mesh ('run') or one FSDP axis over every device ('fsdp')."""
     if kind == "fsdp":
         return sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1, "expert": 1})
     try:
@@ -98,7 +101,7 @@ def export_mesh(config: ConfigDict, kind: str) -> jax.sharding.Mesh:
                           f"({e}); rerun with --mesh=fsdp") from e
 
 
-def restore_model(checkpoints: Path, step: int, config: Qwen3Config,
+def restore_model(checkpoints: epath.Path, step: int, config: Qwen3Config,
                   mesh: jax.sharding.Mesh) -> Qwen3:
     """The model with checkpoint `step`'s parameters, each restored into its sharding on `mesh`
     (from the parameters' logical axes and the default rules)."""
@@ -119,11 +122,12 @@ def save_generation_config(config: ConfigDict, output: Path) -> None:
                      ).save_pretrained(output)
 
 
-def export(workdir: str | Path, output: str | Path, *, step: int | None = None,
+def export(workdir: str | os.PathLike, output: str | os.PathLike, *, step: int | None = None,
            mesh: str = "run", max_shard_bytes: int = 5 * 1024 ** 3) -> int:
-    """Writes checkpoint `step` (default: the newest) of the run in `workdir` to `output` as an
-    HF checkpoint (module docstring); returns the step written. Every process calls it."""
-    workdir, output = Path(workdir), Path(output)
+    """Writes checkpoint `step` (default: the newest) of the run in `workdir` (a local path or a
+    `gs://` URL) to the local directory `output` as an HF checkpoint (module docstring); returns
+    the step written. Every process calls it."""
+    workdir, output = epath.Path(workdir), Path(output)
     checkpoints = workdir / "checkpoints"
     step = choose_step(checkpoints, step)
     config = run_config(workdir, read_meta(checkpoints, step))
