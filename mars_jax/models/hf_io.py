@@ -235,43 +235,76 @@ def _remove_weights(path: Path) -> None:
         file.unlink(missing_ok=True)
 
 
+def _hf_shapes(tmap: TensorMap, ours: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(HF name, shape, dtype) of each tensor `tmap` writes for our parameter `ours` (abstract)."""
+    per = ours.shape[1:] if tmap.num_experts is not None else ours.shape
+    shapes = [tuple(t.shape) for t in
+              jax.eval_shape(tmap.to_hf, jax.ShapeDtypeStruct(per, ours.dtype))]
+    experts = [None] if tmap.num_experts is None else range(tmap.num_experts)
+    return [(name, shape, np.dtype(ours.dtype))
+            for e in experts for name, shape in zip(tmap.names(e), shapes)]
+
+
+def _shard_plan(sizes: Sequence[int], max_shard_bytes: int) -> list[int]:
+    """The file index of each tensor of `sizes` (bytes, in writing order): a file takes tensors
+    until the next would carry it past `max_shard_bytes` (a larger tensor gets a file alone)."""
+    plan, total = [], 0
+    for nbytes in sizes:
+        if total and total + nbytes > max_shard_bytes:
+            plan.append(plan[-1] + 1)
+            total = 0
+        else:
+            plan.append(plan[-1] if plan else 0)
+        total += nbytes
+    return plan
+
+
 def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 1024 ** 3) -> None:
     """Writes `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included. The
-    weight files and index of an earlier save to `path` are removed first."""
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included, in
+    the parameters' dtype. The weight files and index of an earlier save to `path` are removed
+    first.
+
+    Parameters may be sharded over a mesh, across processes too: every process must call it (each
+    parameter is gathered whole, one at a time, by `sharding.fetch`), and process 0 writes. At
+    most one file's tensors (plus the parameter being converted) are held in host memory."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    _remove_weights(path)
+    writer = jax.process_index() == 0
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        _remove_weights(path)
     config = model.config
     maps = tensor_maps(config)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    shards: list[dict[str, jax.Array]] = [{}]
-    sizes = [0]
+    layout = [t for key, tmap in maps.items() for t in _hf_shapes(tmap, flat[key].get_value())]
+    plan = _shard_plan([int(np.prod(shape)) * dtype.itemsize for _, shape, dtype in layout],
+                       max_shard_bytes)
+    count = plan[-1] + 1
+    files = [SINGLE_FILE] if count == 1 else [
+        f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    file_of = {name: files[i] for (name, _, _), i in zip(layout, plan)}
     cpu = jax.devices("cpu")[0]
+    current, pending = files[0], {}
     for key, tmap in maps.items():
-        ours = np.asarray(jax.device_get(flat[key].get_value()))
+        ours = np.asarray(sharding.fetch(flat[key].get_value()))  # a collective: every process
+        if not writer:
+            continue
         if tmap.num_experts is None:
-            tensors = dict(zip(tmap.names(None), tmap.to_hf(ours)))
+            tensors = zip(tmap.names(None), tmap.to_hf(ours))
         else:
-            tensors = {name: t for e in range(tmap.num_experts)
-                       for name, t in zip(tmap.names(e), tmap.to_hf(ours[e]))}
-        for name, tensor in tensors.items():
-            nbytes = tensor.nbytes
-            if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
-                shards.append({})
-                sizes.append(0)
-            shards[-1][name] = jax.device_put(np.ascontiguousarray(tensor), cpu)
-            sizes[-1] += nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / file), metadata=metadata)
-            weight_map.update({name: file for name in shard})
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+            tensors = ((name, t) for e in range(tmap.num_experts)
+                       for name, t in zip(tmap.names(e), tmap.to_hf(ours[e])))
+        for name, tensor in tensors:
+            if file_of[name] != current:
+                save_file(pending, str(path / current), metadata={"format": "pt"})
+                current, pending = file_of[name], {}
+            pending[name] = jax.device_put(np.ascontiguousarray(tensor), cpu)
+    if not writer:
+        return
+    save_file(pending, str(path / current), metadata={"format": "pt"})
+    if count > 1:
+        total = sum(int(np.prod(shape)) * dtype.itemsize for _, shape, dtype in layout)
+        index = {"metadata": {"total_size": total}, "weight_map": file_of}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))

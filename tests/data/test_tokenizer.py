@@ -1,10 +1,13 @@
-"""Tokenizers: the tiny byte-level one, the real Qwen3 one, chat formatting, eos ids."""
+"""Tokenizers: the tiny byte-level one, the real Qwen3 one, chat formatting, eos ids, saving."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 from mars_jax.data import arith
 from mars_jax.data.tokenizer import (encode_chat, eos_token_ids, generation_opens_thinking, load_tokenizer,
-                                     qwen3_tokenizer, tiny_tokenizer)
+                                     qwen3_files_dir, qwen3_tokenizer, save_tokenizer, tiny_tokenizer)
 
 MESSAGES = [
     {"role": "system", "content": "You are an exacting reviewer."},
@@ -113,3 +116,26 @@ def test_save_and_load_from_checkpoint_dir(tiny, tmp_path):
 def test_missing_tokenizer_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory not found: .*nowhere"):
         load_tokenizer(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3", "directory"])
+def test_saved_tokenizer_loads_with_its_chat_template(name, tmp_path):
+    """What an export writes: Qwen3's files byte for byte (and a directory's), the tiny one as a
+    class every transformers version knows; each loads with the same ids and chat prompts."""
+    source = {"tiny": tiny_tokenizer, "qwen3": qwen3_tokenizer}.get(name, qwen3_tokenizer)()
+    save_tokenizer(qwen3_files_dir() if name == "directory" else name, tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.encode(AGENT_TEXT, add_special_tokens=False) == source.encode(AGENT_TEXT, add_special_tokens=False)
+    for thinking in (False, True):
+        assert encode_chat(loaded, MESSAGES, enable_thinking=thinking) == encode_chat(source, MESSAGES, enable_thinking=thinking)
+    assert eos_token_ids(loaded) == eos_token_ids(source)
+    if name == "tiny":
+        assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    else:
+        for file in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+            assert (tmp_path / file).read_bytes() == (Path(qwen3_files_dir()) / file).read_bytes()
+
+
+def test_saving_a_tokenizer_from_a_directory_without_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer_config.json in .*nowhere"):
+        save_tokenizer(str(tmp_path / "nowhere"), tmp_path / "out")

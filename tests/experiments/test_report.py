@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from experiments import report
-from mars_jax.models.hf_io import CheckpointError
+from experiments import export_hf, report
 
 PROBLEMS = 60
 
@@ -82,11 +81,11 @@ def test_discover_runs_parses_the_layout(study):
 
 def test_a_run_whose_records_are_complete_is_not_evaluated_again(study):
     """Complete records (60 problems x 2 samples) need no checkpoint: nothing is evaluated; a
-    run asked for more problems than its records hold is exported first, which needs the
-    warm start (absent here) and the run's checkpoints."""
+    run asked for more problems than its records hold is exported first, which needs the run's
+    checkpoints (absent here)."""
     run = report.Run("marsrl_seed0", "marsrl", "balanced", 0)
     report.evaluate(run, report.Settings(study, num_problems=PROBLEMS, num_samples=2))
-    with pytest.raises(CheckpointError, match="sft/model"):
+    with pytest.raises(export_hf.ExportError, match="marsrl_seed0/checkpoints"):
         report.evaluate(run, report.Settings(study, num_problems=PROBLEMS + 1, num_samples=2))
 
 
