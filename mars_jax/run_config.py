@@ -1,7 +1,8 @@
-"""A run's `ml_collections` config translated, in this one place, into the typed settings each
-part takes: rollouts, loss, update program, learner, the rollout scheduler, its decode engine and
-the held-out probe. The `rl` (trainer apart), `sampling`, `agents` and `models` packages and
-`sft.probe` take these settings, never a `ConfigDict`."""
+"""Typed settings built from a run's `ml_collections` config: rollouts, loss, update program,
+learner, the rollout scheduler's keyword options (`stream_options`, a plain dict), the decode
+engines and the held-out probe. It is not the config's only reader: `rl.trainer` still reads some
+fields (e.g. `learner.offload_optimizer`) from the `ConfigDict`, as do `builders`, `memory_fit`
+and `config_validation`."""
 from __future__ import annotations
 
 import jax

@@ -36,9 +36,10 @@ class Completion:
     Attributes:
         text: the generated text (thinking included, special tokens removed).
         finish_reason: 'stop' (ended by itself), 'length' (hit max_new_tokens) or
-            'error' (the policy could not serve it; text is empty).
-        num_tokens: number of generated tokens.
-        prompt_ids, token_ids, logprobs: filled by in-process policies, for RL.
+            'error' (the policy could not serve it, or its server gave an unknown reason).
+        num_tokens: number of generated tokens (0 where a server reports no usage).
+        prompt_ids, token_ids, logprobs: filled by `SamplerPolicy` only; RL does not read
+            them (its rollouts carry their own ids and log-probabilities).
         thinking_open: the prompt opened a `<think>` that `text` continues (e.g. the
             Qwen3-Thinking-2507 template), so text before any `</think>` is thought.
     """

@@ -3,9 +3,10 @@
 `*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a
 `Completion` into a typed result, whose `usable` says whether the next agent may use it;
 `correct` grades solutions; `complete` makes one checked policy call. The V-C loop
-(`system.py`), its evaluation (`eval.py`), the probes (`mars_jax.sft.probe`) and RL grading and
-spawning (`mars_jax.rl.rollout`) all judge a reply here, so what the evaluation counts is what RL
-rewards. The rules, the paper's: a reply cut off by its token budget is never graded; thinking
+(`system.py`), the probes (`mars_jax.sft.probe`), the evaluation (`eval.py`) and RL's grading
+and spawning (`mars_jax.rl.rollout`) parse replies here. Only RL grades with `correct`: the
+evaluation calls `grade_many` on the texts itself and the probes compare answers as strings.
+The rules, the paper's: a reply cut off by its token budget is never graded; thinking
 is stripped before text reaches the next agent (the visible solution, the bug report); text
 inside an unclosed thought is never read as an answer or a verdict.
 """

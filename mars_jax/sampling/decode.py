@@ -18,7 +18,9 @@ ENGINE_KINDS = ("engine", "generate")
 
 
 class DecodeEngine(Protocol):
-    """Requests in, `EngineOutput`s out (`Engine`'s methods; `StaticBatchEngine` has them)."""
+    """Requests in, `EngineOutput`s out: `Engine`'s methods. `StaticBatchEngine` has them all
+    but holds nothing in flight between rounds, so it refuses `submit(generated=...)`, any
+    `recompute`, and `partial` of a request that is not queued."""
 
     stats: collections.Counter
 
