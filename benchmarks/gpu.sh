@@ -3,7 +3,7 @@
 #   PARTS=pipeline bash benchmarks/gpu.sh   (env: PARTS, PRESET, NUM_LAYERS, SLOTS, REQUESTS,
 #                                            WHEELS, OUT)
 # 0. the machine; packages it lacks installed from local wheels in $WHEELS (default .whl; no
-#    network is assumed; the list is in benchmarks/RESULTS.md, "One H100"), e.g. for Python 3.12:
+#    network is assumed; the list is in benchmarks/NOTEBOOK.md, "One H100"), e.g. for Python 3.12:
 #      pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 #        manylinux_2_28_x86_64 ... -d .whl grain array_record tensorflow-datasets ...
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);

@@ -5,7 +5,7 @@ response grows from ~19k to ~28k tokens over training. A length is min(X, cap) w
 X ~ LogNormal(mu, sigma); `mu` is solved so that the capped mean equals the role's mean at the
 training progress p in [0, 1] (Solver: 19k + 9k p). The paper gives no Verifier / Corrector
 lengths: they are assumed to be fractions of the Solver's mean (`ROLE_SCALE`, stated in
-RESULTS.md), with the same sigma. A draw depends only on (seed, role, sequence seed, p).
+benchmarks/NOTEBOOK.md), with the same sigma. A draw depends only on (seed, role, sequence seed, p).
 """
 from __future__ import annotations
 

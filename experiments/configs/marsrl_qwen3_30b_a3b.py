@@ -98,7 +98,7 @@ def get_config(arg: str | None = None):
     # FSDP over half the chips, 2-way data parallel: the batch is split over every chip, the
     # parameters and optimizer state over `fsdp`, which on v5p-512 (128) also splits the 128
     # experts, so decode runs them expert-parallel and gathers none (fsdp = 256 cannot split
-    # them: 7.85 vs 1.25 GB accessed per layer per chip, benchmarks/RESULTS.md).
+    # them: 7.85 vs 1.25 GB accessed per layer per chip, benchmarks/NOTEBOOK.md).
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 2, -1, 1, 1
     # Per host (4 chips): the engine on 2 of them with the experts split over the 2 (dense
     # weights replicated: ~32 GB of bf16 weights a chip), the training mesh on the other 2.

@@ -59,7 +59,7 @@ def get_config(arg: str | None = None):
         # over `fsdp`, no expert weight gathered) and, off TPU, `sorted` for prefill and the
         # update, never `ragged` (XLA:GPU lowers it with far larger
         # temporaries: update 275 vs 91 GiB per GPU, see the AOT result above). One 30B MoE block
-        # on an H100 (benchmarks/RESULTS.md, "One H100"): dense 1.3 ms vs sorted 6.4 ms at 256
+        # on an H100 (benchmarks/NOTEBOOK.md, "One H100"): dense 1.3 ms vs sorted 6.4 ms at 256
         # tokens; sorted 21.4 ms with 512-row blocks vs 47.7 ms with 128 at 16,384 tokens.
         c.model.moe_impl = ""
         c.model.moe_dense_max_tokens = 256

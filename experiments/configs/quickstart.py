@@ -39,7 +39,7 @@ def get_config():
     # spans 256 positions, not 512. A step trains ~30 Solver, ~4.4 Verifier and ~1.4 Corrector
     # examples. With 3 long rows, 8 short ones and 5% of the Verifier traces (~26 / 1.4 / 1.3),
     # 67-80% of the Verifier's replies in RL held no readable verdict; with these, 30-58%
-    # (experiments/RESULTS.md, "The main job's Verifier").
+    # (experiments/NOTEBOOK.md, "The main job's Verifier").
     c.sft.rows, c.sft.row_tokens = 6, 512
     c.sft.short_rows, c.sft.short_row_tokens = 10, 256
     c.sft.solver_error_rate, c.sft.verifier_flawed_rate = 0.5, 0.5

@@ -69,7 +69,7 @@ def sft_config(c):
     # Continues the committed warm start (experiments/results/study/warm_start: 3,250 steps on
     # Study 4's traces, whose Verifier recomputed the value) on the current traces. The study's
     # SFT model, experiments/results/study/sft, came from this recipe in four phases (Studies 5
-    # and 6 of experiments/RESULTS.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt
+    # and 6 of experiments/NOTEBOOK.md). It is the `small` arch (0.86M; the 3.3M `medium` learnt
     # no faster per wall-clock minute here).
     c.model.checkpoint = WARM_START
     c.sft.steps = 1000
@@ -89,14 +89,14 @@ def sft_config(c):
 
 def rl_config(c, variant: str):
     # 600 steps: MarsRL-S's held-out Solver rose ~1 point a 100 steps from step 200 (probe 65.6
-    # -> 70.7 at step 600; experiments/RESULTS.md, "MarsRL-S at T=0.6 to 600+ steps").
+    # -> 70.7 at step 600; experiments/NOTEBOOK.md, "MarsRL-S at T=0.6 to 600+ steps").
     c.total_steps = 600
     c.model.checkpoint = f"{ROOT}/sft/model"
     c.rollout.roles_trained = VARIANTS[variant]
     c.rollout.mode = "pipeline"
     # 32 problems a step, one update of lr 3e-5 a step: the fastest setting measured whose update
     # raises the policy's reward against a no-update control (+1.3 +-0.4 points over 100 MarsRL-S
-    # steps); 8 problems and two updates of 1e-4 a step lowered it (experiments/RESULTS.md, "RL
+    # steps); 8 problems and two updates of 1e-4 a step lowered it (experiments/NOTEBOOK.md, "RL
     # against a no-update control").
     c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.fan_out = 32, 8, 1
     c.rollout.max_stages = 3

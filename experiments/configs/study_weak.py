@@ -13,14 +13,14 @@ history) on the current traces at lr 1e-3, cosine over 750 steps (Study 6's p9 r
 step-750 model is `study.py`'s warm start), probing each role every 50 steps and saving
 `model_step<N>/`; the weak warm start is its step-`WEAK_STEP` model, chosen on those probes
 against the bar of experiments/RESULTS.md (Study 7) before any RL, and committed in
-`RESULTS/sft` (a rebuild on another CPU is another model: the amendment in RESULTS.md).
+`RESULTS/sft` (a rebuild on another CPU is another model: the amendment in NOTEBOOK.md).
 
 RL differs from `study.py`'s where the paper's recipe does: `adaptive` selection for the Corrector
 stage (it revises a report that rightly found an error whenever the group holds one), rollouts at
 T=1.0 (top_p 1.0) so that the groups of hard problems are not all wrong; the Verifier stage's
 selection is `balanced` (a right or a wrong solution, each half the time, whenever the Solver's
 group holds both): under `adaptive` it judged a wrong solution ~94% of the time and learnt to
-answer "Wrong" to everything by step 50 (the amendment in experiments/RESULTS.md, Study 7). For
+answer "Wrong" to everything by step 50 (the amendment in experiments/NOTEBOOK.md, Study 7). For
 the session's budget: lr 1e-4 (as Study 6's run B, whose held-out Solver ended where lr 3e-5's
 did) and probes of 256 held-out problems every 25 steps. Rollouts run on the rollout scheduler in
 pipeline mode (`mars_jax.rl.streaming`) on the continuous-batching engine: one engine across
@@ -39,7 +39,7 @@ RESULTS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "result
 # Study 5's SFT model, committed at this revision (study.sh extracts it to <root>/p8).
 P8_COMMIT, P8_PATH = "cbe1455", "experiments/results/study/sft/model"
 SFT_STEPS = 750
-# The probed SFT step taken as the warm start (Study 7 of experiments/RESULTS.md): of the two
+# The probed SFT step taken as the warm start (Study 7 of experiments/NOTEBOOK.md): of the two
 # evaluated, step 250 missed the bar's Corrector clause (in-loop fix rate 18.4% [16.2, 20.8] >
 # 15%), step 200 missed it by 0.4 points (15.4% [13.3, 17.6]) and met the others.
 # RESULTS/eval/base holds step 200's evaluation, which study.sh reuses: change the two together.

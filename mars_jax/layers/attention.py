@@ -6,7 +6,7 @@ Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_atte
 when the queries span more than one block and the dense scores would take more than
 `AUTO_DENSE_MAX_SCORE_BYTES` (512 MiB): where the scores fit, the dense kernel is the faster one
 (on this project's CPU the toy study's RL update, at 768-1,024 columns, took 48 s dense against
-107 s blockwise; benchmarks/RESULTS.md). `impl='flash'` runs blockwise except for one query a
+107 s blockwise; benchmarks/NOTEBOOK.md). `impl='flash'` runs blockwise except for one query a
 row (a decode step): its scores are one row a head, and the dense kernel reads the cache in its
 own layouts, where the blockwise one would read a transposed copy of each layer's cache.
 

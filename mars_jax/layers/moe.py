@@ -12,13 +12,13 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
            (the default rules put `fsdp` there), XLA's partitioner runs it expert-parallel in the
            programs compiled so far (CPU, GPU and TPU): tokens are gathered, each chip runs its
            own experts, the partial outputs are reduced, and no expert weight is gathered
-           (benchmarks/RESULTS.md, "Expert-parallel decode on the `fsdp` mesh").
+           (benchmarks/NOTEBOOK.md, "Expert-parallel decode on the `fsdp` mesh").
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
            per block, scanned block by block; `auto`'s path off TPU for large token counts.
   ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. `auto`
            picks it on TPU only (above `dense_max_tokens`), where XLA lowers it to a
            grouped-matmul kernel; XLA:GPU (jax 0.10) rewrites it to one dense dot over a one-hot
-           `[tokens*k, E*H]` operand, E times the grouped FLOPs (benchmarks/RESULTS.md, "One
+           `[tokens*k, E*H]` operand, E times the grouped FLOPs (benchmarks/NOTEBOOK.md, "One
            H200"), so on GPU `auto` follows the CPU rule (`dense` for few tokens or tiny
            experts, else `sorted`).
   capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are

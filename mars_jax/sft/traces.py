@@ -20,7 +20,7 @@ It takes the claim's units digit, subtracts it from the expression and reduces t
 digits (every value modulo 10: 100 facts an operation instead of one for each pair of running
 value and operand); the claim is right (up to a multiple of 10) when the digit reached is 0. The
 check is sound for `+ - *` (a non-zero digit proves an error) and misses only errors that keep
-the units digit, which the models of experiments/RESULTS.md's Study 4 almost never make. The
+the units digit, which the models of experiments/NOTEBOOK.md's Study 4 almost never make. The
 claim's digit enters the reduction as one more operand, so the fact that decides is an ordinary
 reduction line (a 0.86M model compared two digits, or took their difference on a line of its
 own, no better than chance while it reduced correctly). Its Wrong reply for `12 - 5 + 3 = 12`:
