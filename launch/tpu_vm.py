@@ -152,7 +152,9 @@ def load_run_config(run_args: Sequence[str]):
     config_args = [a for a in run_args if re.match(r"--(no)?config[.=]", a)]
     if not any(a.startswith("--config=") for a in config_args):
         raise ValueError("run.py arguments: no --config=")
-    sys.path.insert(0, str(REPO / "experiments" / "configs"))  # configs import `common`
+    configs = str(REPO / "experiments" / "configs")
+    if configs not in sys.path:
+        sys.path.insert(0, configs)  # the config files import `common`
     resolved = []
     for arg in config_args:
         if arg.startswith("--config="):
