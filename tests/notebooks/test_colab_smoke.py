@@ -1,6 +1,7 @@
 """The Colab smoke notebook runs headless, top to bottom, on CPU (slow tier: several minutes): its
 install cell finds this checkout and installs nothing, its main-command cell runs README's main
 command (shortened here), the rest trains and evaluates in the kernel."""
+import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ def test_colab_smoke_notebook_executes(monkeypatch, tmp_path):
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel gets one CPU device, like Colab
     monkeypatch.delenv("MARS_JAX_REPO", raising=False)  # found as the notebook folder's parent
-    monkeypatch.setenv("MARS_JAX_NOTEBOOK_RUN_ARGS",  # the main command, 2 steps of a tiny warm start
+    # The main command: 2 steps after a 4-step warm start, the programs from the tests' cache.
+    monkeypatch.setenv("MARS_JAX_NOTEBOOK_RUN_ARGS",
                        f"--config.total_steps=2 --config.sft.steps=4 "
-                       f"--config.warm_start.cache_dir={tmp_path / 'warm_start'}")
+                       f"--config.warm_start.cache_dir={tmp_path / 'warm_start'} "
+                       f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=1800, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})
