@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_env import optimization_flag
+
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "colab_smoke.ipynb"
 
 
@@ -13,7 +15,8 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "colab_smoke.ipyn
 def test_colab_smoke_notebook_executes(monkeypatch, tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel gets one CPU device, like Colab
+    # The kernel and the main command get one CPU device, like Colab, at the tests' XLA level.
+    monkeypatch.setenv("XLA_FLAGS", optimization_flag())
     monkeypatch.delenv("MARS_JAX_REPO", raising=False)  # found as the notebook folder's parent
     # The main command: 2 steps after a 4-step warm start, the programs from the tests' cache.
     monkeypatch.setenv("MARS_JAX_NOTEBOOK_RUN_ARGS",
