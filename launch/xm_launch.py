@@ -13,12 +13,18 @@ let the jobs run with the project's Python (`--python`):
 
 The sweep is the config file's `get_sweep()` unless `--grid` is given. Each run is one work unit of
 one experiment on the `xm_local.Local` executor (a local process, no Docker); its workdir is
-`<workdir>/<run name>`. `--dry_run` prints the command lines instead (no xmanager needed).
+`<workdir>/<run name>`. Each runs under launch/restart.py: rerun on exit 75 (preempted) or 74
+(storage unavailable), up to `--max_restarts` times. `--venv=DIR` runs the jobs in a Python 3.11
+venv made there with uv (the project installed with constraints.txt) when DIR has none; the
+jobs' Python must be 3.11 or newer. `--dry_run` prints the command lines instead (no xmanager
+needed).
 """
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +32,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sweep as sweep_lib  # noqa: E402
+import python_env  # noqa: E402
 
 try:
     from xmanager import xm, xm_local
@@ -41,6 +48,10 @@ _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds for --grid.")
 _RUN_ARGS = flags.DEFINE_multi_string("run_arg", [], "Extra argument for every run.")
 _TITLE = flags.DEFINE_string("title", "mars_jax sweep", "Experiment title.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the run commands, launch nothing.")
+_VENV = flags.DEFINE_string("venv", "", "Run the jobs with DIR/bin/python, made (uv, Python "
+                            "3.11, the project) when missing; replaces --python.")
+_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 3, "Reruns of a job on exit 75 / 74.")
+_BACKOFF_S = flags.DEFINE_float("backoff_s", 10.0, "First wait before a rerun (doubles).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -57,6 +68,13 @@ def expand(config: str, grid: Sequence[str], seeds: Sequence[int] | None) -> lis
     return points
 
 
+def job_command(python: str, max_restarts: int, backoff_s: float) -> list[str]:
+    """The executable part of every job: run.py under launch/restart.py (the run's own
+    arguments follow)."""
+    return [python, str(sweep_lib.REPO / "launch" / "restart.py"), f"--max_restarts={max_restarts}",
+            f"--backoff_s={backoff_s:g}", "--", python, str(sweep_lib.RUN_PY)]
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
     try:
@@ -67,16 +85,27 @@ def main(argv: Sequence[str]) -> None:
     runs = [(sweep_lib.run_name(p),
              sweep_lib.run_args(_CONFIG.value, os.path.join(_WORKDIR.value, sweep_lib.run_name(p)),
                                 p, _RUN_ARGS.value)) for p in points]
+    python = os.path.join(_VENV.value, "bin", "python") if _VENV.value else _PYTHON.value
+    if _VENV.value and not os.path.exists(python):
+        uv = shutil.which("uv") or "uv"
+        for command in python_env.make_commands(_VENV.value, uv=uv):
+            print(shlex.join(command), flush=True)
+            if not _DRY_RUN.value:
+                subprocess.run(command, check=True)
+    command = job_command(python, _MAX_RESTARTS.value, _BACKOFF_S.value)
     if _DRY_RUN.value:
         for _, args in runs:
-            print(shlex.join([_PYTHON.value, str(sweep_lib.RUN_PY), *args]))
+            print(shlex.join([*command, *args]))
         return
+    try:
+        python_env.check_python(python)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     if xm is None:
         raise app.UsageError("xmanager is not installed in this environment; see the docstring")
     with xm_local.create_experiment(experiment_title=_TITLE.value) as experiment:
         [executable] = experiment.package([xm.binary(
-            executor_spec=xm_local.Local.Spec(), path=_PYTHON.value,
-            args=[str(sweep_lib.RUN_PY)])])
+            executor_spec=xm_local.Local.Spec(), path=command[0], args=command[1:])])
         for name, args in runs:
             experiment.add(xm.Job(executable, executor=xm_local.Local(), args=args, name=name))
     print(f"experiment {experiment.experiment_id}: {len(runs)} runs under {_WORKDIR.value}")

@@ -411,7 +411,8 @@ def _data(config: ConfigDict, device_count: int) -> Iterator[Problem]:
     yield Problem("data.manual_dir", f"no {file_name} for {name}/{split} in "
                   f"{manual_dir or '(no data dir found)'} and the dataset is not prepared in "
                   f"{data.data_dir or 'the TFDS data dir'}",
-                  f"set data.manual_dir (or ${MANUAL_DIR_ENV}) to a directory holding {file_name}")
+                  f"set data.manual_dir (or ${MANUAL_DIR_ENV}) to a directory holding {file_name} "
+                  "(`python -m mars_jax.data.fetch --out=DIR` writes one)")
 
 
 @_rule("job", "eval.probe_every", "eval.dataset")

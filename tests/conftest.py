@@ -40,6 +40,23 @@ def hf_moe_dir(tmp_path_factory):
     return hf_fixtures.save_tiny_hf(tmp_path_factory.mktemp("hf_moe"), moe=True)
 
 
+@pytest.fixture(scope="session")
+def problem_data_dir() -> str:
+    """The data dir the loaders read by default; skips the test, naming the command that writes
+    it, when it lacks any file `python -m mars_jax.data.fetch` writes."""
+    from mars_jax.data import fetch
+    from mars_jax.data.paths import MANUAL_DIR_ENV, default_manual_dir
+    hint = f"run `python -m mars_jax.data.fetch` (writes ../shared/data, or ${MANUAL_DIR_ENV})"
+    try:
+        directory = default_manual_dir()
+    except FileNotFoundError:
+        pytest.skip(f"no problem data dir: {hint}")
+    missing = [name for name in fetch.FILES if not os.path.isfile(os.path.join(directory, name))]
+    if missing:
+        pytest.skip(f"{directory} has no {', '.join(missing)}: {hint}")
+    return directory
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _drop_compiled_programs():
     """Drops a test file's compiled programs when it ends (the next file loads what it needs

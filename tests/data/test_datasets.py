@@ -29,7 +29,7 @@ FILES = {
 
 
 @pytest.fixture(scope="session")
-def tfds_dir(tmp_path_factory):
+def tfds_dir(tmp_path_factory, problem_data_dir):
     """One TFDS data dir for the session, with every problem set built once."""
     data_dir = tmp_path_factory.mktemp("tfds")
     for name, split in EXPECTED_ROWS:
@@ -37,16 +37,16 @@ def tfds_dir(tmp_path_factory):
     return data_dir
 
 
-def _jsonl(file_name):
-    with open(os.path.join(default_manual_dir(), file_name), encoding="utf-8") as f:
+def _jsonl(directory, file_name):
+    with open(os.path.join(directory, file_name), encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
 
 @pytest.mark.parametrize("name, split", list(EXPECTED_ROWS))
-def test_rows_equal_the_source_file(tfds_dir, name, split):
+def test_rows_equal_the_source_file(tfds_dir, problem_data_dir, name, split):
     records = datasets.load(name, split, data_dir=tfds_dir)
     assert len(records) == EXPECTED_ROWS[(name, split)]
-    source = _jsonl(FILES[(name, split)])
+    source = _jsonl(problem_data_dir, FILES[(name, split)])
     assert len(source) == len(records)
     for record, row in zip(records, source):  # same order as the file
         assert (record["id"], record["problem"], record["answer"]) == (row["id"], row["problem"], row["answer"])

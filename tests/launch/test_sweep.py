@@ -65,30 +65,65 @@ def test_paper_and_runlocal_configs():
         module.get_config("ckpt=/x,fast")
 
 
+QUICKSTART = "--config=experiments/configs/quickstart.py"  # generated arith problems only
+
+
 def test_tpu_vm_commands(monkeypatch):
     monkeypatch.delenv("MARS_JAX_DATA_DIR", raising=False)
-    tpu = tpu_vm.Slice("marsrl", "us-east5-a", "v5p-512", project="p")
+    tpu = tpu_vm.Slice("marsrl", "us-east5-a", "v5p-512", project="p", max_restarts=4)
     [create] = tpu.commands("create")
     assert create[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "marsrl"]
     assert "--accelerator-type=v5p-512" in create and "--project=p" in create
-    everything = tpu.commands("all", ["--config=c.py", "--workdir=/mnt/w"])
+    everything = tpu.commands("all", [f"--config={CONFIG}:ckpt=/mnt/qwen", "--workdir=/mnt/w"])
     assert [c[4] if c[0] == "gcloud" else c[0] for c in everything] == [
         "create", "tar", "tar", "scp", "ssh", "ssh", "ssh"]
     data_archive, unpack = everything[2], everything[4][-3]
     assert data_archive[-3:] == ["-C", str(ROOT.parent / "shared" / "data"), "."]
     assert "tar -xzf /tmp/mars_jax_data.tgz -C ~/shared/data" in unpack  # ~/mars_jax/../shared
-    run = everything[-1]
-    assert "--worker=all" in run
-    assert any("experiments/run.py --distributed=on --config=c.py --workdir=/mnt/w" in a
-               for a in run)
+    setup, run = everything[-2][-3], everything[-1][-3]
+    assert "uv venv --python 3.11 ~/mars_jax_venv" in setup
+    assert "-c constraints.txt -e '.[tpu]'" in setup
+    assert "--worker=all" in everything[-1]
+    assert run.startswith("--command=cd ~/mars_jax && ~/mars_jax_venv/bin/python launch/restart.py "
+                          "--max_restarts=4 --backoff_s=30 -- ~/mars_jax_venv/bin/python "
+                          f"experiments/run.py --distributed=on --config={CONFIG}:ckpt=/mnt/qwen "
+                          "--workdir=/mnt/w")
     for action in ("run", "all"):
         with pytest.raises(ValueError, match=f"{action}: pass experiments/run.py arguments"):
             tpu.commands(action)
     with pytest.raises(ValueError, match="action: 'start'"):
         tpu.commands("start")
     monkeypatch.setenv("MARS_JAX_DATA_DIR", "/nonexistent/data")
-    with pytest.raises(ValueError, match="copy: no problem data at /nonexistent/data"):
-        tpu.commands("copy")
+    with pytest.raises(ValueError, match="copy: the run reads problem files, and there is no "
+                                         "problem data at /nonexistent/data"):
+        tpu.commands("copy", ["--config=experiments/configs/eval_system.py:aime2025"])
+
+
+@pytest.mark.parametrize("run_args, reads", [
+    ([QUICKSTART, "--workdir=/w"], False),
+    (["--config=experiments/configs/smoke.py", "--config.data.name=gsm8k"], True),
+    (["--config=experiments/configs/smoke.py", "--config.data.name=gsm8k",
+      "--config.data.manual_dir=/mnt/data"], False),  # the run names its own data dir
+    (["--config=experiments/configs/eval_system.py:aime2025"], True),
+    (["--config=experiments/configs/eval_system.py"], False),  # arith
+])
+def test_tpu_vm_copies_data_only_for_runs_that_read_it(monkeypatch, run_args, reads):
+    monkeypatch.setenv("MARS_JAX_DATA_DIR", "/nonexistent/data")  # no data here: fine if unread
+    assert tpu_vm.reads_problem_files(run_args) is reads
+    if not reads:
+        tpu = tpu_vm.Slice("marsrl", "us-east5-a")
+        everything = tpu.commands("all", run_args)
+        assert [c[4] if c[0] == "gcloud" else c[0] for c in everything] == [
+            "create", "tar", "scp", "ssh", "ssh", "ssh"]
+        assert "mars_jax_data" not in " ".join(" ".join(c) for c in everything)
+        assert [c[0] for c in tpu.commands("copy")] == ["tar", "gcloud", "gcloud"]
+
+
+def test_tpu_vm_config_errors_are_named():
+    with pytest.raises(ValueError, match="no --config="):
+        tpu_vm.reads_problem_files(["--workdir=/w"])
+    with pytest.raises(ValueError, match="run.py arguments: .*nope"):
+        tpu_vm.reads_problem_files([QUICKSTART, "--config.nope=1"])
 
 
 def test_xm_launch_seeds_without_a_grid_is_refused():
@@ -101,3 +136,24 @@ def test_xm_launch_seeds_without_a_grid_is_refused():
                              capture_output=True, text=True, cwd=ROOT, check=True)
     assert [line.endswith("--config.seed=3") or line.endswith("--config.seed=4")
             for line in gridded.stdout.splitlines()] == [True, True]
+
+
+def test_xm_launch_runs_each_job_under_the_restart_loop_in_a_3_11_venv(tmp_path):
+    import subprocess
+    python_env = _module(ROOT / "launch" / "python_env.py")
+    venv = tmp_path / "venv"
+    dry = subprocess.run([sys.executable, str(ROOT / "launch" / "xm_launch.py"), "--dry_run",
+                          "--workdir=/tmp/sweep", "--config=experiments/configs/smoke.py",
+                          "--grid=config.seed=1", "--seeds=0", f"--venv={venv}", "--max_restarts=2"],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout.splitlines()
+    python = f"{venv}/bin/python"
+    assert dry[0].endswith(f"venv --python 3.11 {venv}")
+    assert f"pip install --python {python} -c {ROOT}/constraints.txt -e {ROOT}" in dry[1]
+    assert dry[2].startswith(f"{python} {ROOT}/launch/restart.py --max_restarts=2 --backoff_s=10 -- "
+                             f"{python} {ROOT}/experiments/run.py --config=experiments/configs/smoke.py")
+    old = tmp_path / "python3.10"
+    old.write_text("#!/bin/sh\necho 3 10\n")
+    old.chmod(0o755)
+    with pytest.raises(ValueError, match="is Python 3.10; the project needs 3.11 or newer"):
+        python_env.check_python(str(old))
+    python_env.check_python(sys.executable)

@@ -16,7 +16,6 @@ import os
 
 import pytest
 
-from mars_jax.data.paths import default_manual_dir
 from mars_jax.rewards import grader
 
 RESPONSE_HARNESSES = {"openr1_accuracy_reward", "rllm_reward_math"}
@@ -32,8 +31,8 @@ TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def cases() -> list[dict]:
-    path = os.path.join(default_manual_dir(), "grader_cases.jsonl")
+def cases(problem_data_dir) -> list[dict]:
+    path = os.path.join(problem_data_dir, "grader_cases.jsonl")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
