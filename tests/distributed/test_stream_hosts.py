@@ -1,11 +1,12 @@
 """The streaming scheduler on two processes (4 fake CPU devices each, one engine per host) run
-through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`):
+through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`), the
+same config as one process runs (`learner.micro_batch_size` counts the rows of all hosts):
 
 * sequential mode trains what one process on 8 devices trains (token ids and rewards per
   rollout uid), and its parameters after 3 updates agree within float32 summation order;
 * pipeline mode with a rollout submesh per host (2 of each host's 4 devices) keeps every trained
-  sample within the staleness bound, and each copy of the weights reaches every host's engine
-  equal to the trainer's;
+  sample within the staleness bound, each copy of the weights reaches every host's engine
+  equal to the trainer's, and the update's thread launches no program on a rollout device;
 * both processes SIGKILLed mid-run and restarted end with the metrics of an uninterrupted run.
 """
 import json
@@ -31,6 +32,7 @@ OVERRIDES = [
     "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.max_stages=3",
     "--config.rollout.engine_slots=8", "--config.data.shuffle=False",
     "--config.checkpoint.every_steps=1",
+    "--config.learner.micro_batch_size=8",  # rows per micro-batch over all hosts
 ]
 TIMING = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_seconds",
           "sync/seconds")
@@ -73,8 +75,7 @@ def _metrics(workdir: Path) -> list[dict]:
 
 def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
     sequential = ["--config.rollout.mode=sequential"]
-    runs = (_start(tmp_path / "one", 1, *sequential, "--config.learner.micro_batch_size=8")
-            + _start(tmp_path / "two", 2, *sequential, "--config.learner.micro_batch_size=4"))
+    runs = _start(tmp_path / "one", 1, *sequential) + _start(tmp_path / "two", 2, *sequential)
     finish(runs, timeout=900)
     one, two = _trained(tmp_path / "one", 1), _trained(tmp_path / "two", 2)
     assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in two]
@@ -92,8 +93,7 @@ def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
 
 def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
     runs = _start(tmp_path, 2, "--config.rollout.mode=pipeline",
-                  "--config.rollout.staleness_bound=1", "--config.mesh.rollout.devices=2",
-                  "--config.learner.micro_batch_size=4")
+                  "--config.rollout.staleness_bound=1", "--config.mesh.rollout.devices=2")
     finish(runs, timeout=900)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     hosts = [rows] + [[json.loads(line) for line in
@@ -104,11 +104,14 @@ def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
         assert all(r["sync/bytes"] > 0 for r in host)
     for process in range(2):  # the initial copy and one after each update
         assert _records(tmp_path, process, "copy_equal") == [True] * 4
+        # The update's thread runs programs on the training devices only (launch/README.md).
+        programs = _records(tmp_path, process, "update_thread_program")
+        assert "jit(train_step)" in {name for name, _ in programs}
+        assert [name for name, on_rollout_device in programs if on_rollout_device] == []
 
 
 def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
-    pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4",
-                "--config.learner.micro_batch_size=4"]
+    pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     finish(_start(straight, 2, *pipeline), timeout=900)
     runs = _start(killed, 2, *pipeline)
