@@ -61,7 +61,8 @@ class LearnerConfig:
 
 
 class UpdateStopped(Stopped):
-    """`train_mini_batches` stopped before its end; `state` is the state it started from (on device)."""
+    """`train_mini_batches` stopped before its end; `state` is the state it started from (on
+    device)."""
 
     def __init__(self, state: Any, updates_done: int) -> None:
         super().__init__(f"update stopped after {updates_done} optimizer updates; the state "
@@ -118,9 +119,9 @@ def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_
                        ) -> tuple[TrainState, list[dict[str, float]]]:
     """`learner.ppo_epochs` passes of one optimizer update per mini-batch of `batches`
     (`split_mini_batches`); returns the new state and each update's metrics, in order. Runs
-    programs only on the devices of `state`, `ref_params` and `batches`, so a worker thread can run it beside
-    a decode on other devices. `should_stop` (module docstring) is called equally often on every
-    host and must answer alike on all; when it says so, raises `UpdateStopped`."""
+    programs only on the devices of `state`, `ref_params` and `batches`, so a worker thread can
+    run it beside a decode on other devices. `should_stop` (module docstring) is called equally
+    often on every host and must answer alike on all; when it says so, raises `UpdateStopped`."""
     start = state
     if should_stop is not None and learner.ppo_epochs * len(batches) > 1:
         start = _to_memory(state, "pinned_host")  # the updates donate `state`

@@ -2,8 +2,9 @@
 through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`), the
 same config as one process runs (`learner.micro_batch_size` counts the rows of all hosts):
 
-* sequential mode trains what one process on 8 devices trains (token ids and rewards per
-  rollout uid), and its parameters after 3 updates agree within float32 summation order;
+* sequential mode on 2 processes of 4 devices and on 4 of one device trains what one process
+  on 8 devices trains (token ids and rewards per rollout uid), and its parameters after 3
+  updates agree within float32 summation order;
 * pipeline mode with a rollout submesh per host (2 of each host's 4 devices) keeps every trained
   sample within the staleness bound, each copy of the weights reaches every host's engine
   equal to the trainer's, and the update's thread launches no program on a rollout device;
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.cpu_env import cpu_env
 from tests.distributed.processes import finish, free_port
@@ -34,6 +36,7 @@ OVERRIDES = [
     "--config.checkpoint.every_steps=1",
     "--config.learner.micro_batch_size=8",  # rows per micro-batch over all hosts
 ]
+SEQUENTIAL = ("--config.rollout.mode=sequential",)
 TIMING = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_seconds",
           "sync/seconds")
 
@@ -45,8 +48,10 @@ def _command(workdir: Path, *extra: str) -> list[str]:
             *OVERRIDES, *extra]
 
 
-def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]:
-    env = cpu_env(devices=8 // processes, PYTHONPATH=str(ROOT))
+def _start(workdir: Path, processes: int, *extra: str, devices: int = 0
+           ) -> list[subprocess.Popen]:
+    """The run on `processes` processes of `devices` fake CPU devices each (0: 8 in all)."""
+    env = cpu_env(devices=devices or 8 // processes, PYTHONPATH=str(ROOT))
     hosts = [] if processes == 1 else [f"--coordinator_address=localhost:{free_port()}",
                                        f"--num_processes={processes}"]
     return [subprocess.Popen(
@@ -73,19 +78,32 @@ def _metrics(workdir: Path) -> list[dict]:
             for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
-    sequential = ["--config.rollout.mode=sequential"]
-    runs = _start(tmp_path / "one", 1, *sequential) + _start(tmp_path / "two", 2, *sequential)
-    finish(runs, timeout=900)
-    one, two = _trained(tmp_path / "one", 1), _trained(tmp_path / "two", 2)
-    assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in two]
-    assert one == two
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The workdir of the sequential run on one process of 8 devices."""
+    workdir = tmp_path_factory.mktemp("one")
+    finish(_start(workdir, 1, *SEQUENTIAL), timeout=900)
+    return workdir
+
+
+@pytest.mark.parametrize("processes, devices", [
+    (2, 4), pytest.param(4, 1, marks=pytest.mark.slow)])  # 4 processes: ~11 min on 2 busy cores
+def test_hosts_in_sequential_mode_train_what_one_process_trains(one_process, tmp_path,
+                                                                processes, devices):
+    finish(_start(tmp_path, processes, *SEQUENTIAL, devices=devices), timeout=900)
+    one, many = _trained(one_process, 1), _trained(tmp_path, processes)
+    assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in many]
+    assert one == many
     rewards = [reward for update in one for _, reward in update.values()]
     assert 0 < np.mean(rewards) < 1  # rewards vary within groups: the updates move weights
-    assert {uid.split("/")[0] for uid in two[0]} == {"p0", "p1"}  # one problem per host
-    assert all(row["update/grad_norm"] > 0.1 for row in _metrics(tmp_path / "two"))
-    _, single, _ = harness.latest_checkpoint(tmp_path / "one")
-    step, multi, version = harness.latest_checkpoint(tmp_path / "two")
+    # Host h takes problems h, h + processes, ...: in the first update hosts 0 and 1 train one
+    # problem each and any others contribute padding rows.
+    first = [_records(tmp_path, p, "trained")[0] for p in range(processes)]
+    assert [sorted({uid.split("/")[0] for uid, _, _ in host}) for host in first] == (
+        [["p0"], ["p1"]] + [[]] * (processes - 2))
+    assert all(row["update/grad_norm"] > 0.1 for row in _metrics(tmp_path))
+    _, single, _ = harness.latest_checkpoint(one_process)
+    step, multi, version = harness.latest_checkpoint(tmp_path)
     assert step == 3 and version == 3
     for a, b in zip(single, multi, strict=True):  # the same sums in another order
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
