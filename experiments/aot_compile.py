@@ -22,6 +22,9 @@ Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `
             a half-size state and written back (`engine._take_slots` / `_put_slots`)
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
   update    `rl.update.train_step` over one step's micro-batches
+The micro-batches have `learner.micro_batch_size` rows over the whole training mesh, as the
+trainer builds them on any number of hosts: each host an equal share (`host_micro_batch` in
+the printed shapes; a size the target's hosts cannot share evenly exits 2).
 By default the programs the config's decode path runs (`step_programs`).
 With `mesh.rollout.devices` > 0 the devices are split (`builders.build_meshes`): the decode
 programs compile on the rollout submesh, logprobs and update on the training submesh, and it
@@ -69,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding, weight_sync  # noqa: E402
-from mars_jax.config_validation import ConfigError, validate  # noqa: E402
+from mars_jax.config_validation import ConfigError, micro_batch_problem, validate  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
 from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
@@ -137,7 +140,8 @@ class Shapes:
     decode_batch: int
     prompt_len: int
     new_tokens: int
-    micro_batch: int
+    micro_batch: int  # rows per micro-batch over the whole training mesh
+    host_micro_batch: int  # each host's share of them
     num_micro: int
     train_len: int
 
@@ -219,11 +223,17 @@ def model_config(config: ConfigDict, num_layers: int = 0, tpu: bool = True) -> Q
     return cfg.replace(num_hidden_layers=num_layers) if num_layers else cfg
 
 
+def mesh_hosts(mesh: Mesh | None) -> int:
+    """The processes (hosts) owning `mesh`'s devices; 1 without a mesh."""
+    return 1 if mesh is None else len({device.process_index for device in mesh.devices.flat})
+
+
 def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows (at most
     `max_decode_rows`) in the sampler's batch bucket on `mesh`, the longest prompt and output
     budget, and one mini-batch (`learner.mini_batches` per step) of training rows of prompt +
-    output, at least `learner.min_length` long and `learner.min_micro_batches` micro-batches."""
+    output, at least `learner.min_length` long and `learner.min_micro_batches` micro-batches
+    of `learner.micro_batch_size` rows, each of `mesh`'s hosts building an equal share."""
     r, learner = config.rollout, config.learner
     rows = r.prompts_per_step * r.group_size
     decode_batch = sampler._batch_bucket(
@@ -233,7 +243,7 @@ def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
     micro = learner.micro_batch_size
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                  micro_batch=micro,
+                  micro_batch=micro, host_micro_batch=micro // mesh_hosts(mesh),
                   num_micro=pow2_at_least(-(-rows // (micro * learner.mini_batches)),
                                           learner.min_micro_batches),
                   train_len=pow2_at_least(r.max_prompt_tokens + max(r.max_new_tokens.values()),
@@ -613,6 +623,8 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
     target = make_target(topology, num_slices)
     validate(config, base_config(), device_count=len(target.devices))
     train_mesh, rollout_mesh = sharding.make_meshes(config.mesh.to_dict(), target.devices)
+    if problem := micro_batch_problem(config.learner.micro_batch_size, mesh_hosts(train_mesh)):
+        raise ConfigError([problem])
     split = train_mesh is not rollout_mesh
     cfg = model_config(config, num_layers, tpu=topology.split(":")[0] not in GPU_SPECS)
     train = StepPrograms(config, cfg, train_mesh)

@@ -15,7 +15,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                `data` for train and sft, `eval.dataset` for eval_system), an HTTP evaluation
                has a server URL and model name, a warm start (`warm_start.sft`) has a cache
                directory and no `model.checkpoint`, the optimizer state is offloaded only on
-               one shared mesh.
+               one shared mesh, `learner.micro_batch_size` (rows per micro-batch over the
+               whole training mesh) splits evenly over the processes (`micro_batch_problem`).
 
 Rules that read a field with a schema or range problem are skipped, so one wrong value yields
 one message. `field_problem` and `field_type` check a `--config.<field>` override's name and
@@ -472,3 +473,23 @@ def _offload(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       f"True with mesh.rollout.devices={config.mesh.rollout.devices}: the "
                       "training devices never decode, so offloading frees nothing the engine uses",
                       "set it to False, or mesh.rollout.devices=0 for one shared mesh")
+
+
+def micro_batch_problem(micro_batch_size: int, processes: int) -> Problem | None:
+    """The problem of `learner.micro_batch_size` (rows per micro-batch over the whole training
+    mesh, each of `processes` hosts building an equal share of them) when it does not split
+    evenly over the hosts; None when it does."""
+    if micro_batch_size % processes == 0:
+        return None
+    return Problem("learner.micro_batch_size",
+                   f"{micro_batch_size} rows per micro-batch (over the whole training mesh) do "
+                   f"not split evenly over {processes} processes (hosts), each of which builds "
+                   "an equal share",
+                   f"set it to a multiple of {processes}, e.g. "
+                   f"{max(processes, micro_batch_size // processes * processes)}")
+
+
+@_rule("learner.micro_batch_size")
+def _micro_batch(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    if problem := micro_batch_problem(config.learner.micro_batch_size, jax.process_count()):
+        yield problem

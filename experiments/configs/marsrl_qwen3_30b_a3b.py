@@ -129,7 +129,9 @@ def get_config(arg: str | None = None):
     # Optimizer: constant 1e-6.
     c.optimizer.learning_rate = 1e-6
     c.optimizer.schedule = "constant"
-    c.learner.micro_batch_size = 128  # one row per training chip of a 256-chip slice
+    # Rows per micro-batch over the whole training mesh (each host builds an equal share): one
+    # per training chip of v5p:8x8x4 (128 chips, 2 rows a host); v5p:4x4x4 (32) needs 32.
+    c.learner.micro_batch_size = 128
     c.learner.logits_chunk = 512
     # The update (the paper's Eq. 2): per-sequence token means averaged over the mini-batch;
     # 4 optimizer updates per step (verl's usual train / mini-batch ratio). Without routing

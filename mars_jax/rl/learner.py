@@ -61,7 +61,8 @@ class LearnerConfig:
 
 
 class UpdateStopped(Stopped):
-    """`ppo_update` stopped before its end; `state` is the state it started from (on device)."""
+    """`train_mini_batches` stopped before its end; `state` is the state it started from (on
+    device)."""
 
     def __init__(self, state: Any, updates_done: int) -> None:
         super().__init__(f"update stopped after {updates_done} optimizer updates; the state "
@@ -86,19 +87,41 @@ _TRAIN_STEP = CompiledTogether(train_step, "train_step")
 _POLICY_LOGPROBS = CompiledTogether(policy_logprobs, "policy_logprobs")
 
 
+def split_mini_batches(samples: Sequence[TrainSample], learner: LearnerConfig,
+                       rng: np.random.Generator,
+                       build_batch: Callable[[Sequence[TrainSample]], TrainBatch]
+                       ) -> list[TrainBatch]:
+    """The step's `learner.mini_batches` mini-batches of `samples` (`mini_batch_indices`), each
+    made a `TrainBatch` by `build_batch` from a possibly empty list of samples (in a multi-host
+    run: the global batch, so every host makes the same number of updates)."""
+    parts = mini_batch_indices(len(samples), learner.mini_batches, rng)
+    return [build_batch([samples[i] for i in part]) for part in parts]
+
+
 def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
                build_batch: Callable[[Sequence[TrainSample]], TrainBatch], ref_params: Any,
                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                update_config: UpdateConfig, learner: LearnerConfig, rng: np.random.Generator,
                should_stop: Callable[[], bool] | None = None
                ) -> tuple[TrainState, list[dict[str, float]]]:
-    """`learner.ppo_epochs * learner.mini_batches` optimizer updates on `samples`; returns the new
-    state and each update's metrics, in order. `build_batch` turns a (possibly empty) list of
-    samples into the mini-batch's `TrainBatch` (in a multi-host run: the global batch, so every
-    host makes the same number of updates). `should_stop` (module docstring) is called equally
+    """`train_mini_batches` on `split_mini_batches(samples, learner, rng, build_batch)`, on this
+    thread."""
+    return train_mini_batches(state, split_mini_batches(samples, learner, rng, build_batch),
+                              ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
+                              update_config=update_config, learner=learner,
+                              should_stop=should_stop)
+
+
+def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_params: Any,
+                       graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                       update_config: UpdateConfig, learner: LearnerConfig,
+                       should_stop: Callable[[], bool] | None = None
+                       ) -> tuple[TrainState, list[dict[str, float]]]:
+    """`learner.ppo_epochs` passes of one optimizer update per mini-batch of `batches`
+    (`split_mini_batches`); returns the new state and each update's metrics, in order. Runs
+    programs only on the devices of `state`, `ref_params` and `batches`, so a worker thread can
+    run it beside a decode on other devices. `should_stop` (module docstring) is called equally
     often on every host and must answer alike on all; when it says so, raises `UpdateStopped`."""
-    parts = mini_batch_indices(len(samples), learner.mini_batches, rng)
-    batches = [build_batch([samples[i] for i in part]) for part in parts]
     start = state
     if should_stop is not None and learner.ppo_epochs * len(batches) > 1:
         start = _to_memory(state, "pinned_host")  # the updates donate `state`

@@ -9,14 +9,15 @@ optimizer updates, `mars_jax.rl.learner`). The config is read through `mars_jax.
 With `mesh.rollout.devices > 0` the engine runs on its own
 submesh with its own copy of the weights (`weight_sync`, copied after every update, metrics
 `sync/*`); in pipeline mode it keeps decoding while the update runs in a worker thread on the
-training mesh (`StreamingRollouts.decode_while`).
+training mesh (`StreamingRollouts.decode_while`), which runs programs on the training devices
+only: its batches are built (and the hosts' joined) on the main thread before it starts.
 With `eval.probe_every` > 0 each role's decisions are sampled on held-out problems
 (`mars_jax.sft.probe`) before step 1 (a step-0 line) and after every `eval.probe_every`-th step.
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
 every host: between decode rounds (`StreamingRollouts`), between mini-batches of the update
-(`learner.ppo_update`); the loop also checks after
+(`learner.train_mini_batches`); the loop also checks after
 each step. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
 the train state from before step s's update (an update stopped half-way is redone:
 `learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: the
@@ -34,7 +35,8 @@ queues. Each host decodes on an engine of its own over its own devices (all, or 
 `mesh.rollout.devices`), with its own copy of the weights (`weight_sync.HostCopies`), and the
 hosts agree on the update cadence through `distributed.HostGroup` (`rl/streaming.py`), so a
 model's weights must fit one host's devices. The update
-trains on all hosts' samples joined into one global batch (`distributed.global_train_batch`);
+trains on all hosts' samples joined into one global batch (`distributed.global_train_batch`)
+of `learner.micro_batch_size` rows per micro-batch in all, each host building an equal share;
 checkpoints hold each host's data and queue state (`distributed.gather_process_meta`) and the
 recorded routing of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics
 are per host (host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are
@@ -58,13 +60,15 @@ from mars_jax import (builders, config_diff, console, distributed, memory_fit, o
                       preemption, run_config, sharding, weight_sync)
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
+from mars_jax.config_validation import ConfigError, micro_batch_problem
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl import queue_arrays
-from mars_jax.rl.learner import UpdateStopped, ppo_update, summarize_updates
+from mars_jax.rl.learner import (UpdateStopped, split_mini_batches, summarize_updates,
+                                 train_mini_batches)
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import init_train_state
@@ -75,6 +79,7 @@ from mars_jax.types import TrainBatch
 PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
 Preempted = preemption.Preempted  # raised after SIGTERM, once what can be saved is saved
 STEPS_DONE_KEY = "steps_done"  # meta of a checkpoint saved mid-step: the steps it completed
+UPDATE_THREAD = "update"  # the name of the thread that runs an update overlapped with decoding
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -137,9 +142,13 @@ def training_samples(groups: Sequence[list[Rollout]], *, drop_zero_variance: boo
 
 def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_config,
                   mesh: jax.sharding.Mesh) -> TrainBatch:
-    """This host's samples as a micro-batched `TrainBatch`, joined with the other hosts' into one
-    global batch when several processes run (a host without samples contributes padding)."""
-    micro, min_length = config.learner.micro_batch_size, config.learner.min_length
+    """This host's samples as a `TrainBatch` of its share of each micro-batch's
+    `learner.micro_batch_size` rows (the rows over the whole training mesh, split evenly over
+    the processes), joined with the other hosts' into one global batch of that many rows per
+    micro-batch when several processes run (a host without samples contributes padding). A
+    collective when several processes run: on the thread that owns every device (the main one)."""
+    micro = config.learner.micro_batch_size // jax.process_count()  # divides: checked in _train
+    min_length = config.learner.min_length
     if samples:
         batch = make_batch(samples, micro_batch_size=micro, min_length=min_length,
                            min_micro=config.learner.min_micro_batches, by_length=True,
@@ -262,6 +271,8 @@ def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str
 
 def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
            allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
+    if problem := micro_batch_problem(config.learner.micro_batch_size, jax.process_count()):
+        raise ConfigError([problem])
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
     copied_weights = rollout_mesh is not mesh  # the engine decodes on a copy of the weights
@@ -388,19 +399,23 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 metrics["samples/trained"] = len(samples)
                 history = None
                 if distributed.any_process(bool(samples)):
-                    def update(state=state, samples=samples, step=step):
+                    # Built here, not on the update's thread: joining the hosts' batches runs
+                    # programs on every device, the rollout ones included (launch/README.md).
+                    with sharding.use_mesh(mesh):
+                        batches = split_mini_batches(
+                            samples, learner, np.random.default_rng([config.seed, step]),
+                            lambda part: _global_batch(part, config, model_config, mesh))
+
+                    def update(state=state, batches=batches):
                         with sharding.use_mesh(mesh):
-                            return ppo_update(
-                                state, samples,
-                                build_batch=lambda part: _global_batch(part, config,
-                                                                       model_config, mesh),
-                                ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
-                                update_config=update_config, learner=learner,
-                                rng=np.random.default_rng([config.seed, step]),
-                                should_stop=update_stop)
+                            return train_mini_batches(
+                                state, batches, ref_params=ref_params, graphdef=graphdef,
+                                optimizer=optimizer, update_config=update_config,
+                                learner=learner, should_stop=update_stop)
 
                     if overlap:  # decode on the rollout devices during the update
-                        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                        with concurrent.futures.ThreadPoolExecutor(
+                                1, thread_name_prefix=UPDATE_THREAD) as pool:
                             running = pool.submit(update)
                             stream.decode_while(lambda: not running.done(), version)
                             state, history = running.result()

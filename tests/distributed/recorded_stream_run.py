@@ -1,7 +1,9 @@
 """experiments/run.py with parity rewards (`tests/fault/parity_reward_run.py`) that records, on
 each host, what it trains and whether each weight copy reached its engine intact, as lines of
 `{workdir}/record{process}.jsonl`: {"trained": [[uid, response ids, reward], ...]} per update,
-{"copy_equal": bool, "bytes": int} per copy of the weights to this host's engine. Test helper."""
+{"copy_equal": bool, "bytes": int} per copy of the weights to this host's engine,
+{"update_thread_program": [name, runs on a rollout device]} per device program the thread of an
+overlapped update launches (`tests/device_programs.py`). Test helper."""
 import json
 import sys
 from pathlib import Path
@@ -10,8 +12,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mars_jax import weight_sync
+from mars_jax import builders, weight_sync
 from mars_jax.rl import trainer
+from tests import device_programs
 from tests.fault import parity_reward_run
 
 
@@ -41,6 +44,22 @@ def install() -> None:
 
     trainer.training_samples = recorded_samples
     weight_sync.HostCopies.copy = checked_copy
+
+    rollout_devices: set[int] = set()  # this host's, when the devices are split
+    build_meshes = builders.build_meshes
+
+    def recorded_meshes(config):
+        mesh, rollout_mesh = build_meshes(config)
+        if rollout_mesh is not mesh:
+            rollout_devices.update(device.id for device in rollout_mesh.devices.flat)
+        return mesh, rollout_mesh
+
+    def on_launch(thread: str, program: str, devices: frozenset[int]) -> None:
+        if thread.startswith(trainer.UPDATE_THREAD):
+            _record({"update_thread_program": [program, bool(devices & rollout_devices)]})
+
+    builders.build_meshes = recorded_meshes
+    device_programs.install(on_launch)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The streaming scheduler on two processes (4 fake CPU devices each, one engine per host) run
-through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`):
+through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`), the
+same config as one process runs (`learner.micro_batch_size` counts the rows of all hosts):
 
-* sequential mode trains what one process on 8 devices trains (token ids and rewards per
-  rollout uid), and its parameters after 3 updates agree within float32 summation order;
+* sequential mode on 2 processes of 4 devices and on 4 of one device trains what one process
+  on 8 devices trains (token ids and rewards per rollout uid), and its parameters after 3
+  updates agree within float32 summation order;
 * pipeline mode with a rollout submesh per host (2 of each host's 4 devices) keeps every trained
-  sample within the staleness bound, and each copy of the weights reaches every host's engine
-  equal to the trainer's;
+  sample within the staleness bound, each copy of the weights reaches every host's engine
+  equal to the trainer's, and the update's thread launches no program on a rollout device;
 * both processes SIGKILLed mid-run and restarted end with the metrics of an uninterrupted run.
 """
 import json
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.cpu_env import cpu_env
 from tests.distributed.processes import finish, free_port
@@ -31,7 +34,9 @@ OVERRIDES = [
     "--config.rollout.max_new_tokens.corrector=16", "--config.rollout.max_stages=3",
     "--config.rollout.engine_slots=8", "--config.data.shuffle=False",
     "--config.checkpoint.every_steps=1",
+    "--config.learner.micro_batch_size=8",  # rows per micro-batch over all hosts
 ]
+SEQUENTIAL = ("--config.rollout.mode=sequential",)
 TIMING = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_seconds",
           "sync/seconds")
 
@@ -43,8 +48,10 @@ def _command(workdir: Path, *extra: str) -> list[str]:
             *OVERRIDES, *extra]
 
 
-def _start(workdir: Path, processes: int, *extra: str) -> list[subprocess.Popen]:
-    env = cpu_env(devices=8 // processes, PYTHONPATH=str(ROOT))
+def _start(workdir: Path, processes: int, *extra: str, devices: int = 0
+           ) -> list[subprocess.Popen]:
+    """The run on `processes` processes of `devices` fake CPU devices each (0: 8 in all)."""
+    env = cpu_env(devices=devices or 8 // processes, PYTHONPATH=str(ROOT))
     hosts = [] if processes == 1 else [f"--coordinator_address=localhost:{free_port()}",
                                        f"--num_processes={processes}"]
     return [subprocess.Popen(
@@ -71,20 +78,32 @@ def _metrics(workdir: Path) -> list[dict]:
             for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
-    sequential = ["--config.rollout.mode=sequential"]
-    runs = (_start(tmp_path / "one", 1, *sequential, "--config.learner.micro_batch_size=8")
-            + _start(tmp_path / "two", 2, *sequential, "--config.learner.micro_batch_size=4"))
-    finish(runs, timeout=900)
-    one, two = _trained(tmp_path / "one", 1), _trained(tmp_path / "two", 2)
-    assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in two]
-    assert one == two
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The workdir of the sequential run on one process of 8 devices."""
+    workdir = tmp_path_factory.mktemp("one")
+    finish(_start(workdir, 1, *SEQUENTIAL), timeout=900)
+    return workdir
+
+
+@pytest.mark.parametrize("processes, devices", [
+    (2, 4), pytest.param(4, 1, marks=pytest.mark.slow)])  # 4 processes: ~11 min on 2 busy cores
+def test_hosts_in_sequential_mode_train_what_one_process_trains(one_process, tmp_path,
+                                                                processes, devices):
+    finish(_start(tmp_path, processes, *SEQUENTIAL, devices=devices), timeout=900)
+    one, many = _trained(one_process, 1), _trained(tmp_path, processes)
+    assert len(one) == 3 and [len(update) for update in one] == [len(u) for u in many]
+    assert one == many
     rewards = [reward for update in one for _, reward in update.values()]
     assert 0 < np.mean(rewards) < 1  # rewards vary within groups: the updates move weights
-    assert {uid.split("/")[0] for uid in two[0]} == {"p0", "p1"}  # one problem per host
-    assert all(row["update/grad_norm"] > 0.1 for row in _metrics(tmp_path / "two"))
-    _, single, _ = harness.latest_checkpoint(tmp_path / "one")
-    step, multi, version = harness.latest_checkpoint(tmp_path / "two")
+    # Host h takes problems h, h + processes, ...: in the first update hosts 0 and 1 train one
+    # problem each and any others contribute padding rows.
+    first = [_records(tmp_path, p, "trained")[0] for p in range(processes)]
+    assert [sorted({uid.split("/")[0] for uid, _, _ in host}) for host in first] == (
+        [["p0"], ["p1"]] + [[]] * (processes - 2))
+    assert all(row["update/grad_norm"] > 0.1 for row in _metrics(tmp_path))
+    _, single, _ = harness.latest_checkpoint(one_process)
+    step, multi, version = harness.latest_checkpoint(tmp_path)
     assert step == 3 and version == 3
     for a, b in zip(single, multi, strict=True):  # the same sums in another order
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
@@ -92,8 +111,7 @@ def test_two_hosts_in_sequential_mode_train_what_one_process_trains(tmp_path):
 
 def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
     runs = _start(tmp_path, 2, "--config.rollout.mode=pipeline",
-                  "--config.rollout.staleness_bound=1", "--config.mesh.rollout.devices=2",
-                  "--config.learner.micro_batch_size=4")
+                  "--config.rollout.staleness_bound=1", "--config.mesh.rollout.devices=2")
     finish(runs, timeout=900)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     hosts = [rows] + [[json.loads(line) for line in
@@ -104,11 +122,14 @@ def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
         assert all(r["sync/bytes"] > 0 for r in host)
     for process in range(2):  # the initial copy and one after each update
         assert _records(tmp_path, process, "copy_equal") == [True] * 4
+        # The update's thread runs programs on the training devices only (launch/README.md).
+        programs = _records(tmp_path, process, "update_thread_program")
+        assert "jit(train_step)" in {name for name, _ in programs}
+        assert [name for name, on_rollout_device in programs if on_rollout_device] == []
 
 
 def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
-    pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4",
-                "--config.learner.micro_batch_size=4"]
+    pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     finish(_start(straight, 2, *pipeline), timeout=900)
     runs = _start(killed, 2, *pipeline)

@@ -3,6 +3,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 from ml_collections import ConfigDict, FieldReference
 
@@ -258,3 +259,15 @@ def test_a_split_that_fits_is_valid():
     config.mesh.data, config.mesh.fsdp = 1, -1
     config.mesh.rollout.devices, config.mesh.rollout.expert = 2, 2
     validate(config, common.base_config(), device_count=8)
+
+
+def test_a_micro_batch_the_processes_cannot_share_evenly_is_named(monkeypatch):
+    config = smoke.get_config()
+    config.learner.micro_batch_size = 6  # rows over all hosts: 2 processes build 3 each
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    validate(config, common.base_config(), device_count=2)
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    problem = _problems(config, device_count=4)["learner.micro_batch_size"]
+    assert "6 rows per micro-batch (over the whole training mesh) do not split evenly over 4 " \
+        "processes" in problem
+    assert "a multiple of 4, e.g. 4" in problem

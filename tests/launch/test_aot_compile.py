@@ -61,8 +61,30 @@ def test_paper_shapes():
     shapes = aot_compile.step_shapes(marsrl_qwen3_30b_a3b.get_config())
     assert (shapes.decode_batch, shapes.prompt_len, shapes.new_tokens) == (1024, 32768, 65536)
     # One mini-batch of the step's 1,024 rows: 4 mini-batches of 256 rows, two micro-batches of
-    # 128 (one row per training chip of v5p-512) each.
+    # 128 (one row per training chip of v5p-512) each, all of them on one host.
     assert (shapes.micro_batch, shapes.num_micro, shapes.train_len) == (128, 2, 131072)
+    assert shapes.host_micro_batch == 128
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology, host_rows", [("v5p:8x8x4", 2), ("v5p:4x4x4", 8)])
+def test_the_30b_micro_batch_counts_the_rows_of_all_hosts(topology, host_rows):
+    """128 rows per micro-batch on any slice: on v5p:8x8x4 (64 hosts, 2 training chips each)
+    2 rows a host, one per training chip; on v5p:4x4x4 (16 hosts) 8 rows a host."""
+    config = marsrl_qwen3_30b_a3b.get_config()
+    train_mesh, _ = sharding.make_meshes(config.mesh.to_dict(),
+                                         aot_compile.make_target(topology).devices)
+    shapes = aot_compile.step_shapes(config, train_mesh)
+    assert (shapes.micro_batch, shapes.host_micro_batch) == (128, host_rows)
+
+
+@needs_libtpu
+def test_a_micro_batch_the_hosts_cannot_share_is_refused_before_compiling():
+    config = marsrl_qwen3_30b_a3b.get_config()
+    config.learner.micro_batch_size = 24  # v5p:4x4x4 has 16 hosts
+    with pytest.raises(aot_compile.ConfigError, match=r"learner.micro_batch_size: 24 rows .* "
+                       r"not split evenly over 16 processes"):
+        aot_compile.run(config, "v5p:4x4x4")
 
 
 def test_shapes_follow_the_sampler_bucket_and_the_learner_minimums():
