@@ -15,9 +15,10 @@ With `eval.probe_every` > 0 each role's decisions are sampled on held-out proble
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
-every host: between decode rounds (`StreamingRollouts`), between mini-batches of the update
-(`learner.ppo_update`); the loop also checks after
-each step. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
+every host: between decode rounds (`StreamingRollouts`), between micro-batches of the update
+(`learner.ppo_update`; their longest wall time in a step is the metric `time/micro_batch`, and
+sizes the watchdog); the loop also checks after
+each step. A host stopped by another's notice arms its own watchdog. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
 the train state from before step s's update (an update stopped half-way is redone:
 `learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: the
 requests in flight as partial outputs and, once the rollouts are collected, the step's groups put
@@ -209,7 +210,14 @@ def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
     """`should_stop` for the update: whether any host's `notice` came, through a
     `distributed.HostGroup` (no device program: safe beside a decode on another thread)."""
     hosts = distributed.HostGroup("update")
-    return lambda: any(hosts.gather(notice()))
+
+    def should_stop() -> bool:
+        stop = any(hosts.gather(notice()))
+        if stop:
+            notice.stop_agreed()
+        return stop
+
+    return should_stop
 
 
 _ARRAYS = ("routing", "queue")  # a checkpoint's per-host arrays (`distributed.host_arrays`)
@@ -386,7 +394,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     normalize_std=config.rollout.normalize_std,
                     mask_truncated=config.loss.mask_truncated)
                 metrics["samples/trained"] = len(samples)
-                history = None
+                history, micro_seconds = None, []
                 if distributed.any_process(bool(samples)):
                     def update(state=state, samples=samples, step=step):
                         with sharding.use_mesh(mesh):
@@ -397,7 +405,8 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                                 ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
                                 update_config=update_config, learner=learner,
                                 rng=np.random.default_rng([config.seed, step]),
-                                should_stop=update_stop)
+                                should_stop=update_stop,
+                                micro_batch_seconds=micro_seconds.append)
 
                     if overlap:  # decode on the rollout devices during the update
                         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -407,6 +416,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     else:
                         state, history = update()
             except preemption.Stopped as stopped:
+                notice.stop_agreed()
                 if isinstance(stopped, UpdateStopped):
                     state = stopped.state
                 elif config.learner.offload_optimizer:
@@ -414,6 +424,9 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 raise Preempted(save_stopped(step, state,
                                              put_back=isinstance(stopped, UpdateStopped))
                                 ) from None
+            if micro_seconds:
+                metrics["time/micro_batch"] = max(micro_seconds)
+                notice.measured(metrics["time/micro_batch"])
             if history is not None:
                 update_metrics = summarize_updates(history)
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
@@ -449,6 +462,8 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 raise NonFiniteUpdates(f"{nonfinite_streak} steps with non-finite updates in a "
                                        f"row at step {step}; the last good checkpoint is kept")
             preempted = distributed.any_process(notice())
+            if preempted:
+                notice.stop_agreed()
             saved = False
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):

@@ -1,9 +1,12 @@
 """A preemption notice on one host of a two-process streaming run stops both: SIGTERM to process 1
-alone, in the middle of a collect whose rounds take 5 s (`tests/fault/slow_step_run.py`), and
-both processes exit 75 within the grace period at the same round (the stop flag travels with the
-round's exchange); restarted, the run ends with the metrics of an uninterrupted one."""
+alone, in the middle of a collect whose rounds take 5 s, or of an update whose micro-batches take
+8 s each (`tests/fault/slow_step_run.py`), and both processes exit 75 within the grace period at
+the same round or micro-batch (the stop flag travels with the round's exchange, or the update's
+check before each micro-batch); restarted, the run ends with the metrics of an uninterrupted
+one."""
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,14 +60,23 @@ def _wait(runs: list[subprocess.Popen], workdir: Path, timeout: float) -> list[s
     return outputs
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_host_stops_both_in_time_and_the_run_resumes_exactly(tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    finish(_start(straight), 900)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted run's workdir."""
+    workdir = tmp_path_factory.mktemp("hosts") / "straight"
+    finish(_start(workdir), 900)
+    return workdir
 
-    runs = _start(stopped, logs=True, SLOW_COLLECT="1")  # step 2's collect
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marker, slow", [("slow_collect", {"SLOW_COLLECT": "1"}),
+                                          ("slow_update", {"SLOW_UPDATE": "0"})])
+def test_sigterm_to_one_host_stops_both_in_time_and_the_run_resumes_exactly(
+        tmp_path, straight, marker, slow):
+    stopped = tmp_path / "stopped"
+    runs = _start(stopped, logs=True, **slow)  # step 2's collect, or the run's first update
     deadline = time.time() + 600
-    while not (stopped / "slow_collect").exists():
+    while not (stopped / marker).exists():
         assert all(run.poll() is None for run in runs) and time.time() < deadline
         time.sleep(0.1)
     start = time.monotonic()
@@ -72,8 +84,11 @@ def test_sigterm_to_one_host_stops_both_in_time_and_the_run_resumes_exactly(tmp_
     outputs = _wait(runs, stopped, 120)
     elapsed = time.monotonic() - start
     assert elapsed <= 25, f"exited {elapsed:.1f} s after SIGTERM"
-    for output in outputs:
-        assert "SIGTERM in step 2; checkpoint 2 saved" in output, output[-3000:]
+    saved = [re.findall(r"SIGTERM in step (\d+); checkpoint \1 saved", out) for out in outputs]
+    assert saved[0] and saved[0] == saved[1], [out[-3000:] for out in outputs]
+    assert "ran out" not in outputs[0] + outputs[1]
+    if marker == "slow_collect":
+        assert saved[0] == ["2"]
 
     finish(_start(stopped), 900)
     for sub in ("", "host1"):
