@@ -95,14 +95,14 @@ class Notice:
                 logging.warning("a unit of work took %.1f s: the preemption watchdog waits %g s, "
                                 "past preemption_grace_s (%g s)", self.unit_s, self.watchdog_s,
                                 self.grace_s)
-            self._watchdog = threading.Timer(self.watchdog_s, self._expired)
+            self._watchdog = threading.Timer(self.watchdog_s, self._expired, [self.watchdog_s])
             self._watchdog.daemon = True
             self._watchdog.start()
 
-    def _expired(self) -> None:
+    def _expired(self, delay_s: float) -> None:
         logging.error("the preemption grace period (%g s) ran out before the job stopped; "
                       "exiting with %d: a rerun resumes from the newest committed checkpoint",
-                      self.watchdog_s, EXIT_CODE)
+                      delay_s, EXIT_CODE)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stderr.flush()

@@ -105,7 +105,8 @@ def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
     samples into the mini-batch's `TrainBatch` (in a multi-host run: the global batch, so every
     host makes the same number of updates). `should_stop` (module docstring) is called equally
     often on every host and must answer alike on all; when it says so, raises `UpdateStopped`.
-    `micro_batch_seconds` is told each micro-batch's wall time (dispatch to result)."""
+    `micro_batch_seconds` is told each micro-batch's run time (from the return of its
+    asynchronous dispatch, which compiles it the first time, to its result)."""
     parts = mini_batch_indices(len(samples), learner.mini_batches, rng)
     batches = [build_batch([samples[i] for i in part]) for part in parts]
     start = state
@@ -133,13 +134,13 @@ def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
             grads, micro_metrics = jax.tree.map(jnp.zeros_like, state.params), []
             for index in range(batch.tokens.shape[0]):
                 check(len(history))
-                began = time.perf_counter()
                 grads, metrics = _MICRO_BATCH(grads, state.params, batch, np.int32(index),
                                               ref_params, graphdef=graphdef,
                                               config=update_config)
+                dispatched = time.perf_counter()  # after its compile, if it had to
                 micro_metrics.append(jax.block_until_ready(metrics))
                 if micro_batch_seconds is not None:
-                    micro_batch_seconds(time.perf_counter() - began)
+                    micro_batch_seconds(time.perf_counter() - dispatched)
             state, metrics = _APPLY(state, grads, micro_metrics, batch, optimizer=optimizer)
             history.append({k: float(v) for k, v in metrics.items()})
     return state, history

@@ -17,8 +17,9 @@ Re-running the same command on the same workdir resumes from the newest readable
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
 every host: between decode rounds (`StreamingRollouts`), between micro-batches of the update
 (`learner.ppo_update`; their longest wall time in a step is the metric `time/micro_batch`, and
-sizes the watchdog); the loop also checks after
-each step. A host stopped by another's notice arms its own watchdog. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
+sizes the watchdog); the loop also checks after each step. A host stopped by another's notice
+arms its own watchdog. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1
+in its meta,
 the train state from before step s's update (an update stopped half-way is redone:
 `learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: the
 requests in flight as partial outputs and, once the rollouts are collected, the step's groups put
