@@ -16,7 +16,7 @@ Re-running the same command on the same workdir resumes from the newest readable
 
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
 every host: between decode rounds (`StreamingRollouts`), between micro-batches of the update
-(`learner.ppo_update`; their longest wall time in a step is the metric `time/micro_batch`, and
+(`learner.ppo_update`; their longest run time in a step is the metric `time/micro_batch`, and
 sizes the watchdog); the loop also checks after each step. A host stopped by another's notice
 arms its own watchdog. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1
 in its meta,
@@ -396,6 +396,11 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     mask_truncated=config.loss.mask_truncated)
                 metrics["samples/trained"] = len(samples)
                 history, micro_seconds = None, []
+
+                def micro_batch_done(seconds: float) -> None:
+                    micro_seconds.append(seconds)
+                    notice.measured(seconds)  # sizes the watchdog
+
                 if distributed.any_process(bool(samples)):
                     def update(state=state, samples=samples, step=step):
                         with sharding.use_mesh(mesh):
@@ -407,7 +412,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                                 update_config=update_config, learner=learner,
                                 rng=np.random.default_rng([config.seed, step]),
                                 should_stop=update_stop,
-                                micro_batch_seconds=micro_seconds.append)
+                                micro_batch_seconds=micro_batch_done)
 
                     if overlap:  # decode on the rollout devices during the update
                         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -427,7 +432,6 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                                 ) from None
             if micro_seconds:
                 metrics["time/micro_batch"] = max(micro_seconds)
-                notice.measured(metrics["time/micro_batch"])
             if history is not None:
                 update_metrics = summarize_updates(history)
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
