@@ -29,6 +29,12 @@ Integrity rules:
     checkpoint is left in place, never skipped.
   * A directory with no step directories but one step's files at its top (a step directory
     copied to the wrong level) raises `ValueError` instead of restoring nothing.
+  * Several processes restore the same step: process 0 lists the directory and every process
+    walks its listing (another host's listing may be stale: gcsfuse, NFS attribute caches).
+    Damage that process 0 proves sets a step aside on every process; a step that process 0
+    reads but another process cannot raises `CheckpointUnavailable` on every process with the
+    same message, setting nothing aside. Each step's directory and commit marker are checked
+    on every process before orbax reads it (its reads end at a barrier of all processes).
 """
 from __future__ import annotations
 
@@ -140,9 +146,10 @@ class Checkpointer:
         self._pending = None
 
     def steps(self) -> list[int]:
-        """The steps checkpointed, once the pending save is committed."""
+        """The steps checkpointed, once the pending save is committed: process 0's list on
+        every process (a collective with several processes)."""
         self.wait()
-        return list(self.manager.all_steps())
+        return _process_0_value(lambda: list(self.manager.all_steps()))
 
     def delete(self, step: int) -> None:
         """Removes checkpoint `step` (to save that step again), once the pending save is
@@ -174,17 +181,17 @@ class Checkpointer:
         `abstract_state`, or `arrays_target` raises for its meta (e.g. written by another number
         of hosts); `ValueError` for one checkpoint's files copied to the top of the directory."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        steps, error = _agreed(self._steps, f"the checkpoint directory {self.directory}")
-        if error is not None:
-            raise error  # nothing is damage before a step is read
-        if not steps and os.path.exists(os.path.join(self.directory, STEP_METADATA_FILE)):
+        steps, stray = _listed(self._listing, f"the checkpoint directory {self.directory}")
+        if not steps and stray:
             raise ValueError(
                 f"{self.directory} holds one checkpoint's files ({STEP_METADATA_FILE}) but no "
                 f"step directory: move them into {self.directory}/<its step>/ to resume from "
                 "it, or remove them to start afresh")
         for step in steps:
             what = f"checkpoint {step} in {self.directory}"
-            meta, error = _agreed(lambda: self._read_meta(step), what)
+            _, error = _agreed(lambda: self._check_committed(step), what)
+            if error is None:
+                meta, error = _agreed(lambda: self._read_meta(step), what)
             if error is not None:
                 self._skip(step, error)
                 continue
@@ -223,13 +230,22 @@ class Checkpointer:
                  if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))}
         return sorted(named | set(self.manager.all_steps()), reverse=True)
 
-    def _read_meta(self, step: int) -> dict:
-        """Checkpoint `step`'s meta, its fingerprint checked and removed (the state and arrays
-        fingerprints stay, for `_restore`); raises `CorruptCheckpoint` for a step directory
+    def _listing(self) -> tuple[list[int], bool]:
+        """(`_steps`, whether one checkpoint's files lie at the directory's top)."""
+        return self._steps(), os.path.exists(os.path.join(self.directory, STEP_METADATA_FILE))
+
+    def _check_committed(self, step: int) -> None:
+        """Raises `CorruptCheckpoint` when this process sees no directory for `step`, or one
         without its commit marker."""
+        if not self._step_dir(step).is_dir():
+            raise CorruptCheckpoint("its directory is missing")
         if not os.path.exists(self._step_dir(step) / COMMIT_MARKER):
             raise CorruptCheckpoint(f"its directory has no commit marker ({COMMIT_MARKER}): "
                                     "it was not completely written")
+
+    def _read_meta(self, step: int) -> dict:
+        """Checkpoint `step`'s meta, its fingerprint checked and removed (the state and arrays
+        fingerprints stay, for `_restore`)."""
         meta = dict(self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta)
         expected = meta.pop(META_FINGERPRINT_KEY, None)
@@ -296,21 +312,69 @@ class Checkpointer:
 def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
             ) -> tuple[Any, Exception | None]:
     """(`read()`, None), or (None, the damage) when reading `what` failed with proof of damage
-    (`_read_with_retries`) on this or another process: every process gets the same outcome, so
-    all skip a checkpoint together. A `CheckpointUnavailable` or `CheckpointMismatch` on any
-    process is raised on every one."""
+    (`_read_with_retries`). A `CheckpointUnavailable` or `CheckpointMismatch` is raised.
+
+    With several processes (a collective) every process gets the same outcome: either error on
+    any process is raised on every one with the same message; damage on process 0 is damage on
+    every process (all skip the checkpoint together); damage on another process only (process
+    0, whose listing every process walks, read it) raises `CheckpointUnavailable`."""
     value, error = _read_with_retries(read, what)
-    if jax.process_count() > 1:
-        from mars_jax.distributed import any_process
-        for kind in (CheckpointUnavailable, CheckpointMismatch):
-            if any_process(isinstance(error, kind)):
-                raise error if isinstance(error, kind) else kind(
-                    "reading a checkpoint failed on another process (see its error)")
-        if any_process(error is not None) and error is None:
-            value, error = None, CorruptCheckpoint("damaged on another process")
-    elif isinstance(error, (CheckpointUnavailable, CheckpointMismatch)):
+    if jax.process_count() == 1:
+        if isinstance(error, (CheckpointUnavailable, CheckpointMismatch)):
+            raise error
+        return value, error
+    from mars_jax.distributed import allgather_json
+    kind = (None if error is None else "unavailable" if isinstance(error, CheckpointUnavailable)
+            else "mismatch" if isinstance(error, CheckpointMismatch) else "damage")
+    outcomes = allgather_json(None if error is None else [kind, str(error)])
+    failed = lambda kind: {p: o[1] for p, o in enumerate(outcomes) if o and o[0] == kind}
+    report = lambda found: "; ".join(f"process {p}: {m}" for p, m in found.items())
+    for kind, error_type in (("unavailable", CheckpointUnavailable),
+                             ("mismatch", CheckpointMismatch)):
+        if failed(kind):
+            raise error_type(report(failed(kind))) from error
+    damaged = failed("damage")
+    if 0 in damaged:
+        return None, error or CorruptCheckpoint(f"damaged on process 0: {damaged[0]}")
+    if damaged:
+        raise CheckpointUnavailable(
+            f"{what} is intact on process 0, whose listing every process restores from, but "
+            f"other processes cannot read it ({report(damaged)}): their view of the storage "
+            "may be stale (a cached listing); nothing was set aside: rerun when every host "
+            "sees the same files") from error
+    return value, None
+
+
+def _process_0_value(read: Callable[[], Any]) -> Any:
+    """`read()` on process 0 (JSON), the same value on every process (a collective with
+    several processes)."""
+    if jax.process_count() == 1:
+        return read()
+    from mars_jax.distributed import allgather_json
+    return allgather_json(read() if jax.process_index() == 0 else None)[0]
+
+
+def _listed(read: Callable[[], Any], what: str) -> Any:
+    """`read()` (JSON) of process 0, read with retries (`_read_with_retries`), on every process;
+    any failure on process 0 raises `CheckpointUnavailable` with the same message on every
+    process (a collective with several processes)."""
+    def read_or_error():
+        value, error = _read_with_retries(read, what)
+        if error is not None and not isinstance(error, CheckpointUnavailable):
+            error = CheckpointUnavailable(f"reading {what} failed: {error!r}")
+        return value, error
+
+    if jax.process_count() == 1:
+        value, error = read_or_error()
+    else:
+        value, error = read_or_error() if jax.process_index() == 0 else (None, None)
+        from mars_jax.distributed import allgather_json
+        value, message = allgather_json([value, None if error is None else str(error)])[0]
+        if message is not None:
+            raise CheckpointUnavailable(f"process 0: {message}") from error
+    if error is not None:
         raise error
-    return value, error
+    return value
 
 
 def _read_with_retries(read: Callable[[], Any], what: str = "a checkpoint"

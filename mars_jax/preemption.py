@@ -8,10 +8,19 @@ several hosts they ask at points every host reaches in the same order and stop o
 agreed, so every host stops at the same unit. The job then saves what it can resume from and
 raises `Preempted` (exit code 75: rerun the same command).
 
-From the signal on, the process has `grace_s` seconds: a watchdog thread exits it with code 75
-when they run out, whatever it is doing (a long compile, one long mini-batch, a save still
-writing). A checkpoint not committed by then is abandoned: orbax commits a step atomically, so
-the newest committed one is what the rerun resumes from.
+From the signal on, the process has `grace_s` seconds to stop, save and exit. A watchdog is the
+last resort: it exits the process with code 75, whatever it is doing (a long compile, a save still
+writing, a collective or key-value wait that never returns), once `Notice.watchdog_s` has passed
+since the notice: `grace_s`, or twice the longest unit of work measured between two stop checks
+(`Notice.measured`) where that is longer, so that the agreed stop, which other hosts only see at
+their next check, had its chance first; a host that learns of another's notice (`stop_agreed`)
+arms its own. A checkpoint not committed by then is abandoned: orbax commits a step atomically,
+so the newest committed one is what the rerun resumes from.
+
+A Python signal handler runs only when the main thread returns to the interpreter. The notice
+also comes through `signal.set_wakeup_fd`, which the signal's C handler writes to at once, read
+by a thread of its own: the notice and its watchdog arrive while the main thread is blocked in a
+native call that releases the GIL (a device wait, a key-value get).
 """
 from __future__ import annotations
 
@@ -39,32 +48,61 @@ class Preempted(Exception):
 
 class Notice:
     """Set by SIGTERM (`handle`); `notice()` says whether it came. With `grace_s`, the process
-    exits with `EXIT_CODE` that many seconds after the signal unless `cancel` ran first."""
+    exits with `EXIT_CODE` `watchdog_s` seconds after the signal (or `stop_agreed`) unless
+    `cancel` ran first."""
 
     def __init__(self, grace_s: float | None = None) -> None:
         self.grace_s = grace_s
         self.raised = False
         self.since: float | None = None  # time.monotonic() of the signal
+        self.unit_s = 0.0  # the longest unit of work measured between two stop checks
         self._watchdog: threading.Timer | None = None
+        self._lock = threading.Lock()
 
     def __call__(self) -> bool:
         return self.raised
 
+    @property
+    def watchdog_s(self) -> float | None:
+        """Seconds from the notice to the watchdog's exit: `grace_s`, or twice the longest
+        measured unit of work where longer; None without `grace_s`."""
+        return None if self.grace_s is None else max(self.grace_s, 2 * self.unit_s)
+
+    def measured(self, seconds: float) -> None:
+        """Records a unit of work of `seconds` between two stop checks (sizes the watchdog)."""
+        self.unit_s = max(self.unit_s, seconds)
+
     def handle(self, signum=None, frame=None) -> None:
-        if self.raised:
-            return
-        self.raised, self.since = True, time.monotonic()
+        """The notice came (the signal; idempotent, from any thread)."""
+        with self._lock:
+            if self.raised:
+                return
+            self.raised, self.since = True, time.monotonic()
         logging.warning("SIGTERM: stopping after the current unit of work%s",
-                        "" if self.grace_s is None else f", exiting within {self.grace_s:g} s")
-        if self.grace_s is not None:
-            self._watchdog = threading.Timer(self.grace_s, self._expired)
+                        "" if self.grace_s is None else
+                        f", exiting within {self.watchdog_s:g} s")
+        self._arm()
+
+    def stop_agreed(self) -> None:
+        """Another host's notice stops this one too: arms the watchdog (idempotent)."""
+        self._arm()
+
+    def _arm(self) -> None:
+        with self._lock:
+            if self.grace_s is None or self._watchdog is not None:
+                return
+            if 2 * self.unit_s > self.grace_s:
+                logging.warning("a unit of work took %.1f s: the preemption watchdog waits %g s, "
+                                "past preemption_grace_s (%g s)", self.unit_s, self.watchdog_s,
+                                self.grace_s)
+            self._watchdog = threading.Timer(self.watchdog_s, self._expired, [self.watchdog_s])
             self._watchdog.daemon = True
             self._watchdog.start()
 
-    def _expired(self) -> None:
+    def _expired(self, delay_s: float) -> None:
         logging.error("the preemption grace period (%g s) ran out before the job stopped; "
                       "exiting with %d: a rerun resumes from the newest committed checkpoint",
-                      self.grace_s, EXIT_CODE)
+                      delay_s, EXIT_CODE)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stderr.flush()
@@ -72,23 +110,46 @@ class Notice:
 
     def cancel(self) -> None:
         """Stops the watchdog (the job is over)."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        with self._lock:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+
+
+def _watch_wakeup_fd(read_fd: int, notice: Notice, forward_fd: int) -> None:
+    """Until `read_fd` closes: a SIGTERM byte sets `notice`; every byte goes on to `forward_fd`
+    (the wakeup fd installed before ours, if any)."""
+    while data := os.read(read_fd, 512):
+        if signal.SIGTERM in data:
+            notice.handle()
+        if forward_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.write(forward_fd, data)
 
 
 @contextlib.contextmanager
 def catch_sigterm(grace_s: float | None = None) -> Iterator[Notice]:
-    """Turns SIGTERM into a `Notice` while the block runs; restores the previous handler and
-    stops the watchdog afterwards. Outside the main thread (e.g. a notebook worker) no handler
-    can be installed: the notice then never comes."""
-    notice, installed = Notice(grace_s), True
+    """Turns SIGTERM into a `Notice` while the block runs (through the handler and the wakeup
+    fd's thread); restores the previous handler and wakeup fd and stops the watchdog
+    afterwards. Outside the main thread (e.g. a notebook worker) no handler can be installed:
+    the notice then never comes."""
+    notice = Notice(grace_s)
     try:
         previous = signal.signal(signal.SIGTERM, notice.handle)
     except ValueError:
-        installed = False
+        yield notice
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    forward_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=_watch_wakeup_fd, args=(read_fd, notice, forward_fd),
+                               name="sigterm-watcher", daemon=True)
+    watcher.start()
     try:
         yield notice
     finally:
         notice.cancel()
-        if installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        signal.set_wakeup_fd(forward_fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        os.close(write_fd)  # the watcher reads end of file and returns
+        watcher.join()
+        os.close(read_fd)

@@ -11,8 +11,9 @@ def base_config() -> ConfigDict:
     c.total_steps = 100
     c.max_nonfinite_updates = 3
     # Seconds from SIGTERM (a preemption notice) to the exit with code 75: loops stop between
-    # decode rounds, mini-batches and V-C rounds and save what a rerun resumes from
-    # (mars_jax.preemption); a watchdog exits when they run out.
+    # decode rounds, micro-batches and V-C rounds and save what a rerun resumes from
+    # (mars_jax.preemption); a watchdog exits when they run out (or after twice the longest
+    # micro-batch measured, where that is longer).
     c.preemption_grace_s = 25.0
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
     c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)

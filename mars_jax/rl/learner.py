@@ -19,18 +19,23 @@ sampler/trainer difference for samples decoded under these parameters (stale sam
 it). From the second update on the ratio departs from 1 and the clip acts.
 
 Stopping (a preemption notice, `mars_jax.preemption`): `should_stop` is asked before every
-forward of pi_old and every optimizer update; when it says so the update raises `UpdateStopped`
-carrying the state it started from, so that the step can be redone from its start. Updates
-donate the state they read, so with more than one update per step a copy of the starting state
-(parameters and optimizer state) waits in host memory (pinned_host) while the update runs.
+forward of pi_old and every micro-batch of an optimizer update (each micro-batch's gradient is a
+program of its own, `update.micro_batch_gradients`, waited for before the next check, so that a
+stop waits for one micro-batch, not a whole mini-batch); when it says so the update raises
+`UpdateStopped` carrying the state it started from, so that the step can be redone from its
+start. Updates donate the state they read, so with more than one update per step a copy of the
+starting state (parameters and optimizer state) waits in host memory (pinned_host) while the
+update runs.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -38,7 +43,8 @@ from flax import nnx
 from mars_jax.distributed import CompiledTogether
 from mars_jax.preemption import Stopped
 from mars_jax.rl.batching import TrainSample
-from mars_jax.rl.update import TrainState, UpdateConfig, policy_logprobs, train_step
+from mars_jax.rl.update import (TrainState, UpdateConfig, apply_gradients, micro_batch_gradients,
+                                policy_logprobs)
 from mars_jax.types import TrainBatch
 
 PI_OLD = ("sampler", "recompute")
@@ -83,7 +89,8 @@ def mini_batch_indices(num_samples: int, mini_batches: int, rng: np.random.Gener
 
 
 # Several processes: each program compiled on every host before any host runs it.
-_TRAIN_STEP = CompiledTogether(train_step, "train_step")
+_MICRO_BATCH = CompiledTogether(micro_batch_gradients, "micro_batch_gradients")
+_APPLY = CompiledTogether(apply_gradients, "apply_gradients")
 _POLICY_LOGPROBS = CompiledTogether(policy_logprobs, "policy_logprobs")
 
 
@@ -102,26 +109,30 @@ def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
                build_batch: Callable[[Sequence[TrainSample]], TrainBatch], ref_params: Any,
                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                update_config: UpdateConfig, learner: LearnerConfig, rng: np.random.Generator,
-               should_stop: Callable[[], bool] | None = None
+               should_stop: Callable[[], bool] | None = None,
+               micro_batch_seconds: Callable[[float], None] | None = None
                ) -> tuple[TrainState, list[dict[str, float]]]:
     """`train_mini_batches` on `split_mini_batches(samples, learner, rng, build_batch)`, on this
     thread."""
     return train_mini_batches(state, split_mini_batches(samples, learner, rng, build_batch),
                               ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
                               update_config=update_config, learner=learner,
-                              should_stop=should_stop)
+                              should_stop=should_stop, micro_batch_seconds=micro_batch_seconds)
 
 
 def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_params: Any,
                        graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                        update_config: UpdateConfig, learner: LearnerConfig,
-                       should_stop: Callable[[], bool] | None = None
+                       should_stop: Callable[[], bool] | None = None,
+                       micro_batch_seconds: Callable[[float], None] | None = None
                        ) -> tuple[TrainState, list[dict[str, float]]]:
     """`learner.ppo_epochs` passes of one optimizer update per mini-batch of `batches`
     (`split_mini_batches`); returns the new state and each update's metrics, in order. Runs
     programs only on the devices of `state`, `ref_params` and `batches`, so a worker thread can
     run it beside a decode on other devices. `should_stop` (module docstring) is called equally
-    often on every host and must answer alike on all; when it says so, raises `UpdateStopped`."""
+    often on every host, before each micro-batch, and must answer alike on all; when it says so,
+    raises `UpdateStopped`. `micro_batch_seconds` is told each micro-batch's run time (from the
+    return of its asynchronous dispatch, which compiles it the first time, to its result)."""
     start = state
     if should_stop is not None and learner.ppo_epochs * len(batches) > 1:
         start = _to_memory(state, "pinned_host")  # the updates donate `state`
@@ -144,9 +155,17 @@ def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_
     history = []
     for _ in range(learner.ppo_epochs):
         for batch in batches:
-            check(len(history))
-            state, metrics = _TRAIN_STEP(state, batch, ref_params, graphdef=graphdef,
-                                         optimizer=optimizer, config=update_config)
+            grads, micro_metrics = jax.tree.map(jnp.zeros_like, state.params), []
+            for index in range(batch.tokens.shape[0]):
+                check(len(history))
+                grads, metrics = _MICRO_BATCH(grads, state.params, batch, np.int32(index),
+                                              ref_params, graphdef=graphdef,
+                                              config=update_config)
+                dispatched = time.perf_counter()  # after its compile, if it had to
+                micro_metrics.append(jax.block_until_ready(metrics))
+                if micro_batch_seconds is not None:
+                    micro_batch_seconds(time.perf_counter() - dispatched)
+            state, metrics = _APPLY(state, grads, micro_metrics, batch, optimizer=optimizer)
             history.append({k: float(v) for k, v in metrics.items()})
     return state, history
 

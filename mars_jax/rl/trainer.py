@@ -16,9 +16,11 @@ With `eval.probe_every` > 0 each role's decisions are sampled on held-out proble
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
 
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
-every host: between decode rounds (`StreamingRollouts`), between mini-batches of the update
-(`learner.train_mini_batches`); the loop also checks after
-each step. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1 in its meta,
+every host: between decode rounds (`StreamingRollouts`), between micro-batches of the update
+(`learner.train_mini_batches`; their longest run time in a step is the metric
+`time/micro_batch`, and sizes the watchdog); the loop also checks after each step. A host
+stopped by another's notice arms its own watchdog. Stopped in step s, the run saves checkpoint s
+with `steps_done` = s - 1 in its meta,
 the train state from before step s's update (an update stopped half-way is redone:
 `learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: the
 requests in flight as partial outputs and, once the rollouts are collected, the step's groups put
@@ -218,7 +220,14 @@ def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
     """`should_stop` for the update: whether any host's `notice` came, through a
     `distributed.HostGroup` (no device program: safe beside a decode on another thread)."""
     hosts = distributed.HostGroup("update")
-    return lambda: any(hosts.gather(notice()))
+
+    def should_stop() -> bool:
+        stop = any(hosts.gather(notice()))
+        if stop:
+            notice.stop_agreed()
+        return stop
+
+    return should_stop
 
 
 _ARRAYS = ("routing", "queue")  # a checkpoint's per-host arrays (`distributed.host_arrays`)
@@ -397,7 +406,12 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     normalize_std=config.rollout.normalize_std,
                     mask_truncated=config.loss.mask_truncated)
                 metrics["samples/trained"] = len(samples)
-                history = None
+                history, micro_seconds = None, []
+
+                def micro_batch_done(seconds: float) -> None:
+                    micro_seconds.append(seconds)
+                    notice.measured(seconds)  # sizes the watchdog
+
                 if distributed.any_process(bool(samples)):
                     # Built here, not on the update's thread: joining the hosts' batches runs
                     # programs on every device, the rollout ones included (launch/README.md).
@@ -411,7 +425,8 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                             return train_mini_batches(
                                 state, batches, ref_params=ref_params, graphdef=graphdef,
                                 optimizer=optimizer, update_config=update_config,
-                                learner=learner, should_stop=update_stop)
+                                learner=learner, should_stop=update_stop,
+                                micro_batch_seconds=micro_batch_done)
 
                     if overlap:  # decode on the rollout devices during the update
                         with concurrent.futures.ThreadPoolExecutor(
@@ -422,6 +437,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     else:
                         state, history = update()
             except preemption.Stopped as stopped:
+                notice.stop_agreed()
                 if isinstance(stopped, UpdateStopped):
                     state = stopped.state
                 elif config.learner.offload_optimizer:
@@ -429,6 +445,8 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 raise Preempted(save_stopped(step, state,
                                              put_back=isinstance(stopped, UpdateStopped))
                                 ) from None
+            if micro_seconds:
+                metrics["time/micro_batch"] = max(micro_seconds)
             if history is not None:
                 update_metrics = summarize_updates(history)
                 metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
@@ -464,6 +482,8 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                 raise NonFiniteUpdates(f"{nonfinite_streak} steps with non-finite updates in a "
                                        f"row at step {step}; the last good checkpoint is kept")
             preempted = distributed.any_process(notice())
+            if preempted:
+                notice.stop_agreed()
             saved = False
             if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
                                           or step == config.total_steps or preempted):

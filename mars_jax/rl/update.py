@@ -171,40 +171,72 @@ def _length_branch(micro: TrainBatch, cuts: Sequence[int]) -> jax.Array:
     return jnp.where(jnp.any(micro.loss_mask > 0), fitting, 0)
 
 
+def _micro_gradients(params: Any, micro: TrainBatch, micro_weights: jax.Array, ref_params: Any,
+                     cuts: Sequence[int], *, graphdef: nnx.GraphDef, config: UpdateConfig
+                     ) -> tuple[Any, dict[str, jax.Array]]:
+    """One micro-batch's share of the mini-batch's gradient, and its metrics with its `loss`."""
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    compute = lambda n: lambda: grad_fn(params, graphdef, _cut_micro(micro, n),
+                                        _cut(micro_weights, n), ref_params, config)
+    # A micro-batch without loss tokens (the padding up to a power of two of micro-batches)
+    # adds exactly zero to the loss and the gradient: its branch skips the forward and
+    # backward. Columns past a micro-batch's longest row are padding: cutting them changes
+    # nothing (causal attention; zero masks), so it runs at the shortest length that fits.
+    zero = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                jax.eval_shape(compute(cuts[-1])))
+    (loss, metrics), g = jax.lax.switch(_length_branch(micro, cuts),
+                                        [zero] + [compute(n) for n in cuts])
+    return g, dict(metrics, loss=loss)
+
+
+def _batch_summary(metrics: dict[str, jax.Array], batch: TrainBatch) -> dict[str, jax.Array]:
+    """A mini-batch's metrics from its micro-batches' (stacked along axis 0): token-weighted
+    means, its `loss`, `tokens` and `fill`."""
+    tokens = jnp.maximum(jnp.sum(metrics["tokens"]), 1.0)
+    summary = {k: jnp.sum(v * metrics["tokens"]) / tokens for k, v in metrics.items()
+               if k not in ("tokens", "loss")}
+    summary.update(loss=jnp.sum(metrics["loss"]), tokens=jnp.sum(metrics["tokens"]),
+                   fill=jnp.mean(batch.attention_mask.astype(jnp.float32)))
+    return summary
+
+
+def _batch_weights(batch: TrainBatch, config: UpdateConfig) -> jax.Array:
+    return token_weights(batch.loss_mask, config.loss.aggregation, config.loss.max_response_len,
+                         segments=batch.segments)
+
+
 def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
                     config: UpdateConfig) -> tuple[Any, dict[str, jax.Array]]:
     """Gradient of the whole mini-batch's loss (one aggregation over every row and token of
     `batch`), accumulated micro-batch by micro-batch; metrics are token-weighted means except
     `loss` (the mini-batch's loss), `tokens` (its response tokens) and `fill` (the fraction of
     its positions that hold tokens)."""
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
-    weights = token_weights(batch.loss_mask, config.loss.aggregation, config.loss.max_response_len,
-                            segments=batch.segments)
-
     cuts = cut_lengths(batch.tokens.shape[-1], config.length_halvings, config.fine_cuts)
 
     def accumulate(grads, inputs):
-        micro, micro_weights = inputs
-        compute = lambda n: lambda: grad_fn(params, graphdef, _cut_micro(micro, n),
-                                            _cut(micro_weights, n), ref_params, config)
-        # A micro-batch without loss tokens (the padding up to a power of two of micro-batches)
-        # adds exactly zero to the loss and the gradient: its branch skips the forward and
-        # backward. Columns past a micro-batch's longest row are padding: cutting them changes
-        # nothing (causal attention; zero masks), so it runs at the shortest length that fits.
-        zero = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                    jax.eval_shape(compute(cuts[-1])))
-        (loss, metrics), g = jax.lax.switch(_length_branch(micro, cuts),
-                                            [zero] + [compute(n) for n in cuts])
-        return jax.tree.map(jnp.add, grads, g), dict(metrics, loss=loss)
+        g, metrics = _micro_gradients(params, *inputs, ref_params, cuts, graphdef=graphdef,
+                                      config=config)
+        return jax.tree.map(jnp.add, grads, g), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, metrics = jax.lax.scan(accumulate, zeros, (batch, weights))
-    tokens = jnp.maximum(jnp.sum(metrics["tokens"]), 1.0)
-    summary = {k: jnp.sum(v * metrics["tokens"]) / tokens for k, v in metrics.items()
-               if k not in ("tokens", "loss")}
-    summary.update(loss=jnp.sum(metrics["loss"]), tokens=jnp.sum(metrics["tokens"]),
-                   fill=jnp.mean(batch.attention_mask.astype(jnp.float32)))
-    return grads, summary
+    grads, metrics = jax.lax.scan(accumulate, zeros, (batch, _batch_weights(batch, config)))
+    return grads, _batch_summary(metrics, batch)
+
+
+def _apply(state: TrainState, grads: Any, summary: dict[str, jax.Array],
+           optimizer: optax.GradientTransformation) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`state` after the optimizer's update by `grads` where finite (`train_step`)."""
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    finite = (jnp.isfinite(grad_norm) & jnp.isfinite(summary["loss"])
+              & jnp.isfinite(optax.global_norm(updates)))
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    summary = dict(summary, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
+    new_state = TrainState(params=keep(params, state.params),
+                           opt_state=keep(opt_state, state.opt_state),
+                           step=state.step + finite.astype(jnp.int32))
+    return new_state, summary
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "config"),
@@ -216,20 +248,34 @@ def train_step(state: TrainState, batch: TrainBatch, ref_params: Any, *, graphde
     it is finite: a mini-batch without loss tokens (every group's rewards equal, kept with
     `drop_zero_variance=False`) has a zero gradient, on which AdamW's momentum still moves the
     weights, as `optimizer.step()` does in verl and TRL. `ref_params` is only read when the loss
-    has a KL term (pass None otherwise)."""
+    has a KL term (pass None otherwise). `micro_batch_gradients` then `apply_gradients` make
+    the same update one program per micro-batch."""
     grads, summary = batch_gradients(state.params, batch, ref_params, graphdef=graphdef,
                                      config=config)
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    finite = (jnp.isfinite(grad_norm) & jnp.isfinite(summary["loss"])
-              & jnp.isfinite(optax.global_norm(updates)))
-    params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    summary.update(grad_norm=grad_norm, finite=finite.astype(jnp.float32))
-    new_state = TrainState(params=keep(params, state.params),
-                           opt_state=keep(opt_state, state.opt_state),
-                           step=state.step + finite.astype(jnp.int32))
-    return new_state, summary
+    return _apply(state, grads, summary, optimizer)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("grads",))
+def micro_batch_gradients(grads: Any, params: Any, batch: TrainBatch, index: jax.Array,
+                          ref_params: Any, *, graphdef: nnx.GraphDef, config: UpdateConfig
+                          ) -> tuple[Any, dict[str, jax.Array]]:
+    """`grads` plus micro-batch `index` of `batch`'s share of the mini-batch's gradient (as in
+    `batch_gradients`), and that micro-batch's metrics; start from zeros like `params`."""
+    cuts = cut_lengths(batch.tokens.shape[-1], config.length_halvings, config.fine_cuts)
+    micro, weights = jax.tree.map(lambda x: x[index], (batch, _batch_weights(batch, config)))
+    g, metrics = _micro_gradients(params, micro, weights, ref_params, cuts, graphdef=graphdef,
+                                  config=config)
+    return jax.tree.map(jnp.add, grads, g), metrics
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("state",))
+def apply_gradients(state: TrainState, grads: Any, metrics: Sequence[dict[str, jax.Array]],
+                    batch: TrainBatch, *, optimizer: optax.GradientTransformation
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`train_step`'s update and metrics from the mini-batch `batch`'s gradient `grads` and its
+    micro-batches' `metrics` (`micro_batch_gradients`, in order)."""
+    stacked = {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
+    return _apply(state, grads, _batch_summary(stacked, batch), optimizer)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))

@@ -1,7 +1,9 @@
 """A preemption notice on one host of a two-process streaming run stops both: SIGTERM to process 1
-alone, in the middle of a collect whose rounds take 5 s (`tests/fault/slow_step_run.py`), and
-both processes exit 75 within the grace period at the same round (the stop flag travels with the
-round's exchange); restarted, the run ends with the metrics of an uninterrupted one."""
+alone, in the middle of a collect whose rounds take 5 s, or of an update whose micro-batches take
+8 s each (`tests/fault/slow_step_run.py`), and both processes exit 75 within the grace period at
+the same round or micro-batch (the stop flag travels with the round's exchange, or the update's
+check before each micro-batch); restarted, the run ends with the metrics of an uninterrupted
+one."""
 import contextlib
 import os
 import signal
@@ -20,7 +22,9 @@ from tests.distributed.test_stream_hosts import OVERRIDES, ROOT, TIMING
 from tests.fault import harness
 
 SCRIPT = ROOT / "tests/fault/slow_step_run.py"
-PIPELINE = ("--config.rollout.mode=pipeline", "--config.total_steps=3")
+PIPELINE = ("--config.rollout.mode=pipeline", "--config.total_steps=3",
+            "--config.learner.micro_batch_size=4")
+TWO_MICRO_BATCHES = "--config.learner.min_micro_batches=2"  # a check between them
 PER_COLLECT = ("stream/problems_admitted", "stream/occupancy", "stream/deferred_seconds")
 
 
@@ -31,7 +35,7 @@ def _start(workdir: Path, logs: bool = False, **env: str) -> list[subprocess.Pop
     command = [sys.executable, str(SCRIPT), "--config=experiments/configs/smoke.py",
                f"--workdir={workdir}",
                f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}", *OVERRIDES,
-               *PIPELINE, *hosts]
+               *PIPELINE, TWO_MICRO_BATCHES, *hosts]
     runs = []
     for pid in range(2):
         with open(f"{workdir}.log{pid}", "w") if logs else contextlib.nullcontext() as log:
@@ -56,14 +60,24 @@ def _wait(runs: list[subprocess.Popen], workdir: Path, timeout: float) -> list[s
     return outputs
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_host_stops_both_in_time_and_the_run_resumes_exactly(tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    finish(_start(straight), 900)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted run's workdir."""
+    workdir = tmp_path_factory.mktemp("hosts") / "straight"
+    finish(_start(workdir), 900)
+    return workdir
 
-    runs = _start(stopped, logs=True, SLOW_COLLECT="1")  # step 2's collect
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marker, slow", [("slow_collect", {"SLOW_COLLECT": "1"}),
+                                          ("slow_update", {"SLOW_UPDATE": "1"})])
+def test_sigterm_to_one_host_stops_both_in_time_and_the_run_resumes_exactly(
+        tmp_path, straight, marker, slow):
+    stopped = tmp_path / "stopped"
+    # Step 2's collect, or the first micro-batch of step 2's update (the run's second).
+    runs = _start(stopped, logs=True, **slow)
     deadline = time.time() + 600
-    while not (stopped / "slow_collect").exists():
+    while not (stopped / marker).exists():
         assert all(run.poll() is None for run in runs) and time.time() < deadline
         time.sleep(0.1)
     start = time.monotonic()
@@ -73,6 +87,7 @@ def test_sigterm_to_one_host_stops_both_in_time_and_the_run_resumes_exactly(tmp_
     assert elapsed <= 25, f"exited {elapsed:.1f} s after SIGTERM"
     for output in outputs:
         assert "SIGTERM in step 2; checkpoint 2 saved" in output, output[-3000:]
+        assert "ran out" not in output, output[-3000:]
 
     finish(_start(stopped), 900)
     for sub in ("", "host1"):

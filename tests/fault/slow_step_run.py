@@ -3,8 +3,8 @@ preemption tests. Test helper: run it as a script.
 
   SLOW_COLLECT=v  the streaming `collect` at policy version v sleeps SLOW_ROUND_S (default 5)
                   seconds after each decode round, and returns no sooner than 60 s after it began;
-  SLOW_UPDATE=k   each optimizer update from the run's k-th on (the train state's update count)
-                  sleeps SLOW_UPDATE_S (default 8) seconds after it ran.
+  SLOW_UPDATE=k   each micro-batch of the optimizer updates from the run's k-th on (the train
+                  state's update count) sleeps SLOW_UPDATE_S (default 8) seconds after it ran.
 
 Each writes `{workdir}/slow_collect` or `{workdir}/slow_update` when its first slow unit is done,
 so that a test can send SIGTERM in the middle of the slow part.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from mars_jax.rl import learner
+from mars_jax.rl import learner, trainer
 from mars_jax.rl.streaming import StreamingRollouts
 from tests.fault import parity_reward_run
 
@@ -51,17 +51,28 @@ def install() -> None:
         StreamingRollouts._round, StreamingRollouts.collect = slow_round, slow_collect
     if "SLOW_UPDATE" in os.environ:
         first, pause = int(os.environ["SLOW_UPDATE"]), float(os.environ.get("SLOW_UPDATE_S", 8))
-        train_step = learner._TRAIN_STEP  # what ppo_update calls for each optimizer update
+        # What ppo_update calls for each micro-batch, and to end each optimizer update.
+        micro_batch, apply, update = learner._MICRO_BATCH, learner._APPLY, trainer.ppo_update
+        updates = [0]  # the train state's update count
 
-        def slow_train_step(state, *args, **kwargs):
-            count = int(state.step)
-            result = jax.block_until_ready(train_step(state, *args, **kwargs))
-            if count >= first:
+        def counted_update(state, *args, **kwargs):
+            updates[0] = int(state.step)
+            return update(state, *args, **kwargs)
+
+        def counted_apply(*args, **kwargs):
+            result = apply(*args, **kwargs)
+            updates[0] += 1
+            return result
+
+        def slow_micro_batch(*args, **kwargs):
+            result = jax.block_until_ready(micro_batch(*args, **kwargs))
+            if updates[0] >= first:
                 _marker("slow_update")
                 time.sleep(pause)
             return result
 
-        learner._TRAIN_STEP = slow_train_step
+        trainer.ppo_update, learner._APPLY = counted_update, counted_apply
+        learner._MICRO_BATCH = slow_micro_batch
 
 
 if __name__ == "__main__":

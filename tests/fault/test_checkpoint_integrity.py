@@ -360,18 +360,60 @@ def test_arrays_that_do_not_fit_this_run_raise_and_set_nothing_aside(tmp_path):
     assert _steps_on_disk(tmp_path) == [1, 2]
 
 
-def test_processes_agree_to_skip_a_checkpoint_one_of_them_cannot_read(monkeypatch):
+def _two_processes(monkeypatch, other: list | None) -> list:
+    """Makes `checkpoint` see process 0 (this one) of 2, whose peer reports `other` to
+    `allgather_json`; returns the values this process sent."""
     from mars_jax import checkpoint, distributed
     monkeypatch.setattr(checkpoint.jax, "process_count", lambda: 2)
-    # No process's storage failed, none has a mismatch; another one found damage.
-    answers = iter([False, False, True])
-    monkeypatch.setattr(distributed, "any_process", lambda flag: next(answers))
-    value, error = checkpoint._agreed(lambda: "read here")
+    monkeypatch.setattr(checkpoint.jax, "process_index", lambda: 0)
+    sent = []
+    monkeypatch.setattr(distributed, "allgather_json", lambda value: sent.append(value) or [
+        json.loads(json.dumps(value)), other])
+    return sent
+
+
+def test_damage_on_process_0_makes_every_process_skip_the_checkpoint(monkeypatch):
+    from mars_jax import checkpoint
+    _two_processes(monkeypatch, None)  # the other process read it
+    value, error = checkpoint._agreed(
+        lambda: (_ for _ in ()).throw(checkpoint.CorruptCheckpoint("fingerprint")))
     assert value is None and isinstance(error, checkpoint.CorruptCheckpoint)
-    monkeypatch.setattr(distributed, "any_process", lambda flag: bool(flag))  # only this one
+
+
+def test_damage_seen_only_by_another_process_stops_every_process_setting_nothing_aside(
+        monkeypatch):
+    from mars_jax import checkpoint
+    sent = _two_processes(monkeypatch, ["damage", "its directory is missing"])
+    with pytest.raises(CheckpointUnavailable, match="checkpoint 3 is intact on process 0, .*"
+                                                    "process 1: its directory is missing"):
+        checkpoint._agreed(lambda: "read here", "checkpoint 3")
+    assert sent == [None]
+    with pytest.raises(CheckpointMismatch, match="process 1: layout"):  # any process's mismatch
+        _two_processes(monkeypatch, ["mismatch", "layout"])
+        checkpoint._agreed(lambda: "read here")
+    _two_processes(monkeypatch, None)
     assert checkpoint._agreed(lambda: "read here") == ("read here", None)
-    with pytest.raises(CheckpointMismatch, match="layout"):
-        checkpoint._agreed(lambda: (_ for _ in ()).throw(CheckpointMismatch("layout")))
+
+
+def test_every_process_walks_the_listing_of_process_0(tmp_path, monkeypatch):
+    """Process 0 (this one) lists steps 1 and 2; its peer's listing is never read."""
+    from mars_jax import checkpoint
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    checkpointer = Checkpointer(directory, keep=5)
+    sent = _two_processes(monkeypatch, None)
+    assert checkpointer.steps() == [1, 2] and sent == [[1, 2]]
+    assert checkpoint._listed(checkpointer._listing, "it") == [[2, 1], False]
+    monkeypatch.setattr(checkpoint.jax, "process_index", lambda: 1)  # now as process 1
+    monkeypatch.setattr(checkpointer, "_steps", lambda: [1])  # a stale listing: never read
+    from mars_jax import distributed
+    monkeypatch.setattr(distributed, "allgather_json", lambda value: [[[[2, 1], False], None],
+                                                                      value])
+    assert checkpoint._listed(checkpointer._listing, "it") == [[2, 1], False]
+    monkeypatch.setattr(distributed, "allgather_json", lambda value: [[None, "disk gone"], value])
+    with pytest.raises(CheckpointUnavailable, match="process 0: disk gone"):
+        checkpoint._listed(checkpointer._listing, "it")
+    checkpointer.close()
 
 
 def test_a_read_that_fails_once_restores_the_newest_checkpoint(tmp_path, monkeypatch, caplog):

@@ -1,6 +1,6 @@
 """Preemption: SIGTERM to a training process -> final checkpoint, clean exit with code 75; sent
-mid-rollout or mid-update of a step that takes over 60 s, the run still exits within the grace
-period, and resumed it ends as an uninterrupted run."""
+mid-rollout or mid-update (between two micro-batches) of a step that takes over 60 s, the run
+still exits within the grace period, and resumed it ends as an uninterrupted run."""
 import signal
 import subprocess
 import time
@@ -83,8 +83,9 @@ def test_sigterm_mid_rollout_and_mid_update_exits_75_in_time_and_resumes_exactly
     stderr = _preempt(stopped, "slow_collect", SLOW_COLLECT="1")
     assert "SIGTERM in step 2; checkpoint 2 saved to redo the step from" in stderr
     assert [row["step"] for row in harness.metrics(stopped)] == [1]
-    # Resumed, step 2's collect goes on from the requests in flight; its 8 updates take 8 s
-    # each: stopped after the first, the step is saved as it was before its update.
+    # Resumed, step 2's collect goes on from the requests in flight; each micro-batch of its 8
+    # updates takes 8 s: stopped after the first micro-batch, the step is saved as it was
+    # before its update.
     stderr = _preempt(stopped, "slow_update", SLOW_UPDATE="8")
     assert "SIGTERM in step 2; checkpoint 2 saved to redo the step from" in stderr
     assert [row["step"] for row in harness.metrics(stopped)] == [1]

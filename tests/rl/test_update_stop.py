@@ -1,7 +1,8 @@
-"""An update stopped between mini-batches (a preemption notice) hands back the state it started
-from, bit for bit, although its updates donated that state; redone from it, the update ends where
-the uninterrupted one ends. Same shapes and settings as test_update's ratio test (its compiled
-programs are reused)."""
+"""An update stopped between two micro-batches (a preemption notice) hands back the state it
+started from, bit for bit, although its updates donated that state; redone from it, the update
+ends where the uninterrupted one ends. The update one program per micro-batch (what lets it stop
+there) is the one-program `train_step`. Same shapes and settings as test_update's ratio test (its
+compiled programs are reused)."""
 import jax
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from mars_jax.rl.batching import make_batch
 from mars_jax.rl.learner import LearnerConfig, UpdateStopped, ppo_update
 from mars_jax.rl.losses import LossConfig
 from mars_jax.optimizer import make_optimizer
-from mars_jax.rl.update import UpdateConfig, init_train_state
+from mars_jax.rl.update import (UpdateConfig, apply_gradients, init_train_state,
+                                micro_batch_gradients, train_step)
 from tests.rl.test_update import _on_policy_samples
 
 OPTIMIZER = make_optimizer(3e-2, max_grad_norm=0.0)
@@ -45,7 +47,9 @@ def test_a_stopped_update_returns_its_starting_state_and_redoing_it_ends_the_sam
 
     whole, history = update(_fresh_state(start, template))
     asked = []
-    stop_after = 2 + (2 if pi_old == "recompute" else 0)  # two updates (after two forwards)
+    # 2 micro-batches an update: stopped in the second update, after its first micro-batch
+    # (after two forwards of pi_old).
+    stop_after = 3 + (2 if pi_old == "recompute" else 0)
 
     def should_stop():
         asked.append(True)
@@ -60,3 +64,29 @@ def test_a_stopped_update_returns_its_starting_state_and_redoing_it_ends_the_sam
     assert history_again == history
     for a, b in zip(_leaves(redone), _leaves(whole), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_update_by_micro_batch_programs_is_train_step():
+    model = create_model(get_preset("tiny"), seed=1)
+    graphdef, _ = nnx.split(model, nnx.Param)
+    batch = jax.tree.map(jax.numpy.asarray,
+                         make_batch(_on_policy_samples(model)[:16], micro_batch_size=8))
+    assert batch.tokens.shape[0] == 2
+    config = UpdateConfig(loss=LossConfig(behaviour_weight_cap=2.0))
+    template = init_train_state(model, OPTIMIZER)
+    start = _leaves(template)
+    whole, expected = train_step(_fresh_state(start, template), batch, None, graphdef=graphdef,
+                                 optimizer=OPTIMIZER, config=config)
+    state = _fresh_state(start, template)
+    grads, metrics = jax.tree.map(jax.numpy.zeros_like, state.params), []
+    for index in range(2):
+        grads, micro = micro_batch_gradients(grads, state.params, batch, np.int32(index), None,
+                                             graphdef=graphdef, config=config)
+        metrics.append(micro)
+    by_micro, got = apply_gradients(state, grads, metrics, batch, optimizer=OPTIMIZER)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(float(got[key]), float(expected[key]), rtol=1e-5, atol=1e-7,
+                                   err_msg=key)
+    for a, b in zip(_leaves(by_micro), _leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
