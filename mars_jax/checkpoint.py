@@ -29,6 +29,11 @@ Integrity rules:
     checkpoint is left in place, never skipped.
   * A directory with no step directories but one step's files at its top (a step directory
     copied to the wrong level) raises `ValueError` instead of restoring nothing.
+
+The directory is a local path or a `gs://` URL (`mars_jax.storage`; orbax writes the arrays
+through tensorstore, which reads either). On Cloud Storage orbax writes a step in place and
+marks it committed with `commit_success.txt` (no rename), so the commit-marker rule above is what
+tells a save cut short there.
 """
 from __future__ import annotations
 
@@ -37,16 +42,17 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from mars_jax import storage
 
 FINGERPRINT_KEY = "state_fingerprint"
 ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
@@ -99,7 +105,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
                  config: dict | None = None):
-        self.directory = os.path.abspath(directory)
+        self.directory = os.fspath(storage.path(directory))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
@@ -176,7 +182,7 @@ class Checkpointer:
         steps, error = _agreed(self._steps, f"the checkpoint directory {self.directory}")
         if error is not None:
             raise error  # nothing is damage before a step is read
-        if not steps and os.path.exists(os.path.join(self.directory, STEP_METADATA_FILE)):
+        if not steps and (storage.path(self.directory) / STEP_METADATA_FILE).exists():
             raise ValueError(
                 f"{self.directory} holds one checkpoint's files ({STEP_METADATA_FILE}) but no "
                 f"step directory: move them into {self.directory}/<its step>/ to resume from "
@@ -211,22 +217,22 @@ class Checkpointer:
                 "from step 0, or move an intact copy of a step back to resume from it")
         return None
 
-    def _step_dir(self, step: int) -> Path:
-        return Path(self.directory, str(step))
+    def _step_dir(self, step: int) -> epath.Path:
+        return storage.path(self.directory) / str(step)
 
     def _steps(self) -> list[int]:
         """Every step directory, newest first: orbax's committed steps and any other directory
         named by a step number (one orbax does not list, e.g. without its commit marker)."""
         self.manager.reload()
-        named = {int(name) for name in os.listdir(self.directory)
-                 if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))}
+        named = {int(entry.name) for entry in storage.path(self.directory).iterdir()
+                 if entry.name.isdigit() and entry.is_dir()}
         return sorted(named | set(self.manager.all_steps()), reverse=True)
 
     def _read_meta(self, step: int) -> dict:
         """Checkpoint `step`'s meta, its fingerprint checked and removed (the state and arrays
         fingerprints stay, for `_restore`); raises `CorruptCheckpoint` for a step directory
         without its commit marker."""
-        if not os.path.exists(self._step_dir(step) / COMMIT_MARKER):
+        if not (self._step_dir(step) / COMMIT_MARKER).exists():
             raise CorruptCheckpoint(f"its directory has no commit marker ({COMMIT_MARKER}): "
                                     "it was not completely written")
         meta = dict(self.manager.restore(step, args=ocp.args.Composite(
@@ -273,12 +279,13 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         """Moves an unreadable checkpoint out of the manager's directory (kept for inspection)."""
         if jax.process_index() == 0:
-            aside = os.path.join(self.directory + ".unreadable", str(step))
+            aside = storage.path(self.directory + ".unreadable") / str(step)
             suffix = 0
-            while os.path.exists(aside + (f".{suffix}" if suffix else "")):
+            while aside.with_name(f"{step}.{suffix}" if suffix else str(step)).exists():
                 suffix += 1
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            shutil.move(self._step_dir(step), aside + (f".{suffix}" if suffix else ""))
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            self._step_dir(step).rename(
+                aside.with_name(f"{step}.{suffix}" if suffix else str(step)))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
