@@ -224,7 +224,7 @@ class Checkpointer:
         """Every step directory, newest first: orbax's committed steps and any other directory
         named by a step number (one orbax does not list, e.g. without its commit marker)."""
         self.manager.reload()
-        named = {int(entry.name) for entry in storage.path(self.directory).iterdir()
+        named = {int(entry.name) for entry in storage.entries(self.directory)
                  if entry.name.isdigit() and entry.is_dir()}
         return sorted(named | set(self.manager.all_steps()), reverse=True)
 

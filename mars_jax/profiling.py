@@ -2,7 +2,9 @@
 where TensorBoard's profile tab reads it: `<logdir>/plugins/profile/<run>/`.
 
 The profiler writes local files only, so for a `gs://` logdir it traces into a local staging
-directory and copies the trace up when it stops (`storage.LocalStaging`).
+directory and copies the trace up when it stops (`storage.LocalStaging`). Python function calls
+are not traced (`python_tracer_level=0`: they made a 2-step CPU run's trace 140 MB); device
+programs, XLA ops and jax's own host annotations are.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ class StepProfiler:
         start inside the range)."""
         if self._staging is None and self.first <= step <= self.last:
             self._staging = storage.LocalStaging(self.logdir)
-            jax.profiler.start_trace(os.fspath(self._staging.local))
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0
+            jax.profiler.start_trace(os.fspath(self._staging.local), profiler_options=options)
 
     def after(self, step: int) -> None:
         """Stops the trace (and writes it to `logdir`) after step `last`."""

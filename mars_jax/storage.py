@@ -39,6 +39,13 @@ def path(location: str | os.PathLike) -> epath.Path:
     return epath.Path(os.path.abspath(os.path.expanduser(text)))
 
 
+def entries(directory: str | os.PathLike) -> list[epath.Path]:
+    """The entries of `directory`; [] where it does not exist (an object store keeps no empty
+    directory: one that nothing was written under yet does not exist there)."""
+    directory = path(directory)
+    return list(directory.iterdir()) if directory.exists() else []
+
+
 def write_text(target: str | os.PathLike, text: str) -> None:
     """Writes `text` to `target` whole or not at all: locally through a temporary file renamed
     into place, on an object store as one object upload (atomic there). Creates the parent
@@ -65,16 +72,26 @@ def append_text(target: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+def files(directory: str | os.PathLike) -> list[str]:
+    """The relative paths ('a/b.txt') of every file under `directory`, sorted; [] where it does
+    not exist. (epath's own `walk` drops the `gs://` of the paths it yields.)"""
+    found = []
+    for entry in entries(directory):
+        if entry.is_dir():
+            found += [f"{entry.name}/{name}" for name in files(entry)]
+        else:
+            found.append(entry.name)
+    return sorted(found)
+
+
 def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
     """Copies every file under directory `source` to the same relative path under `target`
     (either side local or remote); existing files are overwritten."""
     source, target = path(source), path(target)
-    for root, _, files in source.walk():
-        for name in files:
-            relative = Path(os.fspath(root / name)).relative_to(os.fspath(source))
-            destination = target / relative.as_posix()
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            (root / name).copy(destination, overwrite=True)
+    for name in files(source):
+        destination = target / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        (source / name).copy(destination, overwrite=True)
 
 
 class LocalStaging:

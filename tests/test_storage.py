@@ -37,4 +37,6 @@ def test_write_append_and_copy_tree(where, tmp_path, request):
     storage.copy_tree(source, f"{root}/copied")
     assert storage.path(f"{root}/copied/plugins/profile/trace.pb").read_bytes() == b"\x00\x01"
     assert storage.path(f"{root}/copied/top.txt").read_text() == "top"
-    assert sorted(p.name for p in storage.path(root).iterdir()) == ["config.json", "copied", "sub"]
+    assert storage.files(root) == ["config.json", "copied/plugins/profile/trace.pb",
+                                   "copied/top.txt", "sub/log.txt"]
+    assert storage.files(f"{root}/absent") == []

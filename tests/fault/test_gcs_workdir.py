@@ -26,18 +26,12 @@ def gcs(monkeypatch):
         yield root
 
 
-def _objects(root: str) -> list[str]:
-    """Every object under `root`, relative to it."""
-    base = storage.path(root)
-    return sorted(str(p)[len(str(base)) + 1:] for p in base.rglob("*") if p.is_file())
-
-
 def test_a_run_killed_and_resumed_on_gcs_ends_as_the_uninterrupted_run(gcs):
     straight, killed = f"{gcs}/straight", f"{gcs}/killed"
     total = f"--config.total_steps={STEPS}"
     subprocess.run(harness.command(straight, total, "--config.profile_steps=1,2"),
                    env=harness.env(), check=True, capture_output=True, timeout=900)
-    written = _objects(straight)
+    written = storage.files(straight)
     assert "metrics.jsonl" in written and "config.json" in written
     assert any(name.startswith("tensorboard/events.out.tfevents") for name in written)
     assert any(name.startswith("tensorboard/plugins/profile/") and name.endswith(".xplane.pb")
@@ -84,7 +78,7 @@ def test_two_processes_train_and_resume_on_one_gcs_workdir(gcs):
     assert all("resumed from step 1" in output for output in outputs)
     assert [row["step"] for row in harness.metrics(workdir)] == [1, 2]
     assert [row["step"] for row in harness.metrics(f"{workdir}/host1")] == [1, 2]
-    written = _objects(workdir)
+    written = storage.files(workdir)
     assert "config.json" in written and "checkpoints/2/commit_success.txt" in written
     step, _, version = harness.latest_checkpoint(workdir)
     assert step == 2 and version == 2
