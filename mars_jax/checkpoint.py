@@ -32,8 +32,8 @@ Integrity rules:
 
 The directory is a local path or a `gs://` URL (`mars_jax.storage`; orbax writes the arrays
 through tensorstore, which reads either). On Cloud Storage orbax writes a step in place and
-marks it committed with `commit_success.txt` (no rename), so the commit-marker rule above is what
-tells a save cut short there.
+marks it committed with `commit_success.txt` (no rename); a step without it (a save cut short)
+is removed when the manager opens, as a local save's temporary directory is.
 """
 from __future__ import annotations
 
@@ -283,9 +283,8 @@ class Checkpointer:
             suffix = 0
             while aside.with_name(f"{step}.{suffix}" if suffix else str(step)).exists():
                 suffix += 1
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            self._step_dir(step).rename(
-                aside.with_name(f"{step}.{suffix}" if suffix else str(step)))
+            storage.move_tree(self._step_dir(step),
+                              aside.with_name(f"{step}.{suffix}" if suffix else str(step)))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")

@@ -94,6 +94,18 @@ def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
         (source / name).copy(destination, overwrite=True)
 
 
+def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Moves directory `source` to `target` (same storage); an object store has no rename, so
+    there every file is copied, then `source` deleted."""
+    source, target = path(source), path(target)
+    if is_remote(source):
+        copy_tree(source, target)
+        source.rmtree()
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(os.fspath(source), os.fspath(target))
+
+
 class LocalStaging:
     """A local directory for a tool that can only write local files (the profiler, a job that
     saves an HF model), copied to `target` by `publish()`: for a local `target`, that directory

@@ -22,7 +22,7 @@ def test_local_paths_are_made_absolute_and_urls_kept(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", "gcs"])
-def test_write_append_and_copy_tree(where, tmp_path, request):
+def test_write_append_copy_and_move_trees(where, tmp_path, request):
     root = request.getfixturevalue("gcs") + "/run" if where == "gcs" else str(tmp_path / "run")
     storage.write_text(f"{root}/config.json", json.dumps({"a": 1}))
     storage.write_text(f"{root}/config.json", json.dumps({"a": 2}))  # replaced whole
@@ -40,3 +40,6 @@ def test_write_append_and_copy_tree(where, tmp_path, request):
     assert storage.files(root) == ["config.json", "copied/plugins/profile/trace.pb",
                                    "copied/top.txt", "sub/log.txt"]
     assert storage.files(f"{root}/absent") == []
+    storage.move_tree(f"{root}/copied", f"{root}/aside/copied")
+    assert storage.files(f"{root}/aside") == ["copied/plugins/profile/trace.pb", "copied/top.txt"]
+    assert not storage.path(f"{root}/copied").exists()

@@ -18,7 +18,7 @@ from tests.rl.test_resume import OVERRIDES  # the same shapes, so compiled progr
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "experiments/run.py"
-TIMING_KEYS = ("time/", "tokens_per_second")
+TIMING_KEYS = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_seconds")
 
 
 def command(workdir: Path | str, *overrides: str, script: Path = RUN) -> list[str]:
