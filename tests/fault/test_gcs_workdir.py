@@ -6,7 +6,7 @@ on one gs:// workdir and resume from it."""
 import json
 import signal
 import subprocess
-import sys
+import time
 
 import numpy as np
 import pytest
@@ -43,6 +43,10 @@ def test_a_run_killed_and_resumed_on_gcs_ends_as_the_uninterrupted_run(gcs):
     process = subprocess.Popen(harness.command(killed, total), env=harness.env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     harness.wait_for_step(process, killed, 1)
+    committed = storage.path(killed) / "checkpoints" / "1" / "commit_success.txt"
+    while not committed.exists():  # killed in step 2, with checkpoint 1 to resume from
+        assert process.poll() is None, "the run ended before checkpoint 1 was committed"
+        time.sleep(0.2)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert len(harness.metrics(killed)) < STEPS
