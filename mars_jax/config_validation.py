@@ -16,7 +16,8 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                has a server URL and model name, a warm start (`warm_start.sft`) has a cache
                directory and no `model.checkpoint`, the optimizer state is offloaded only on
                one shared mesh, `learner.micro_batch_size` (rows per micro-batch over the
-               whole training mesh) splits evenly over the processes (`micro_batch_problem`).
+               whole training mesh) splits evenly over the processes (`micro_batch_problem`),
+               `profile_steps` is () or (first, last) within the run.
 
 Rules that read a field with a schema or range problem are skipped, so one wrong value yields
 one message. `field_problem` and `field_type` check a `--config.<field>` override's name and
@@ -141,6 +142,7 @@ _ADAM_BETA = Range(0, 1, high_open=True)
 # Every numeric field of common.py, except the mesh's (the mesh rule checks those).
 RANGES: dict[str, Range] = {
     "seed": Range(0), "total_steps": Range(1), "max_nonfinite_updates": Range(1),
+    "profile_steps": Range(1),
     "preemption_grace_s": Range(0, low_open=True),
     "data.arith.num_ops": Range(1), "data.arith.max_operand": Range(0),
     "data.arith.sizes": Range(1),
@@ -319,6 +321,15 @@ def _choice(field: str, allowed: tuple[str, ...]) -> Rule:
 
 
 _RULES += [((field,), _choice(field, allowed)) for field, allowed in CHOICES.items()]
+
+
+@_rule("profile_steps", "total_steps")
+def _profile_steps(config: ConfigDict, device_count: int) -> Iterator[Problem]:
+    steps = tuple(config.profile_steps)
+    if steps and (len(steps) != 2 or steps[0] > steps[1] or steps[1] > config.total_steps):
+        yield Problem("profile_steps", f"{steps!r} is not (first, last) with first <= last <= "
+                      f"total_steps={config.total_steps}",
+                      "set it to two steps, e.g. --config.profile_steps=3,4, or () for none")
 
 
 @_rule("rollout.group_size", "rollout.fan_out", "rollout.max_stages")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import tqdm
 
+from mars_jax import storage
 from mars_jax.metrics import read_rows
 
 ROLES = ("solver", "verifier", "corrector")
@@ -48,7 +49,7 @@ def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
 def read_metrics(workdir: str | Path) -> list[dict]:
     """The rows of `workdir/metrics.jsonl` in step order ([] when there is none), up to a line
     cut short by a crash (`metrics.read_rows`)."""
-    path = Path(workdir) / "metrics.jsonl"
+    path = storage.path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
     return sorted(read_rows(path), key=lambda row: row["step"])
@@ -67,7 +68,7 @@ def step_mean(rows: Sequence[dict], key: str) -> float:
 
 def summary(workdir: str | Path, command: Sequence[str], seconds: float) -> str:
     """The closing summary of a training run in `workdir`, rerun with `command` to resume."""
-    workdir = Path(workdir)
+    workdir = storage.path(workdir)
     rows = [row for row in read_metrics(workdir) if row["step"] >= 1]  # not the step-0 probe
     if not rows:
         return f"no steps recorded in {workdir / 'metrics.jsonl'}"

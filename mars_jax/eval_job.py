@@ -4,11 +4,13 @@ Writes `workdir/eval/records.jsonl` (every candidate, verdict, chosen answer, co
 per agent; appended as pairs finish, so a rerun resumes), `workdir/eval/summary.json` and
 TensorBoard scalars under `workdir/eval/tensorboard`. After SIGTERM it stops before the next
 V–C round and raises `preemption.Preempted` (exit 75) within `preemption_grace_s`: the recorded
-pairs are kept, a rerun evaluates the rest.
+pairs are kept, a rerun evaluates the rest. With `eval.policy='http'` the servers get the key in
+the environment variable `eval.api_key_env` (`OPENAI_API_KEY` by default) as a Bearer token.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -35,7 +37,9 @@ def build_policy(config: ConfigDict) -> Policy:
                              top_p=e.top_p, enable_thinking=config.rollout.enable_thinking,
                              engine=run_config.eval_engine_settings(config, e.engine_slots))
     if e.policy == "http":
-        http = lambda url: HttpPolicy(url, e.served_model, temperature=e.temperature, top_p=e.top_p,
+        api_key = os.environ.get(e.api_key_env) if e.api_key_env else None
+        http = lambda url: HttpPolicy(url, e.served_model, api_key=api_key,
+                                      temperature=e.temperature, top_p=e.top_p,
                                       timeout_s=e.timeout_s, max_concurrency=e.max_concurrency)
         vc = http(e.vc_base_url)
         return RoutedPolicy(vc, {"solver": http(e.solver_base_url)}) if e.solver_base_url else vc

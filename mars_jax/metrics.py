@@ -1,19 +1,21 @@
-"""Per-step metrics: `metrics.jsonl` (one JSON object per step) and TensorBoard scalars."""
+"""Per-step metrics: `metrics.jsonl` (one JSON object per step) and TensorBoard scalars, in a
+local or `gs://` workdir (`mars_jax.storage`)."""
 from __future__ import annotations
 
 import json
 import math
 import os
-from pathlib import Path
 
 from tensorboardX import SummaryWriter
+
+from mars_jax import storage
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
     """The rows of a metrics.jsonl file in file order, up to the first line that is not a whole
     row (a line cut short by a crash: it and everything after are left out)."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in storage.path(path).read_text().splitlines():
         try:
             row = json.loads(line)
         except ValueError:
@@ -28,23 +30,24 @@ class MetricsWriter:
     """Appends metrics to `workdir/metrics.jsonl` and `workdir/tensorboard`. On resume from step
     `resume_step`, lines for later steps (written after that checkpoint) are dropped first
     (`resume_step=-1`: a run with no checkpoint starts the file over); the file is rewritten
-    atomically (temporary file + rename), so a crash then loses nothing."""
+    atomically (`storage.write_text`), so a crash then loses nothing. On `gs://` each row
+    rewrites the object (objects cannot be appended to), and TensorBoard's event file is
+    uploaded whole at each flush (tensorboardX's writer, through google-cloud-storage)."""
 
     def __init__(self, workdir: str | os.PathLike, *, resume_step: int = 0, tensorboard: bool = True):
-        self.path = Path(workdir) / "metrics.jsonl"
+        self.path = storage.path(workdir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             kept = [row for row in read_rows(self.path) if row["step"] <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in kept))
-            os.replace(tmp, self.path)
-        self.tb = SummaryWriter(str(Path(workdir) / "tensorboard")) if tensorboard else None
+            storage.write_text(self.path, "".join(json.dumps(row, sort_keys=True) + "\n"
+                                                  for row in kept))
+        self.tb = (SummaryWriter(os.fspath(storage.path(workdir) / "tensorboard"))
+                   if tensorboard else None)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in metrics.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        storage.append_text(self.path, json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
         if self.tb is not None:
             for key, value in clean.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -17,6 +17,10 @@ def base_config() -> ConfigDict:
     c.preemption_grace_s = 25.0
     c.tokenizer = "tiny"            # 'tiny' | 'qwen3' | a checkpoint directory
     c.jax_cache_dir = "~/.cache/mars_jax/jax"  # persistent compilation cache ('' = off)
+    # (first, last): a jax.profiler trace of those steps of a training run, written under
+    # WORKDIR/tensorboard/plugins/profile (TensorBoard's profile tab); () = none.
+    # --config.profile_steps=3,4
+    c.profile_steps = ()
     # jax_default_matmul_precision: 'default' is JAX's own, which computes float32 matmuls in
     # TF32 on recent GPUs and in bfloat16 passes on TPU; 'float32' computes them in full (as torch
     # does, and as the HF-parity tests check) for a float32 model on GPU / TPU. It reaches the
@@ -129,6 +133,10 @@ def base_config() -> ConfigDict:
                                                             corrector=256)),
                              temperature=0.6, top_p=0.95, policy="sampler",
                              vc_base_url="", solver_base_url="", served_model="",
+                             # the environment variable holding the servers' API key, sent as
+                             # a Bearer token when set (never the key itself: the config is
+                             # recorded in the workdir); '' = none
+                             api_key_env="OPENAI_API_KEY",
                              timeout_s=600.0, max_concurrency=32,
                              engine_slots=0,  # > 0: the sampler policy on an Engine
                              # A train job with probe_every > 0 ('arith' only) samples each

@@ -14,6 +14,9 @@ only: its batches are built (and the hosts' joined) on the main thread before it
 With `eval.probe_every` > 0 each role's decisions are sampled on held-out problems
 (`mars_jax.sft.probe`) before step 1 (a step-0 line) and after every `eval.probe_every`-th step.
 Re-running the same command on the same workdir resumes from the newest readable checkpoint.
+The workdir is a local path or a `gs://` URL (`mars_jax.storage`): metrics, TensorBoard logs,
+checkpoints, the run's resolved config (`config.json`, written at start and compared on resume:
+`config_diff`) and a `jax.profiler` trace of `profile_steps` (under `tensorboard/`).
 
 Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
 every host: between decode rounds (`StreamingRollouts`), between micro-batches of the update
@@ -50,22 +53,23 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import jax
 import numpy as np
 import tqdm
+from etils import epath
 from flax import nnx
 from ml_collections import ConfigDict
 
 from mars_jax import (builders, config_diff, console, distributed, memory_fit, offload,
-                      preemption, run_config, sharding, weight_sync)
+                      preemption, run_config, sharding, storage, weight_sync)
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
 from mars_jax.config_validation import ConfigError, micro_batch_problem
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
+from mars_jax.profiling import StepProfiler
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl import queue_arrays
@@ -275,10 +279,16 @@ def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str
     and `CheckpointSaveError` when a save fails.
     """
     with preemption.catch_sigterm(config.preemption_grace_s) as notice:
-        return _train(config, Path(workdir), notice, tuple(allow_config_change))
+        return _train(config, storage.path(workdir), notice, tuple(allow_config_change))
 
 
-def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
+def _recorded_config(workdir_path: epath.Path) -> dict | None:
+    """Process 0's `config_diff.read_record` of the workdir, the same on every host."""
+    recorded = config_diff.read_record(workdir_path) if jax.process_index() == 0 else None
+    return recorded if jax.process_count() == 1 else distributed.allgather_json(recorded)[0]
+
+
+def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Notice,
            allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
     if problem := micro_batch_problem(config.learner.micro_batch_size, jax.process_count()):
         raise ConfigError([problem])
@@ -305,12 +315,16 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                                 config=config_diff.record(config))
     learner = run_config.learner_config(config)
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
+    recorded = _recorded_config(workdir_path)
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
         name: distributed.host_arrays_target(index)
         for name, index in distributed.local_process_meta(saved).items()
         if name in _ARRAYS and index is not None},
         check_meta=lambda step, saved: config_diff.check_resume(
-            saved.get(CONFIG_KEY), config, step=step, allowed=allow_config_change))
+            saved.get(CONFIG_KEY) if recorded is None else recorded, config, step=step,
+            allowed=allow_config_change))
+    if jax.process_index() == 0:  # the run's record, once a resume accepted this config
+        config_diff.write_record(workdir_path, config)
     model_config = model.config
     del model  # a restored run must not keep the initial weights alive beside the restored ones
     if restored is not None:
@@ -326,8 +340,9 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
         console.note(f"resumed from step {start}")
     # Rollout metrics are this host's; host 0 writes workdir/metrics.jsonl, host i workdir/host{i}/.
     host = jax.process_index()
-    writer = MetricsWriter(workdir_path / f"host{host}" if host else workdir_path,
-                           resume_step=start if restored is not None else -1)
+    host_dir = workdir_path / f"host{host}" if host else workdir_path
+    writer = MetricsWriter(host_dir, resume_step=start if restored is not None else -1)
+    profiler = StepProfiler(config.profile_steps, host_dir / "tensorboard")
     eos = eos_token_ids(tokenizer)
     metrics: dict[str, float] = {}
     engine = run_config.engine_settings(config, rollout_mesh)
@@ -390,6 +405,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
     try:
         for step in bar:
+            profiler.before(step)
             try:
                 if config.learner.offload_optimizer:  # on the host while the engine decodes
                     state, ref_params = offload.move_update_state(state, ref_params, "host")
@@ -477,6 +493,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
             if probe_every and step % probe_every == 0:
                 metrics.update(held_out_probe(state.params))
             writer.write(step, metrics)
+            profiler.after(step)
             bar.set_postfix(console.postfix(metrics))
             if nonfinite_streak >= config.max_nonfinite_updates:
                 raise NonFiniteUpdates(f"{nonfinite_streak} steps with non-finite updates in a "
@@ -497,6 +514,7 @@ def _train(config: ConfigDict, workdir_path: Path, notice: preemption.Notice,
                     "one is kept" if nonfinite_streak else
                     f"checkpoint {step} (from earlier in the step) kept"))
     finally:
+        profiler.close()
         writer.close()
         bar.close()
         checkpointer.close()  # raises CheckpointSaveError if the last save failed

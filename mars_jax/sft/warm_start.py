@@ -9,6 +9,10 @@ generates the traces and trains on them (`SOURCES`), so a change to any of them 
 one. A build is written to a temporary directory and renamed into place once complete: an
 interrupted build leaves nothing a later run reads (a later build on that host removes it once
 its process is gone). Every process of a multi-process job builds (or finds) its own copy.
+
+A `gs://` cache_dir is shared by every machine: the model is read from a local mirror of it
+(`MIRROR`), copied down when the bucket has a complete build (its `COMPLETE` marker, written
+after every file), else built locally and copied up.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 import mars_jax
-from mars_jax import builders, console
+from mars_jax import builders, console, storage
 from mars_jax.sft import job as sft_job
 
 # Sources (relative to the mars_jax package) whose code decides the warm start's weights.
@@ -30,6 +34,8 @@ SOURCES = ("sft/*.py", "data/arith.py", "data/datasets.py", "data/tokenizer.py",
            "agents/prompts.py", "rewards/text.py", "rewards/agent_rewards.py", "builders.py",
            "models/*.py", "layers/*.py", "optimizer.py")
 _SFT_SECTIONS = ("data", "model", "sft", "optimizer")
+MIRROR = "~/.cache/mars_jax/warm_start_mirror"  # local copies of a gs:// cache's builds
+COMPLETE = "complete"  # in a gs:// cache, written after the rest of a build
 # Fields that do not change the weights: what the job logs and probes, the RL problem order,
 # the decay length (the job decays over sft.steps).
 _NOT_WEIGHTS = {"data": ("shuffle",), "sft": ("eval_every", "probe_every", "probe_slots"),
@@ -69,12 +75,33 @@ def fingerprint(config: ConfigDict) -> str:
 
 
 def cache_path(config: ConfigDict) -> Path:
-    """Where `config`'s warm start is (or will be) cached: `<cache_dir>/<fingerprint>`."""
-    return Path(os.path.expanduser(config.warm_start.cache_dir)) / fingerprint(config)
+    """Where `config`'s warm start is (or will be) cached locally: `<cache_dir>/<fingerprint>`
+    (for a `gs://` cache_dir, `MIRROR/<fingerprint>`)."""
+    root = MIRROR if storage.is_remote(config.warm_start.cache_dir) else config.warm_start.cache_dir
+    return Path(os.path.expanduser(root)) / fingerprint(config)
 
 
 def ensure(config: ConfigDict) -> Path:
     """The warm start's model directory, trained now (`sft.steps` steps) if not cached yet."""
+    if not storage.is_remote(config.warm_start.cache_dir):
+        return _ensure_local(config)
+    shared = storage.path(config.warm_start.cache_dir) / fingerprint(config)
+    target = cache_path(config)
+    if not (target / "model" / "config.json").exists() and (shared / COMPLETE).exists():
+        console.note(f"warm start: copying {shared} to {target}")
+        tmp = target.with_name(f"{target.name}.tmp.{socket.gethostname()}.{os.getpid()}")
+        storage.copy_tree(shared, tmp)
+        (tmp / COMPLETE).unlink()
+        _move_into_place(tmp, target)
+        return target / "model"
+    model = _ensure_local(config)
+    if not (shared / COMPLETE).exists():
+        storage.copy_tree(target, shared)
+        storage.write_text(shared / COMPLETE, "")
+    return model
+
+
+def _ensure_local(config: ConfigDict) -> Path:
     target = cache_path(config)
     if (target / "model" / "config.json").exists():
         console.note(f"warm start: reusing {target / 'model'}")
@@ -88,16 +115,22 @@ def ensure(config: ConfigDict) -> Path:
     tmp = target.with_name(f"{prefix}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     summary = sft_job.run(sft_config(config), str(tmp))
+    _move_into_place(tmp, target)
+    console.note("warm start: held-out loss per reply token " + ", ".join(
+        f"{k.removeprefix('loss/')} {v:.3f}" for k, v in sorted(summary.items())
+        if k.startswith("loss/")))
+    return target / "model"
+
+
+def _move_into_place(tmp: Path, target: Path) -> None:
+    """Renames the complete build `tmp` to `target`, or drops it when another process finished
+    the same build first."""
     try:
         os.replace(tmp, target)
     except OSError:  # another process finished the same build first: keep its copy
         if not (target / "model" / "config.json").exists():
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-    console.note("warm start: held-out loss per reply token " + ", ".join(
-        f"{k.removeprefix('loss/')} {v:.3f}" for k, v in sorted(summary.items())
-        if k.startswith("loss/")))
-    return target / "model"
 
 
 def _alive(pid: str) -> bool:

@@ -306,3 +306,21 @@ def test_complete_runs_inside_a_running_event_loop():
     with FakeServer() as server:
         [out] = asyncio.run(caller(server.url))
     assert out.text == "echo a"
+
+
+@pytest.mark.parametrize("variable, key", [("OPENAI_API_KEY", "sk-env"), ("MY_SERVER_KEY", "k2"),
+                                           ("", None)])
+def test_the_eval_job_sends_the_key_in_the_configured_variable(variable, key, monkeypatch):
+    from experiments.configs import eval_system
+    from mars_jax import config_diff, eval_job
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    monkeypatch.setenv("MY_SERVER_KEY", "k2")
+    with FakeServer() as server:
+        config = eval_system.get_config()
+        config.eval.policy, config.eval.served_model = "http", "qwen3"
+        config.eval.vc_base_url, config.eval.api_key_env = server.url, variable
+        [out] = eval_job.build_policy(config).complete([req("a")])
+    assert out.text == "echo a"
+    [(_, headers, _)] = server.received
+    assert headers.get("Authorization") == (f"Bearer {key}" if key else None)
+    assert "sk-env" not in json.dumps(config_diff.record(config))  # the key is never recorded

@@ -11,16 +11,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from mars_jax import storage
 from mars_jax.checkpoint import Checkpointer
 from tests.cpu_env import cpu_env
 from tests.rl.test_resume import OVERRIDES  # the same shapes, so compiled programs are shared
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "experiments/run.py"
-TIMING_KEYS = ("time/", "tokens_per_second")
+TIMING_KEYS = ("time/", "tokens_per_second", "stream/deferred_seconds", "stream/sync_seconds")
 
 
-def command(workdir: Path, *overrides: str, script: Path = RUN) -> list[str]:
+def command(workdir: Path | str, *overrides: str, script: Path = RUN) -> list[str]:
     """`script` (run.py or a wrapper of it) on the smoke config with the tiny-run overrides."""
     return [sys.executable, str(script),
             "--config=" + str(REPO / "experiments/configs/smoke.py"), f"--workdir={workdir}",
@@ -32,9 +33,10 @@ def env(**extra: str) -> dict[str, str]:
     return cpu_env(**extra)  # one CPU device
 
 
-def metrics(workdir: Path) -> list[dict]:
-    """metrics.jsonl rows without timings; a torn last line is ignored."""
-    path = workdir / "metrics.jsonl"
+def metrics(workdir: Path | str) -> list[dict]:
+    """metrics.jsonl rows without timings (a local or gs:// workdir); a torn last line is
+    ignored."""
+    path = storage.path(workdir) / "metrics.jsonl"
     rows = []
     for line in (path.read_text().splitlines() if path.exists() else []):
         try:
@@ -44,7 +46,7 @@ def metrics(workdir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
 
-def wait_for_step(process: subprocess.Popen, workdir: Path, step: int,
+def wait_for_step(process: subprocess.Popen, workdir: Path | str, step: int,
                   timeout: float = 600) -> None:
     """Blocks until metrics.jsonl has a row for `step` (asserting the run is still going)."""
     deadline = time.time() + timeout
@@ -54,13 +56,13 @@ def wait_for_step(process: subprocess.Popen, workdir: Path, step: int,
         time.sleep(0.1)
 
 
-def latest_checkpoint(workdir: Path) -> tuple[int, list[np.ndarray], int]:
+def latest_checkpoint(workdir: Path | str) -> tuple[int, list[np.ndarray], int]:
     """(step, parameter leaves, policy version) of the newest intact checkpoint."""
     from mars_jax.models import create_model, get_preset
     from mars_jax.optimizer import make_optimizer
     from mars_jax.rl.update import init_train_state
     abstract = init_train_state(create_model(get_preset("tiny")), make_optimizer(1e-4))
-    checkpointer = Checkpointer(workdir / "checkpoints")
+    checkpointer = Checkpointer(storage.path(workdir) / "checkpoints")
     try:
         step, state, meta, _ = checkpointer.restore_latest(abstract)
     finally:

@@ -160,6 +160,18 @@ def _numeric_fields(schema: ConfigDict, prefix: str = ""):
             yield name
 
 
+@pytest.mark.parametrize("steps", [(3, 2), (1, 2, 3), (5,), (2, 99)])
+def test_profile_steps_other_than_first_and_last_within_the_run_are_named(steps):
+    config = smoke.get_config()
+    config.profile_steps = steps
+    problems = _problems(config)
+    assert set(problems) == {"profile_steps"}
+    assert f"{steps!r} is not (first, last) with first <= last <= total_steps" in \
+        problems["profile_steps"]
+    config.profile_steps = (2, 3)
+    validate(config, common.base_config(), device_count=1)
+
+
 def test_every_numeric_field_has_a_range():
     numeric = set(_numeric_fields(common.base_config()))
     unranged = {f for f in numeric - RANGES.keys()
@@ -184,6 +196,7 @@ def test_every_numeric_field_has_a_range():
     ("rollout.temperature", 0.0, "0.0 is not a finite number > 0 (log-probabilities"),
     ("data.arith.num_ops", (0, 3), "(0, 3) has an element that is not a finite number >= 1"),
     ("seed", -1, "-1 is not a finite number >= 0"),
+    ("profile_steps", (0, 1), "(0, 1) has an element that is not a finite number >= 1"),
     ("model.preset", "qwen3_30b", "'qwen3_30b' is not one of ('tiny', 'bench', "
                                   "'qwen3_30b_a3b'); fix: set it to 'qwen3_30b_a3b'"),
     ("model.moe_impl", "sparse", "'sparse' is not one of ('', 'auto', 'dense'"),

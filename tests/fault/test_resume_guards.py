@@ -1,5 +1,6 @@
 """A resume never starts over beside checkpoints it could not read, and never continues a run
 whose config changed what its checkpoint means (tiny smoke runs in subprocesses)."""
+import json
 import shutil
 import subprocess
 
@@ -10,11 +11,35 @@ from tests.fault import harness
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
-    """A finished 2-step smoke run (a checkpoint after each step)."""
+    """A finished 2-step smoke run (a checkpoint after each step), both steps profiled."""
     workdir = tmp_path_factory.mktemp("two_steps") / "run"
-    subprocess.run(harness.command(workdir, "--config.total_steps=2"), env=harness.env(),
-                   check=True, capture_output=True, timeout=900)
+    subprocess.run(harness.command(workdir, "--config.total_steps=2",
+                                   "--config.profile_steps=1,2"),
+                   env=harness.env(), check=True, capture_output=True, timeout=900)
     return workdir
+
+
+def test_the_run_records_its_config_and_the_profiled_steps_trace(two_steps):
+    recorded = json.loads((two_steps / "config.json").read_text())
+    assert recorded["total_steps"] == 2 and recorded["profile_steps"] == [1, 2]
+    assert recorded["rollout"]["group_size"] == 2  # the override, as resolved
+    [trace] = (two_steps / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb")
+    assert trace.stat().st_size > 0
+
+
+def test_a_resume_compares_against_the_recorded_config_json(two_steps, tmp_path):
+    """The workdir's config.json, not only the checkpoint's copy, is what a resume is checked
+    against: a record saying group size 4 refuses a rerun with the checkpoint's 2."""
+    workdir = _copy(two_steps, tmp_path)
+    recorded = json.loads((workdir / "config.json").read_text())
+    recorded["rollout"]["group_size"] = 4
+    (workdir / "config.json").write_text(json.dumps(recorded))
+    changed = subprocess.run(harness.command(workdir, "--config.total_steps=3"),
+                             env=harness.env(), capture_output=True, text=True, timeout=900)
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    assert "rollout.group_size: 4 in the checkpoint, 2 now" in changed.stderr
+    assert json.loads((workdir / "config.json").read_text()) == recorded  # a refused run
+    # leaves the record as it was
 
 
 def _copy(workdir, tmp_path):

@@ -82,3 +82,37 @@ def test_alive_knows_this_process_and_a_finished_one():
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout.strip()
     assert warm_start._alive(str(os.getpid())) and not warm_start._alive(finished)
+
+
+def test_a_gcs_cache_is_built_once_and_copied_down_on_another_machine(tmp_path, monkeypatch):
+    """A gs:// cache_dir (local fake GCS server): the first machine builds and copies the build
+    up; a machine with an empty local mirror copies it down instead of building."""
+    from mars_jax import storage
+    from tests import fake_gcs
+    builds = []
+
+    def fake_sft(config, workdir):
+        builds.append(workdir)
+        model = warm_start.Path(workdir) / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text('{"built": 1}')
+        (model / "model.safetensors").write_bytes(b"\x01\x02")
+        return {"loss/solver": 0.25}
+
+    monkeypatch.setattr(warm_start.sft_job, "run", fake_sft)
+    with fake_gcs.bucket(monkeypatch) as root:
+        config = quickstart.get_config()
+        config.warm_start.cache_dir = f"{root}/warm"
+        shared = storage.path(f"{root}/warm/{warm_start.fingerprint(config)}")
+        monkeypatch.setattr(warm_start, "MIRROR", str(tmp_path / "first"))
+        first = warm_start.ensure(config)
+        assert first == tmp_path / "first" / warm_start.fingerprint(config) / "model"
+        assert len(builds) == 1 and (shared / warm_start.COMPLETE).exists()
+        assert (shared / "model" / "model.safetensors").read_bytes() == b"\x01\x02"
+        monkeypatch.setattr(warm_start, "MIRROR", str(tmp_path / "second"))  # another machine
+        second = warm_start.ensure(config)
+        assert len(builds) == 1 and second.parent.parent == tmp_path / "second"
+        assert (second / "model.safetensors").read_bytes() == b"\x01\x02"
+        assert (second / "config.json").read_text() == '{"built": 1}'
+        assert not (second.parent / warm_start.COMPLETE).exists()
+        assert warm_start.ensure(config) == second and len(builds) == 1

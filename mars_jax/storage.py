@@ -1,0 +1,125 @@
+"""Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API.
+
+Everything a run writes and reads (metrics, TensorBoard logs, checkpoints through orbax, the
+saved config, profiler traces, a warm-start cache) takes its paths from `path()`, so a workdir on
+Cloud Storage works like a local one: every host of a pod, and a rerun on new machines, sees the
+same files. `gs://` goes through gcsfs (fsspec) here and through tensorstore's own GCS driver in
+orbax; both honour the usual credentials, and an emulator through `STORAGE_EMULATOR_HOST`
+(gcsfs, google-cloud-storage) and `TENSORSTORE_GCS_HTTP_URL` (tensorstore).
+
+Object stores keep no directory listings of their own; listings are never cached here
+(fsspec's listing cache would hide checkpoints that another process or tensorstore wrote).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import fsspec
+from etils import epath
+
+REMOTE_PREFIXES = ("gs://",)
+# Listings must show what other processes (and tensorstore, in orbax) wrote since the last one.
+fsspec.config.conf.setdefault("gs", {})["use_listings_cache"] = False
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """Whether `location` names an object store (`gs://...`) rather than a local path."""
+    return os.fspath(location).startswith(REMOTE_PREFIXES)
+
+
+def path(location: str | os.PathLike) -> epath.Path:
+    """`location` as an `epath.Path`: a `gs://` URL as given, a local path with `~` expanded and
+    made absolute."""
+    text = os.fspath(location)
+    if is_remote(text):
+        return epath.Path(text)
+    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def entries(directory: str | os.PathLike) -> list[epath.Path]:
+    """The entries of `directory`; [] where it does not exist (an object store keeps no empty
+    directory: one that nothing was written under yet does not exist there)."""
+    directory = path(directory)
+    return list(directory.iterdir()) if directory.exists() else []
+
+
+def write_text(target: str | os.PathLike, text: str) -> None:
+    """Writes `text` to `target` whole or not at all: locally through a temporary file renamed
+    into place, on an object store as one object upload (atomic there). Creates the parent
+    directory."""
+    target = path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if is_remote(target):
+        target.write_text(text)
+        return
+    tmp = target.with_name(f"{target.name}.tmp.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+def append_text(target: str | os.PathLike, text: str) -> None:
+    """Appends `text` to `target` (created if absent). Objects cannot be appended to: on an object
+    store the whole object is read and written again, atomically."""
+    target = path(target)
+    if is_remote(target):
+        write_text(target, (target.read_text() if target.exists() else "") + text)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as f:
+        f.write(text)
+
+
+def files(directory: str | os.PathLike) -> list[str]:
+    """The relative paths ('a/b.txt') of every file under `directory`, sorted; [] where it does
+    not exist. (epath's own `walk` drops the `gs://` of the paths it yields.)"""
+    found = []
+    for entry in entries(directory):
+        if entry.is_dir():
+            found += [f"{entry.name}/{name}" for name in files(entry)]
+        else:
+            found.append(entry.name)
+    return sorted(found)
+
+
+def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copies every file under directory `source` to the same relative path under `target`
+    (either side local or remote); existing files are overwritten."""
+    source, target = path(source), path(target)
+    for name in files(source):
+        destination = target / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        (source / name).copy(destination, overwrite=True)
+
+
+def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Moves directory `source` to `target` (same storage); an object store has no rename, so
+    there every file is copied, then `source` deleted."""
+    source, target = path(source), path(target)
+    if is_remote(source):
+        copy_tree(source, target)
+        source.rmtree()
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(os.fspath(source), os.fspath(target))
+
+
+class LocalStaging:
+    """A local directory for a tool that can only write local files (the profiler, a job that
+    saves an HF model), copied to `target` by `publish()`: for a local `target`, that directory
+    itself, written in place."""
+
+    def __init__(self, target: str | os.PathLike):
+        self.target = path(target)
+        self.remote = is_remote(self.target)
+        self.local = (Path(tempfile.mkdtemp(prefix="mars_jax_staging.")) if self.remote
+                      else Path(os.fspath(self.target)))
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def publish(self) -> None:
+        """Copies the staged files to `target` (remote) and removes the local copy."""
+        if self.remote:
+            copy_tree(self.local, self.target)
+            shutil.rmtree(self.local, ignore_errors=True)
