@@ -16,8 +16,7 @@ import numpy as np
 import tqdm
 
 from mars_jax.metrics import read_rows
-
-ROLES = ("solver", "verifier", "corrector")
+from mars_jax.types import ROLES
 
 
 def note(message: str) -> None:

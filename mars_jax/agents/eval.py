@@ -22,9 +22,10 @@ import os
 from typing import Any, Callable, Sequence
 
 from mars_jax.agents import prompts, stages
-from mars_jax.agents.policy import ROLES, Policy
+from mars_jax.agents.policy import Policy
 from mars_jax.agents.system import ACCEPTED, FAILED, FALLBACK, LoopConfig, RoundInfo, SystemResult, run_system
 from mars_jax.rewards.grader import grade_many
+from mars_jax.types import ROLES
 
 log = logging.getLogger(__name__)
 

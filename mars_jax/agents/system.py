@@ -39,8 +39,9 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from mars_jax.agents import stages
-from mars_jax.agents.policy import ROLES, ChatRequest, Completion, Policy, check_batch
+from mars_jax.agents.policy import ChatRequest, Completion, Policy, check_batch
 from mars_jax.preemption import Stopped
+from mars_jax.types import ROLES
 
 ACCEPTED, FALLBACK, FAILED = "accepted", "fallback", "failed"
 FALLBACKS = ("most_passed", "most_verified")
