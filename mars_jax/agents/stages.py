@@ -17,7 +17,7 @@ import dataclasses
 
 from mars_jax.agents import prompts
 from mars_jax.agents.policy import ChatRequest, Completion, Policy, check_batch
-from mars_jax.rewards.agent_rewards import parse_verdict
+from mars_jax.rewards.agent_rewards import read_verification
 from mars_jax.rewards.grader import extract_answer, is_equivalent_many
 from mars_jax.rewards.text import strip_thinking
 
@@ -90,9 +90,8 @@ def parse_solution(completion: Completion) -> SolutionOutput:
 
 
 def parse_verification(completion: Completion) -> VerificationOutput:
-    text, opened = completion.text, completion.thinking_open
-    return VerificationOutput(completion, parse_verdict(text, thinking_open=opened),
-                              prompts.bug_report(text, thinking_open=opened))
+    read = read_verification(completion.text, thinking_open=completion.thinking_open)
+    return VerificationOutput(completion, read.verdict, read.report)
 
 
 def correct(outputs: list[SolutionOutput], golds: list[str]) -> list[bool]:
