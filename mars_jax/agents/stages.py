@@ -4,8 +4,8 @@
 `Completion` into a typed result, whose `usable` says whether the next agent may use it;
 `correct` grades solutions; `complete` makes one checked policy call. The V-C loop
 (`system.py`), the probes (`mars_jax.sft.probe`), the evaluation (`eval.py`) and RL's grading
-and spawning (`mars_jax.rl.rollout`) parse replies here. Only RL grades with `correct`: the
-evaluation calls `grade_many` on the texts itself and the probes compare answers as strings.
+and spawning (`mars_jax.rl.rollout`) parse replies here; RL and the evaluation grade with
+`correct` (a batch at a time), the probes compare answers as strings.
 The rules, the paper's: a reply cut off by its token budget is never graded; thinking
 is stripped before text reaches the next agent (the visible solution, the bug report); text
 inside an unclosed thought is never read as an answer or a verdict.

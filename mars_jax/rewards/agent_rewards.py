@@ -43,7 +43,8 @@ def read_verification(text: str, *, thinking_open: bool = False) -> Verification
     headings = list(CORRECTNESS_HEADING.finditer(visible))
     if not headings:
         return Verification(None, visible.strip())
-    return Verification(_value(visible[headings[-1].end():]), visible[: headings[-1].start()].strip())
+    last = headings[-1]
+    return Verification(_value(visible[last.end():]), visible[: last.start()].strip())
 
 
 def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
