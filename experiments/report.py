@@ -61,7 +61,7 @@ from ml_collections import ConfigDict  # noqa: E402
 
 from mars_jax import console, eval_job  # noqa: E402
 from mars_jax.agents import eval_stats  # noqa: E402
-from mars_jax.agents.policy import ROLES  # noqa: E402
+from mars_jax.types import ROLES  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository

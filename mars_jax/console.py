@@ -17,8 +17,7 @@ import tqdm
 
 from mars_jax import storage
 from mars_jax.metrics import read_rows
-
-ROLES = ("solver", "verifier", "corrector")
+from mars_jax.types import ROLES
 
 
 def note(message: str) -> None:

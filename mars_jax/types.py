@@ -1,9 +1,12 @@
-"""Records shared by several floors of the package, kept below all of them: the training batch
-that `rl.batching` builds, `distributed` pads to one global shape and `rl.update` trains on."""
+"""Names and records shared by several floors of the package, kept below all of them: the agent
+roles, and the training batch that `rl.batching` builds, `distributed` pads to one global shape and
+`rl.update` trains on."""
 from __future__ import annotations
 
 import jax
 from flax import struct
+
+ROLES = ("solver", "verifier", "corrector")  # the three agents, in the order they act
 
 
 @struct.dataclass

@@ -22,9 +22,9 @@ import os
 from typing import Any, Callable, Sequence
 
 from mars_jax.agents import prompts, stages
-from mars_jax.agents.policy import ROLES, Policy
+from mars_jax.agents.policy import Policy
 from mars_jax.agents.system import ACCEPTED, FAILED, FALLBACK, LoopConfig, RoundInfo, SystemResult, run_system
-from mars_jax.rewards.grader import grade_many
+from mars_jax.types import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +89,13 @@ def evaluate(
 
 
 def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Record:
-    """The JSON-serialisable record of one loop run, graded against the gold answer. The Solver
-    is graded on its first attempt, as a lone Solver sample would be: when the system retried
-    an unusable one, the retry counts for the System only."""
+    """The JSON-serialisable record of one loop run, graded against the gold answer by
+    `stages.correct` (one batch per record). The Solver is graded on its first attempt, as a lone
+    Solver sample would be: when the system retried an unusable one, the retry counts for the
+    System only."""
     first = stages.parse_solution(result.steps[0].completion)
-    texts = [first.solution, *(c.solution for c in result.candidates)]
-    solver_correct, *candidates_correct = grade_many(texts, [problem.answer] * len(texts))
-    solver_correct = solver_correct and first.usable  # a truncated output is never graded
+    outputs = [first, *(c.output for c in result.candidates)]
+    solver_correct, *candidates_correct = stages.correct(outputs, [problem.answer] * len(outputs))
     return {
         "problem_id": problem.id,
         "sample": sample,

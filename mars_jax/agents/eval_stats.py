@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mars_jax.agents.policy import ROLES
+from mars_jax.types import ROLES
 from mars_jax.agents.system import ACCEPTED, FAILED, FALLBACK
 
 Record = dict[str, Any]

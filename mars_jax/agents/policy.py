@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Protocol, Sequence
 
-ROLES = ("solver", "verifier", "corrector")
+from mars_jax.types import ROLES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mars_jax.rewards.agent_rewards import CORRECTNESS_HEADING
+from mars_jax.rewards.agent_rewards import read_verification
 from mars_jax.rewards.text import strip_thinking
 
 Messages = tuple[dict[str, str], ...]
@@ -123,13 +123,6 @@ def corrector_messages(problem: str, solution: str, report: str, style: str = "f
 
 
 def bug_report(verifier_text: str, *, thinking_open: bool = False) -> str:
-    """Final Verdict + List of Findings of a Verifier output.
-
-    Thinking is stripped (`thinking_open` as in `strip_thinking`) and everything from the
-    last Correctness heading on is dropped (the prompt asks for Correctness as the last part).
-    """
-    text = strip_thinking(verifier_text, thinking_open=thinking_open)
-    headings = list(CORRECTNESS_HEADING.finditer(text))
-    if headings:
-        text = text[: headings[-1].start()]
-    return text.strip()
+    """Final Verdict + List of Findings of a Verifier output: its visible text before the last
+    Correctness heading (`read_verification`; the prompt asks for Correctness as the last part)."""
+    return read_verification(verifier_text, thinking_open=thinking_open).report

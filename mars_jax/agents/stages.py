@@ -4,8 +4,8 @@
 `Completion` into a typed result, whose `usable` says whether the next agent may use it;
 `correct` grades solutions; `complete` makes one checked policy call. The V-C loop
 (`system.py`), the probes (`mars_jax.sft.probe`), the evaluation (`eval.py`) and RL's grading
-and spawning (`mars_jax.rl.rollout`) parse replies here. Only RL grades with `correct`: the
-evaluation calls `grade_many` on the texts itself and the probes compare answers as strings.
+and spawning (`mars_jax.rl.rollout`) parse replies here; RL and the evaluation grade with
+`correct` (a batch at a time), the probes compare answers as strings.
 The rules, the paper's: a reply cut off by its token budget is never graded; thinking
 is stripped before text reaches the next agent (the visible solution, the bug report); text
 inside an unclosed thought is never read as an answer or a verdict.
@@ -17,7 +17,7 @@ import dataclasses
 
 from mars_jax.agents import prompts
 from mars_jax.agents.policy import ChatRequest, Completion, Policy, check_batch
-from mars_jax.rewards.agent_rewards import parse_verdict
+from mars_jax.rewards.agent_rewards import read_verification
 from mars_jax.rewards.grader import extract_answer, is_equivalent_many
 from mars_jax.rewards.text import strip_thinking
 
@@ -90,9 +90,8 @@ def parse_solution(completion: Completion) -> SolutionOutput:
 
 
 def parse_verification(completion: Completion) -> VerificationOutput:
-    text, opened = completion.text, completion.thinking_open
-    return VerificationOutput(completion, parse_verdict(text, thinking_open=opened),
-                              prompts.bug_report(text, thinking_open=opened))
+    read = read_verification(completion.text, thinking_open=completion.thinking_open)
+    return VerificationOutput(completion, read.verdict, read.report)
 
 
 def correct(outputs: list[SolutionOutput], golds: list[str]) -> list[bool]:

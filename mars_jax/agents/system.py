@@ -39,8 +39,9 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 from mars_jax.agents import stages
-from mars_jax.agents.policy import ROLES, ChatRequest, Completion, Policy, check_batch
+from mars_jax.agents.policy import ChatRequest, Completion, Policy, check_batch
 from mars_jax.preemption import Stopped
+from mars_jax.types import ROLES
 
 ACCEPTED, FALLBACK, FAILED = "accepted", "fallback", "failed"
 FALLBACKS = ("most_passed", "most_verified")
@@ -88,9 +89,16 @@ class Candidate:
     """A solution under verification, and the verdict of each verification it received."""
 
     source: str  # 'solver' | 'corrector'
-    solution: str
-    answer: str | None
+    output: stages.SolutionOutput  # the usable output it is
     verdicts: tuple[bool | None, ...] = ()
+
+    @property
+    def solution(self) -> str:
+        return self.output.solution
+
+    @property
+    def answer(self) -> str | None:
+        return self.output.answer
 
     @property
     def passes(self) -> int:
@@ -209,7 +217,7 @@ class ProblemLoop:
                          f"after {self.config.max_retries + 1} attempts")
             return
         self._attempt = 0
-        self._candidates.append(Candidate(self._stage, output.solution, output.answer))
+        self._candidates.append(Candidate(self._stage, output))
         self._stage = "verifier"
 
     def _on_verification(self, output: stages.VerificationOutput) -> None:

@@ -1,4 +1,5 @@
-"""The Verifier's verdict read from its text (`parse_verdict`) and the Correctness heading.
+"""A Verifier reply read once (`read_verification`): its verdict and its bug report, split at the
+last Correctness heading.
 
 Which replies are graded and what they earn is decided in `mars_jax.agents.stages` (the V-C
 loop and the RL reward share it) and `mars_jax.rl.rollout`. `thinking_open`: the response
@@ -8,6 +9,7 @@ thought is never read as a verdict.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from mars_jax.rewards.text import strip_thinking
@@ -25,6 +27,26 @@ _VALUES = {"correct": True, "wrong": False, "incorrect": False}
 _VERDICT_WORD = re.compile(r"\b(?:correct|wrong|incorrect)\b", re.IGNORECASE)
 
 
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    """A Verifier reply read once: `verdict` (`parse_verdict`) and `report`, the visible text
+    before the last Correctness heading (all of it when there is none), stripped."""
+
+    verdict: bool | None
+    report: str
+
+
+def read_verification(text: str, *, thinking_open: bool = False) -> Verification:
+    """The verdict and bug report of a Verifier reply, from one scan for the Correctness heading
+    in its visible text (thinking stripped, `thinking_open` as in `strip_thinking`)."""
+    visible = strip_thinking(text, thinking_open=thinking_open)
+    headings = list(CORRECTNESS_HEADING.finditer(visible))
+    if not headings:
+        return Verification(None, visible.strip())
+    last = headings[-1]
+    return Verification(_value(visible[last.end():]), visible[: last.start()].strip())
+
+
 def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
     """The Verifier's verdict: True for "Correct", False for "Wrong" (or "Incorrect").
 
@@ -36,11 +58,11 @@ def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
     "Correct or Wrong", "Correct; actually Wrong", "Partially correct" are None.
     Matching is whole-word, so "Incorrect" never reads as "Correct".
     """
-    visible = strip_thinking(text, thinking_open=thinking_open)
-    headings = list(CORRECTNESS_HEADING.finditer(visible))
-    if not headings:
-        return None
-    after = visible[headings[-1].end() :]
+    return read_verification(text, thinking_open=thinking_open).verdict
+
+
+def _value(after: str) -> bool | None:
+    """The verdict word that follows a Correctness heading (`parse_verdict`'s rules)."""
     for line in after.splitlines():
         value = _COMMANDS.sub("", line).strip(_DECORATION)
         if value:

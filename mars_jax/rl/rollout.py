@@ -9,11 +9,11 @@ group of G for each. A trajectory stops early when no eligible parent remains (e
 Verifier output passed the solution).
 
 Grading: a finished output is judged by `mars_jax.agents.stages`, as the V-C loop judges it
-(`parse_solution` / `parse_verification`, `usable`, `correct`). A Solver or Corrector output
-earns 1 when usable (ended by itself, with visible text) and its boxed answer is right, else 0;
-one that ended by length (no stop token) is never graded from its text: it earns
-`truncated_reward` (default 0) and is not handed to a Verifier unless `verify_truncated` (an RL
-option; the loop retries such an output instead). A Verifier output earns 1 when its verdict
+(`parse_solution` / `parse_verification`, `usable`, `correct`), parsed once for its grade and its
+children. A Solver or Corrector output earns 1 when usable (ended by itself, with visible text)
+and its boxed answer is right, else 0; one that ended by length (no stop token) is never graded
+from its text: it earns `truncated_reward` (default 0) and is not handed to a Verifier unless
+`verify_truncated` (an RL option; the loop retries such an output instead). A Verifier output earns 1 when its verdict
 (`VerificationOutput.verdict`: ended by itself, Correctness readable) equals the judged
 solution's correctness, else 0; without a verdict it never reaches the Corrector. What the next
 agent sees is the stage's parse: the visible solution (thinking stripped) and the bug report.
@@ -112,6 +112,9 @@ class Rollout:
     verdict: bool | None = None          # Verifier: parsed Correctness (None: unreadable/truncated)
     expert_ids: Any = None               # [L_moe, prompt + response, k] recorded routing
     seed: int | None = None              # sequence seed (`sequence_seed`; members consecutive)
+    # `text` as its stage parses it (`AgenticRollouts._parse`); not checkpointed, read again.
+    parsed: stages.SolutionOutput | stages.VerificationOutput | None = dataclasses.field(
+        default=None, compare=False, repr=False)
 
     @property
     def finished_by_itself(self) -> bool:
@@ -131,8 +134,10 @@ class Rollout:
         return (self.problem_uid, self.stage, self.parent_uid)
 
     def to_json(self) -> dict:
-        """Every field but `expert_ids` (checkpointed as arrays: `AgenticRollouts.routing`)."""
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+        """Every field but `expert_ids` (checkpointed as arrays: `AgenticRollouts.routing`) and
+        `parsed`."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if f.name != "parsed"},
                 "response_ids": list(self.response_ids), "logprobs": list(self.logprobs),
                 "prompt_ids": list(self.prompt_ids), "expert_ids": None}
 
@@ -225,6 +230,7 @@ class AgenticRollouts:
             r.expert_ids = _carry_routing(r, out.expert_ids)
             r.finish_reason = "stop" if out.finish_reason == "stop" else "length"
             r.text = self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+            r.parsed = None
         self._grade(batch)
         groups = []
         for r in batch:
@@ -240,16 +246,25 @@ class AgenticRollouts:
         return Completion(rollout.text, rollout.finish_reason, len(rollout.response_ids),
                           thinking_open=self.thinking_open)
 
+    def _parse(self, rollout: Rollout) -> stages.SolutionOutput | stages.VerificationOutput:
+        """A finished rollout's output as its stage parses it: parsed once, then kept on the
+        rollout for its grade and its children."""
+        if rollout.parsed is None:
+            completion = self._completion(rollout)
+            rollout.parsed = (stages.parse_verification(completion) if rollout.role == "verifier"
+                              else stages.parse_solution(completion))
+        return rollout.parsed
+
     def _grade(self, finished: Sequence[Rollout]) -> None:
         """Rewards and verdicts as `stages` judges the outputs (module docstring, "Grading")."""
         solvers = [r for r in finished if r.role != "verifier"]
-        outputs = [stages.parse_solution(self._completion(r)) for r in solvers]
+        outputs = [self._parse(r) for r in solvers]
         golds = [self.trees[r.problem_uid].problem["answer"] for r in solvers]
         for r, ok in zip(solvers, stages.correct(outputs, golds)):
             r.reward = float(ok) if r.finished_by_itself else self.config.truncated_reward
         for r in finished:
             if r.role == "verifier":
-                r.verdict = stages.parse_verification(self._completion(r)).verdict
+                r.verdict = self._parse(r).verdict
                 r.reward = float(r.verdict is not None and r.verdict == bool(r.judged_correct))
 
     def _complete_groups(self, tree: ProblemTree, finished: Sequence[Rollout]) -> list[list[Rollout]]:
@@ -278,12 +293,12 @@ class AgenticRollouts:
         # Spawn order, not finishing order: the choice must not depend on the decode schedule.
         parents = sorted(parents, key=lambda r: int(r.uid.rsplit("/", 1)[1]))
         if role == "verifier":  # a solution with no visible text has nothing to judge
-            parsed = [(r, stages.parse_solution(self._completion(r))) for r in parents]
+            parsed = [(r, self._parse(r)) for r in parents]
             usable = [(r, out) for r, out in parsed
                       if out.usable or (self.config.verify_truncated and out.solution)]
             candidates = [Candidate(is_correct=r.solved) for r, _ in usable]
         else:  # a Verifier output without a verdict (truncated, unreadable): never eligible
-            usable = [(r, stages.parse_verification(self._completion(r))) for r in parents]
+            usable = [(r, self._parse(r)) for r in parents]
             candidates = [Candidate(is_correct=bool(r.judged_correct), verdict=r.verdict)
                           for r, _ in usable]
         policy = self.config.selection
@@ -344,7 +359,7 @@ class AgenticRollouts:
             r = Rollout(**data)
             r.expert_ids = routing.get(r.uid)
             if "verdict" not in data and r.role == "verifier" and r.finished_by_itself:
-                r.verdict = stages.parse_verification(self._completion(r)).verdict
+                r.verdict = self._parse(r).verdict
             return r
 
         self.pending = [rollout(r) for r in state["pending"]]

@@ -26,8 +26,7 @@ from mars_jax.data.tokenizer import IM_END, encode_chat
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3, positions_from_segments
 from mars_jax.sft.traces import Example, make_examples
-
-ROLES = ("solver", "verifier", "corrector")
+from mars_jax.types import ROLES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""Table tests for parse_verdict (what a reply earns: tests/agents, tests/rl/test_judged_alike.py)."""
+"""Table tests for parse_verdict and read_verification (what a reply earns: tests/agents, tests/rl/test_judged_alike.py)."""
 
 import pytest
 
-from mars_jax.rewards.agent_rewards import parse_verdict
+from mars_jax.rewards.agent_rewards import Verification, parse_verdict, read_verification
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,21 @@ def test_a_verdict_inside_the_thought_the_prompt_opened_is_no_verdict():
     assert parse_verdict(report) is True
     assert parse_verdict(report, thinking_open=True) is None
     assert parse_verdict(report + "</think>" + report, thinking_open=True) is True
+
+
+def test_read_verification_splits_at_the_last_heading_of_the_visible_text():
+    # Hand-checked: the thought (with its own heading) is dropped; the visible text has two
+    # Correctness headings, the last one ("3. Correctness" + "Wrong." on the next line) decides the
+    # verdict and everything before it, stripped, is the report.
+    text = ("<think>**Correctness:** Correct</think>\n"
+            "**Final Verdict:** the sum is off.\n"
+            "Correctness: a word I use loosely here\n"
+            "**List of Findings:** step 2 adds 3 + 4 = 8.\n"
+            "3. Correctness:\n\n  Wrong.\n")
+    report = ("**Final Verdict:** the sum is off.\n"
+              "Correctness: a word I use loosely here\n"
+              "**List of Findings:** step 2 adds 3 + 4 = 8.")
+    assert read_verification(text) == Verification(False, report)
+    assert read_verification("  no heading at all\n") == Verification(None, "no heading at all")
+    assert read_verification(text, thinking_open=True) == Verification(False, report)
+    assert read_verification("**Correctness:** Correct", thinking_open=True) == Verification(None, "")
