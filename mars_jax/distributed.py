@@ -51,8 +51,8 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
 _HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_s", 100, "Seconds without a process's heartbeat after which the "
-    "coordination service ends every process, naming it (jax's default).")
+    "heartbeat_timeout_s", 60, "Seconds without a process's heartbeat after which the "
+    "coordination service ends every process, naming it (jax's default: 100).")
 _EXCHANGE_TIMEOUT = flags.DEFINE_float(
     "exchange_timeout_s", 3600.0, "Seconds a host exchange (`HostGroup`) waits for the slowest "
     "host (an update's compile on a cold cache included) before it ends the run with exit 1.")
@@ -78,7 +78,7 @@ def cluster_detected(environ: dict[str, str] | None = None) -> bool:
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, mode: str = "auto",
-               heartbeat_timeout_s: int = 100) -> bool:
+               heartbeat_timeout_s: int = 60) -> bool:
     """Starts `jax.distributed` when this is one of several processes; returns whether it runs.
     A process whose heartbeats stop for `heartbeat_timeout_s` ends every process.
 

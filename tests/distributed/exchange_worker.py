@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--num_processes", type=int, required=True)
     parser.add_argument("--process_id", type=int, required=True)
-    parser.add_argument("--heartbeat_timeout_s", type=int, default=100)
+    parser.add_argument("--heartbeat_timeout_s", type=int, default=60)
     parser.add_argument("--exchange_timeout_s", type=float, default=600)
     parser.add_argument("--silent_from", type=int, default=None)
     args = parser.parse_args()

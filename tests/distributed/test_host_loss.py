@@ -1,6 +1,6 @@
 """A two-process job exchanging through `distributed.HostGroup` (`exchange_worker.py`) when one
 host is lost: SIGKILLed, the other exits non-zero within 2 minutes naming it (heartbeats of 10 s
-here; jax's 100 s by default); alive but silent, the other exits 1 after the exchange timeout
+here; 60 s by default); alive but silent, the other exits 1 after the exchange timeout
 naming it."""
 import signal
 import subprocess
