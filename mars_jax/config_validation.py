@@ -154,6 +154,7 @@ RANGES: dict[str, Range] = {
     "rollout.max_decode_rows": Range(0),
     "rollout.staleness_bound": Range(0),
     "rollout.engine_slots": Range(0), "rollout.engine_chunk_steps": Range(1),
+    "rollout.exchange_chunks": Range(1),
     "rollout.engine_admit_batch": Range(1), "rollout.engine_prefill_ahead": Range(0),
     "rollout.engine_kv_pages": Range(0), "rollout.engine_page_size": Range(1),
     "rollout.max_prompt_tokens": Range(1), "rollout.max_inflight_rows": Range(0),

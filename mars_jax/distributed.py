@@ -18,13 +18,20 @@ backend. Every process then executes the same jitted programs on global arrays:
     results `sharding.fetch` reads back on every host);
   * `HostGroup` lets the streaming scheduler's per-host engines agree on host-side decisions
     (update cadence, staleness, barriers) through the coordination service's key-value store,
-    with no device program, so it never waits behind an update running on another thread.
+    with no device program, so it never waits behind an update running on another thread; a
+    host that does not answer within `--exchange_timeout_s` ends the run (exit 1, named), and
+    one whose heartbeats stop for `--heartbeat_timeout_s` ends every process (jax's service).
 """
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
+import sys
 import time
+import uuid
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -43,6 +50,16 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0's coordinator (multi-process runs).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 60, "Seconds without a process's heartbeat after which the "
+    "coordination service ends every process, naming it (jax's default: 100).")
+_EXCHANGE_TIMEOUT = flags.DEFINE_float(
+    "exchange_timeout_s", 3600.0, "Seconds a host exchange (`HostGroup`) waits for the slowest "
+    "host (an update's compile on a cold cache included) before it ends the run with exit 1.")
+
+EXCHANGE_KEYS = "mars_jax/exchange"  # `HostGroup`'s keys in the coordination service
+LOG_EVERY_S = 60.0  # a waiting `HostGroup` names the hosts it waits for this often
+_GROUPS: collections.Counter = collections.Counter()  # `HostGroup`s made, by (name, process)
 
 # Environment variables whose presence means "one of several processes" (jax reads them itself).
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
@@ -60,8 +77,10 @@ def cluster_detected(environ: dict[str, str] | None = None) -> bool:
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, mode: str = "auto") -> bool:
+               process_id: int | None = None, mode: str = "auto",
+               heartbeat_timeout_s: int = 60) -> bool:
     """Starts `jax.distributed` when this is one of several processes; returns whether it runs.
+    A process whose heartbeats stop for `heartbeat_timeout_s` ends every process.
 
     Unset arguments come from the environment (jax's cluster detection)."""
     if mode not in MODES:
@@ -74,14 +93,29 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if mode == "off" or (mode == "auto" and not explicit and not cluster_detected()):
         return False
     if not jax.distributed.is_initialized():
-        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
     return True
 
 
 def initialize_from_flags() -> bool:
-    """`initialize` from the `--distributed`, `--coordinator_address`, `--num_processes` and
-    `--process_id` flags."""
-    return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MODE.value)
+    """`initialize` from the `--distributed`, `--coordinator_address`, `--num_processes`,
+    `--process_id` and `--heartbeat_timeout_s` flags."""
+    return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MODE.value,
+                      _HEARTBEAT.value)
+
+
+def exchange_timeout_s() -> float:
+    """`--exchange_timeout_s` (its default before flags are parsed)."""
+    return _EXCHANGE_TIMEOUT.value if flags.FLAGS.is_parsed() else _EXCHANGE_TIMEOUT.default
+
+
+def end_run(message: str) -> NoReturn:
+    """Logs `message` and ends this process at once with exit code 1: a normal exit would run
+    jax's shutdown barrier, which waits minutes for the hosts that did not answer."""
+    logging.error(message)
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def any_process(flag: bool) -> bool:
@@ -259,29 +293,108 @@ class HostGroup:
     """Every process of the job exchanging small JSON values in numbered rounds: `gather(value)`
     returns each process's value of the same round, in process order. Values travel through
     `jax.distributed`'s key-value store (no device program runs); each process must call
-    `gather` equally often. One process: `[value]`, nothing exchanged. `seconds` adds up the
-    time spent waiting in `gather`."""
+    `gather` equally often, and create its groups of one `name` in the same order. One process:
+    `[value]`, nothing exchanged. `seconds` adds up the time spent in `gather`.
 
-    def __init__(self, name: str, timeout_s: float = 6 * 3600):
-        self.name, self.count, self.index = name, jax.process_count(), jax.process_index()
-        self.timeout_ms = int(timeout_s * 1000)
+    A round: each host writes its value into the round's directory and counts itself in the
+    round's counter; the host whose count completes the round reads the directory (one read),
+    publishes the list under one key and deletes the values, and then the round before (every
+    host has read that: each counted this round after); the others read the list (one blocking
+    read). So each host reads once a round, and at most two rounds' keys exist. Keys live under
+    `mars_jax/exchange/{attempt}/{name}.{instance}/`: `attempt` is a token process 0 publishes at
+    the first exchange of this coordination service (one per start of the job), `instance`
+    counts this process's groups of that name.
+
+    A wait names the hosts that have not written the round every `log_every_s` seconds (a log
+    line) and after `timeout_s` (default `--exchange_timeout_s`) ends the run with exit 1 and a
+    message naming them (`end_run`). A host that dies stops its heartbeats: the coordination
+    service then ends every process within `--heartbeat_timeout_s`, naming it."""
+
+    def __init__(self, name: str, timeout_s: float | None = None, *,
+                 log_every_s: float = LOG_EVERY_S, client=None, process: int | None = None,
+                 processes: int | None = None):
+        """`client`, `process`, `processes`: the coordination service client, this process's
+        index and the process count (default: `jax.distributed`'s, and jax's)."""
+        self.name = name
+        self.count = jax.process_count() if processes is None else processes
+        self.index = jax.process_index() if process is None else process
+        self.timeout_s = exchange_timeout_s() if timeout_s is None else timeout_s
+        self.log_every_s = log_every_s
         self.seconds = 0.0
+        self._client = client
+        self._prefix: str | None = None  # made at the first exchange
+        self._instance = _GROUPS[(name, self.index)]
+        _GROUPS[(name, self.index)] += 1
         self._round = 0
 
     def gather(self, value) -> list:
         if self.count == 1:
             return [value]
-        from jax._src import distributed as jax_distributed  # the coordination service client
-        client = jax_distributed.global_state.client
-        start, key = time.perf_counter(), f"mars_jax/{self.name}/{self._round}"
-        client.key_value_set(f"{key}/{self.index}", json.dumps(value))
-        values = [json.loads(client.blocking_key_value_get(f"{key}/{p}", self.timeout_ms))
-                  for p in range(self.count)]
-        if self._round >= 2:  # everyone has read it: they have written this round's value
-            client.key_value_delete(f"mars_jax/{self.name}/{self._round - 2}/{self.index}")
+        start = time.perf_counter()
+        if self._client is None:
+            from jax._src import distributed as jax_distributed  # the coordination service
+            self._client = jax_distributed.global_state.client
+        if self._prefix is None:
+            self._prefix = f"{EXCHANGE_KEYS}/{self._attempt()}/{self.name}.{self._instance}"
+        values = self._exchange(json.dumps(value))
         self._round += 1
         self.seconds += time.perf_counter() - start
+        return [json.loads(v) for v in values]
+
+    def _exchange(self, value: str) -> list[str]:
+        client, here = self._client, f"{self._prefix}/{self._round}"
+        client.key_value_set(f"{here}/values/{self.index}", value)
+        if client.key_value_increment(f"{here}/count", 1) < self.count:
+            return json.loads(self._wait(f"{here}/all", lambda: self._missing(here)))
+        values = [v for _, v in sorted(client.key_value_dir_get(f"{here}/values/"),
+                                       key=lambda item: int(item[0].rsplit("/", 1)[1]))]
+        client.key_value_set(f"{here}/all", json.dumps(values))
+        client.key_value_delete(f"{here}/values/")
+        if self._round:
+            client.key_value_delete(f"{self._prefix}/{self._round - 1}/")
         return values
+
+    def _attempt(self) -> str:
+        """The token of this start of the job: process 0's, published once."""
+        key = f"{EXCHANGE_KEYS}/attempt"
+        if self.index == 0:
+            try:
+                return self._client.key_value_try_get(key)
+            except jax.errors.JaxRuntimeError as error:
+                if "NOT_FOUND" not in str(error):
+                    raise
+            token = uuid.uuid4().hex[:12]
+            self._client.key_value_set(key, token)
+            return token
+        return self._wait(key, lambda: [0])
+
+    def _missing(self, here: str) -> list[int]:
+        """The hosts that have not written round `here` (none once its list is published)."""
+        written = {int(k.rsplit("/", 1)[1])
+                   for k, _ in self._client.key_value_dir_get(f"{here}/values/")}
+        if not written:
+            return []
+        return sorted(set(range(self.count)) - written)
+
+    def _wait(self, key: str, missing) -> str:
+        """`key`'s value once written, waiting in slices of `log_every_s` that log the hosts
+        `missing()` names; the run ends (`end_run`) after `timeout_s`."""
+        start = time.monotonic()
+        while True:
+            left = self.timeout_s - (time.monotonic() - start)
+            wait_ms = max(1, int(min(self.log_every_s, left) * 1000))
+            try:
+                return self._client.blocking_key_value_get(key, wait_ms)
+            except jax.errors.JaxRuntimeError as error:
+                if "DEADLINE_EXCEEDED" not in str(error):
+                    raise
+            waited, hosts = time.monotonic() - start, missing()
+            where = f"host exchange {self.name!r} round {self._round} (process {self.index})"
+            if waited >= self.timeout_s:
+                end_run(f"{where}: hosts {hosts} did not answer within {self.timeout_s:g} s "
+                        f"(--exchange_timeout_s); ending the run")
+            if hosts:
+                logging.warning("%s: waiting %.0f s for hosts %s", where, waited, hosts)
 
 
 class CompiledTogether:

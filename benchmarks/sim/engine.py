@@ -14,7 +14,8 @@ next event (the real engine's `admit_batch=1`). With `chunk_steps` = C (reserved
 engine decodes in chunks of C steps, as `Engine` does: the next event is the end of the chunk in
 which the first running request ends, every request ending inside that chunk is yielded then and
 its slot idles until then (each stretch of the chunk charged at the rows still live in it; slot
-bucket and span taken at the chunk's start); without it, events fall on the step a request ends.
+bucket and span taken at the chunk's start), or with `one_chunk` the end of the next chunk (one
+chunk per `stream` step, as `Engine`); without it, events fall on the step a request ends.
 
 KV memory: by default a slot holds its KV whatever its request's length (as `Engine` reserves it),
 so `num_slots` alone bounds the rows. With `kv_tokens` the cache is paged, as vLLM's: the requests
@@ -84,13 +85,13 @@ class SimEngine(SlotScheduler):
     def __init__(self, cost, lengths: LengthModel, *, num_slots: int, max_length: int,
                  role_of: Callable[[Sequence[int]], str], answer_tokens: Mapping[str, int],
                  kv_tokens: int | None = None, kv_reserve: float = 0.0,
-                 chunk_steps: int | None = None):
+                 chunk_steps: int | None = None, one_chunk: bool = False):
         if num_slots < 1:
             raise ValueError(f"num_slots: need >= 1, got {num_slots}")
         if chunk_steps is not None and (chunk_steps < 1 or kv_tokens is not None):
             raise ValueError(f"chunk_steps: need >= 1 and reserved slots (no kv_tokens), got "
                              f"{chunk_steps}")
-        self.chunk_steps = chunk_steps
+        self.chunk_steps, self.one_chunk = chunk_steps, one_chunk
         if kv_tokens is not None and kv_tokens < max_length:
             raise ValueError(f"kv_tokens: need >= max_length ({max_length}) so that one request "
                              f"always fits, got {kv_tokens}")
@@ -255,6 +256,8 @@ class SimEngine(SlotScheduler):
         them (`engine_buckets`)."""
         lefts = [r.end - r.generated for r in running]
         steps = -(-max(0, min(lefts)) // self.chunk_steps) * self.chunk_steps
+        if self.one_chunk:  # one chunk per `stream` step
+            steps = min(steps, self.chunk_steps)
         ending = sorted((left, i) for i, left in enumerate(lefts) if left < steps)
         rows = len(running)
         context = sum(r.group.prompt_len + r.generated for r in running)

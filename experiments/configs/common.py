@@ -64,6 +64,9 @@ def base_config() -> ConfigDict:
         max_decode_rows=0,
         engine_slots=0,             # engine slots; 0 = 16
         engine_chunk_steps=16,      # engine decode steps between admissions
+        exchange_chunks=1,          # pipeline mode: engine chunks between two exchanges of the
+                                    # hosts (more: fewer waits for the slowest host, later agreed
+                                    # updates and stops; benchmarks/sim/exchange.py)
         engine_admit_batch=1,       # free slots before queued requests are admitted (one prefill)
         engine_prefill_ahead=0,     # prompts per admission prefill call (queued ones prefilled early)
         engine_kv_pages=0,          # 0: each slot reserves its positions; N: a pool of N KV pages

@@ -116,6 +116,11 @@ def get_config(arg: str | None = None):
     c.rollout.engine_slots = 32
     c.rollout.engine_kv_pages, c.rollout.engine_page_size = 4096, 64
     c.rollout.engine_chunk_steps = 64
+    # Hosts exchange every 512 decode steps, not every chunk: at 64 simulated hosts with
+    # straggler jitter the lock-step waits for the slowest host fall from 30% to 5% of host
+    # time (benchmarks/sim/exchange.py, RESULTS.md); an update or agreed stop comes up to 7
+    # chunks later.
+    c.rollout.exchange_chunks = 8
     c.rollout.engine_precompile = True
     c.rollout.prompts_per_step = 128
     c.rollout.group_size = 8

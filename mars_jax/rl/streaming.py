@@ -40,15 +40,17 @@ run is reproducible whatever slots the requests landed in.
 
 Several hosts (`hosts`: a `distributed.HostGroup`): each runs its own engine on its own problems
 (host h of P takes the problems numbered h, h + P, h + 2P, ...: uids 'p{n}' as one host would
-number them) and grades, selects and admits on its own. Pipeline mode decodes in rounds of one
-engine chunk; after each round the hosts exchange their complete groups' trained-sample counts
-and their oldest untrained rollout's version, and from those every host takes the same
-decision: the update is due when the global count reaches `samples_per_update` and no rollout of
-any host would lag beyond the bound; the groups handed out are chosen host by host in turn,
-each in completion order. Sequential mode's batches are global (`prompts_per_step` problems of
-consecutive numbers over all hosts) and its stage barriers wait for every host. Nothing a host
-decides alone ever steers another host, so hosts never disagree (grading runs against
-wall-clock timeouts and may differ between hosts, but each host grades only its own).
+number them) and grades, selects and admits on its own. Pipeline mode decodes in rounds of
+`chunks_per_round` engine chunks (fewer waits for the slowest host, later decisions and stops:
+`benchmarks/sim/exchange.py`); after each round the hosts exchange their complete groups'
+trained-sample counts and their oldest untrained rollout's version, and from those every host
+takes the same decision: the update is due when the global count reaches `samples_per_update`
+and no rollout of any host would lag beyond the bound; the groups handed out are chosen host by
+host in turn, each in completion order. Sequential mode's batches are global
+(`prompts_per_step` problems of consecutive numbers over all hosts) and its stage barriers wait
+for every host. Nothing a host decides alone ever steers another host, so hosts never disagree
+(grading runs against wall-clock timeouts and may differ between hosts, but each host grades
+only its own).
 
 Preemption (`should_stop`, `mars_jax.preemption`): every round's exchange (pipeline mode's
 `_agree`, sequential mode's per-chunk barrier) carries each host's `should_stop()`; when any host
@@ -129,7 +131,7 @@ class StreamingRollouts:
                  drop_zero_variance: bool, sampling: dict, stop_ids: Sequence[int],
                  clock: Callable[[], float] = time.perf_counter,
                  hosts: HostGroup | None = None,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, chunks_per_round: int = 1):
         if mode not in MODES:
             raise ValueError(f"rollout.mode: {mode!r} is not one of {MODES}")
         if resume not in RESUME_MODES:
@@ -137,6 +139,8 @@ class StreamingRollouts:
         if roles_trained not in ROLES_TRAINED:
             raise ValueError(f"rollout.roles_trained: {roles_trained!r} is not one of "
                              f"{sorted(ROLES_TRAINED)}")
+        if chunks_per_round < 1:
+            raise ValueError(f"chunks_per_round: must be >= 1, got {chunks_per_round}")
         if samples_per_update < 1 or prompts_per_step < 1 or max_inflight_rows < 1:
             raise ValueError("samples_per_update, prompts_per_step and max_inflight_rows must be "
                              f">= 1; got {samples_per_update}, {prompts_per_step}, "
@@ -150,6 +154,7 @@ class StreamingRollouts:
         self.sampling, self.stop_ids, self.clock = dict(sampling), tuple(stop_ids), clock
         self.hosts = hosts or HostGroup("stream")
         self.should_stop = should_stop
+        self.chunks_per_round = chunks_per_round
         self.problems_admitted = 0                   # problems this host took so far
         self.batches = 0                             # sequential batches started (all hosts)
         self._inflight: dict[int, Rollout] = {}      # engine request id -> rollout
@@ -252,13 +257,15 @@ class StreamingRollouts:
                 self._admit()
                 self._submit(version)
 
-        self._chunk(version, after_output)
+        self._chunk(version, after_output, self.chunks_per_round)
         return True
 
-    def _chunk(self, version: int, after_output: Callable[[], None] = lambda: None) -> None:
-        """Decodes one engine chunk, absorbing each output (then calling `after_output`)."""
-        chunks = iter((False,))  # `stream` asks before each chunk: one chunk, then stop
-        for request_id, output in self.engine.stream(stop=lambda: next(chunks, True)):
+    def _chunk(self, version: int, after_output: Callable[[], None] = lambda: None,
+               chunks: int = 1) -> None:
+        """Decodes `chunks` engine chunks, absorbing each output (then calling
+        `after_output`)."""
+        asks = iter((False,) * chunks)  # `stream` asks before each chunk: `chunks`, then stop
+        for request_id, output in self.engine.stream(stop=lambda: next(asks, True)):
             self._absorb(request_id, output, version)
             after_output()
 
