@@ -156,6 +156,7 @@ def get_config(arg: str | None = None):
         c.mesh.rollout.data, c.mesh.rollout.expert = -1, 1
         c.rollout.engine_slots, c.rollout.engine_kv_pages = 8, 0
         c.rollout.engine_chunk_steps, c.rollout.engine_precompile = 16, False
+        c.rollout.exchange_chunks = 1  # one process: no host to wait for
         c.data.name = "arith"
         c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_stages = 2, 4, 3
         c.rollout.max_prompt_tokens = 512
