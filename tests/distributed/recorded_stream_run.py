@@ -1,7 +1,10 @@
 """experiments/run.py with parity rewards (`tests/fault/parity_reward_run.py`) that records, on
-each host, what it trains and whether each weight copy reached its engine intact, as lines of
-`{workdir}/record{process}.jsonl`: {"trained": [[uid, response ids, reward], ...]} per update,
-{"copy_equal": bool, "bytes": int} per copy of the weights to this host's engine. Test helper."""
+each host, what it trains, whether each weight copy reached its engine intact and what it decoded
+while an update ran, as lines of `{workdir}/record{process}.jsonl`: {"trained": [[uid, response
+ids, reward], ...]} per update, {"copy_equal": bool, "bytes": int} per copy of the weights to
+this host's engine, {"overlap_tokens": int} per update overlapped with decoding (pipeline mode
+on a rollout submesh); and its device programs and host exchanges
+(`program_recorder`). Test helper."""
 import json
 import sys
 from pathlib import Path
@@ -12,6 +15,8 @@ from jax.experimental import multihost_utils
 
 from mars_jax import weight_sync
 from mars_jax.rl import trainer
+from mars_jax.rl.streaming import StreamingRollouts
+from tests.distributed import program_recorder
 from tests.fault import parity_reward_run
 
 
@@ -39,11 +44,20 @@ def install() -> None:
         _record({"copy_equal": equal, "bytes": transfer.bytes})
         return copied, transfer
 
+    decode_while = StreamingRollouts.decode_while
+
+    def counted_decode_while(self, busy, version):
+        tokens = self.engine.stats["tokens"]
+        decode_while(self, busy, version)
+        _record({"overlap_tokens": self.engine.stats["tokens"] - tokens})
+
     trainer.training_samples = recorded_samples
     weight_sync.HostCopies.copy = checked_copy
+    StreamingRollouts.decode_while = counted_decode_while
 
 
 if __name__ == "__main__":
     parity_reward_run.install()
     install()
+    program_recorder.install()
     parity_reward_run.run()
