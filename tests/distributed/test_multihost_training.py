@@ -51,7 +51,7 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     assert [(d["shard_index"], d["shard_count"]) for d in data] == [(0, 2), (1, 2)]
     # Pipeline mode admits problems ahead of the update: each host's iterator stands after the
     # problems its scheduler took (saved with its queue).
-    taken = [process["stream"]["problems_admitted"] for process in meta["processes"]]
+    taken = [process["stream"]["state"]["problems_admitted"] for process in meta["processes"]]
     assert [d["next_index"] for d in data] == taken and min(taken) >= 1
     outputs = _run_job(tmp_path, total_steps=2)
     assert all("resumed from step 1" in output for output in outputs)
