@@ -28,7 +28,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mars_jax import config_diff, console, distributed, eval_job, preemption
+from mars_jax import config_diff, console, distributed, eval_job, preemption, xla_cpu
 from mars_jax.checkpoint import CheckpointMismatch, CheckpointSaveError, CheckpointUnavailable
 from mars_jax.config_validation import ConfigError, Problem, field_problem, field_type, validate
 from mars_jax.rl import trainer
@@ -54,6 +54,7 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     started = time.perf_counter()
+    xla_cpu.reserve_threads()  # before the backend starts
     distributed.initialize_from_flags()  # several processes: before anything starts a backend
     config = _CONFIG.value
     try:  # jax.device_count() starts the backend: keep this after any distributed init

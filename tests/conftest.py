@@ -4,12 +4,14 @@ XLA_FLAGS must be set before jax is imported anywhere, hence at the top of this 
 """
 import os
 
+from mars_jax import xla_cpu  # imports no jax
 from tests.cpu_env import optimization_flag  # imports no jax
 
 _flags = os.environ.get("XLA_FLAGS", "")
 _level = "" if optimization_flag() in _flags.split() else " " + optimization_flag()
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8" + _level).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+xla_cpu.reserve_threads()
 # One persistent compilation cache for the whole test session, subprocesses included: programs
 # compiled by one test (or a previous run) are loaded, not recompiled, by the next.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",

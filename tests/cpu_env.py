@@ -2,6 +2,8 @@
 tests start."""
 import os
 
+from mars_jax import xla_cpu
+
 # LLVM at -O0: the tests compile hundreds of small programs and run most of them briefly; from a
 # cold compilation cache the compile-bound files take about a quarter less time that way
 # (tests/rl/test_update.py + tests/rl/test_learning.py: 229 -> 172 s on 2 cores).
@@ -16,7 +18,11 @@ def optimization_flag() -> str:
 
 
 def cpu_env(devices: int = 1, **extra: str) -> dict[str, str]:
-    """This environment on `devices` fake CPU devices at this session's optimisation level."""
+    """This environment on `devices` fake CPU devices at this session's optimisation level, with
+    the threads XLA:CPU needs for them (`xla_cpu.reserve_threads`)."""
     flags = optimization_flag() + (f" --xla_force_host_platform_device_count={devices}"
                                    if devices > 1 else "")
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}  # this process's own
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+    xla_cpu.reserve_threads(env)
+    return env

@@ -1,9 +1,11 @@
 """experiments/run.py with parity rewards (`tests/fault/parity_reward_run.py`) that records, on
-each host, what it trains and whether each weight copy reached its engine intact, as lines of
-`{workdir}/record{process}.jsonl`: {"trained": [[uid, response ids, reward], ...]} per update,
-{"copy_equal": bool, "bytes": int} per copy of the weights to this host's engine,
-{"update_thread_program": [name, runs on a rollout device]} per device program the thread of an
-overlapped update launches (`tests/device_programs.py`). Test helper."""
+each host, what it trains, whether each weight copy reached its engine intact and what it decoded
+while an update ran, as lines of `{workdir}/record{process}.jsonl`: {"trained": [[uid, response
+ids, reward], ...]} per update, {"copy_equal": bool, "bytes": int} per copy of the weights to
+this host's engine, {"overlap_tokens": int} per update overlapped with decoding (pipeline mode
+on a rollout submesh), {"update_thread_program": [name, runs on a rollout device]} per device
+program the thread of an overlapped update launches (`tests/device_programs.py`); and its device
+programs and host exchanges (`program_recorder`). Test helper."""
 import json
 import sys
 from pathlib import Path
@@ -14,7 +16,9 @@ from jax.experimental import multihost_utils
 
 from mars_jax import builders, weight_sync
 from mars_jax.rl import trainer
+from mars_jax.rl.streaming import StreamingRollouts
 from tests import device_programs
+from tests.distributed import program_recorder
 from tests.fault import parity_reward_run
 
 
@@ -42,8 +46,16 @@ def install() -> None:
         _record({"copy_equal": equal, "bytes": transfer.bytes})
         return copied, transfer
 
+    decode_while = StreamingRollouts.decode_while
+
+    def counted_decode_while(self, busy, version):
+        tokens = self.engine.stats["tokens"]
+        decode_while(self, busy, version)
+        _record({"overlap_tokens": self.engine.stats["tokens"] - tokens})
+
     trainer.training_samples = recorded_samples
     weight_sync.HostCopies.copy = checked_copy
+    StreamingRollouts.decode_while = counted_decode_while
 
     rollout_devices: set[int] = set()  # this host's, when the devices are split
     build_meshes = builders.build_meshes
@@ -65,4 +77,5 @@ def install() -> None:
 if __name__ == "__main__":
     parity_reward_run.install()
     install()
+    program_recorder.install()
     parity_reward_run.run()

@@ -5,11 +5,18 @@ same config as one process runs (`learner.micro_batch_size` counts the rows of a
 * sequential mode on 2 processes of 4 devices and on 4 of one device trains what one process
   on 8 devices trains (token ids and rewards per rollout uid), and its parameters after 3
   updates agree within float32 summation order;
-* pipeline mode with a rollout submesh per host (2 of each host's 4 devices) keeps every trained
-  sample within the staleness bound, each copy of the weights reaches every host's engine
-  equal to the trainer's, and the update's thread launches no program on a rollout device;
-* both processes SIGKILLed mid-run and restarted end with the metrics of an uninterrupted run.
+* pipeline mode with a rollout submesh per host (2 of each host's 4 devices) decodes while the
+  update runs, keeps every trained sample within the staleness bound, each copy of the weights
+  reaches every host's engine equal to the trainer's, and the update's thread launches no
+  program on a rollout device;
+* 2 processes of 2 devices each (the smallest pool of XLA:CPU threads, `mars_jax.xla_cpu`) finish
+  in either mode with a checkpoint every step;
+* both processes SIGKILLed mid-run and restarted end with the metrics of an uninterrupted run;
+* in every run, each host runs the same sequence of global device programs, host exchanges and
+  checkpoints (`program_recorder.py`), and the engine and the rollout scheduler only run programs
+  on their host's own devices (its rollout submesh where it has one).
 """
+import itertools
 import json
 import os
 import signal
@@ -73,6 +80,29 @@ def _trained(workdir: Path, processes: int) -> list[dict[str, tuple]]:
             for update in zip(*per_host)]
 
 
+def _programs(workdir: Path, process: int) -> list[dict]:
+    return list(map(json.loads, (workdir / f"programs{process}.jsonl").read_text().splitlines()))
+
+
+def _check_programs(workdir: Path, processes: int, engine_devices: int) -> None:
+    """Every host ran the same global programs, exchanges and checkpoints in the same order, and
+    the engine and the scheduler ran programs on `engine_devices` of the host's own devices
+    only (all of them, or its rollout submesh)."""
+    recorded = [_programs(workdir, p) for p in range(processes)]
+    sequences = [[tuple(e["global"]) for e in host if "global" in e] for host in recorded]
+    kinds = {kind for kind, _ in sequences[0]}
+    assert kinds == {"program", "exchange", "checkpoint"}, kinds
+    for process, sequence in enumerate(sequences[1:], 1):
+        first = next((i for i, (a, b) in enumerate(itertools.zip_longest(sequence, sequences[0]))
+                      if a != b), None)
+        assert first is None, (f"host {process} departs from host 0 at {first}: "
+                               f"{sequence[first:first + 3]} != {sequences[0][first:first + 3]}")
+    for process, host in enumerate(recorded):
+        assert not [e for e in host if "decode_global" in e]
+        decode = {tuple(d) for e in host if e.get("decode") for d in e["devices"]}
+        assert {p for p, _ in decode} == {process} and len(decode) == engine_devices, decode
+
+
 def _metrics(workdir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING)}
             for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
@@ -107,6 +137,7 @@ def test_hosts_in_sequential_mode_train_what_one_process_trains(one_process, tmp
     assert step == 3 and version == 3
     for a, b in zip(single, multi, strict=True):  # the same sums in another order
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    _check_programs(tmp_path, processes, engine_devices=devices)
 
 
 def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
@@ -126,6 +157,22 @@ def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
         programs = _records(tmp_path, process, "update_thread_program")
         assert "jit(train_step)" in {name for name, _ in programs}
         assert [name for name, on_rollout_device in programs if on_rollout_device] == []
+        overlap = _records(tmp_path, process, "overlap_tokens")  # decoded during each update
+        assert len(overlap) == 3 and sum(overlap) > 0, overlap
+    _check_programs(tmp_path, 2, engine_devices=2)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "sequential"])
+def test_two_hosts_of_two_devices_finish_with_a_checkpoint_every_step(tmp_path, mode):
+    runs = _start(tmp_path, 2, f"--config.rollout.mode={mode}",
+                  "--config.learner.micro_batch_size=4", devices=2)
+    finish(runs, timeout=900)  # a hang fails here
+    for metrics in (tmp_path / "metrics.jsonl", tmp_path / "host1" / "metrics.jsonl"):
+        assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert {p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()} >= {"3"}
+    checkpoints = [e for e in _programs(tmp_path, 0) if e.get("global", [None])[0] == "checkpoint"]
+    assert [e["global"][1] for e in checkpoints] == ["1", "2", "3"]
+    _check_programs(tmp_path, 2, engine_devices=2)
 
 
 def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
@@ -145,3 +192,4 @@ def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
     finish(_start(killed, 2, *pipeline), timeout=900)
     assert _metrics(killed) == _metrics(straight)
     assert _metrics(killed / "host1") == _metrics(straight / "host1")
+    _check_programs(straight, 2, engine_devices=4)
