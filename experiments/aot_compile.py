@@ -39,7 +39,7 @@ FLOPs and bytes accessed (XLA's `cost_analysis()`: per device, a loop body count
 whether it fits the chip;
 the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
 same width (compile time grows with depth where the layer loop is unrolled: without
-`model.scan_layers`, and in the KV-cache programs).
+`model.scan_layers`; with it the engine programs scan the layers too, over stacked weights).
 """
 from __future__ import annotations
 

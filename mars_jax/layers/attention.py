@@ -214,9 +214,9 @@ class Attention(nnx.Module):
                  ) -> tuple[jax.Array, KVCache | LayerKVCache | PagedKVCache | None]:
         """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
         `cache` is given, in which case the new keys are written at `cache_index`: one position,
-        or one per row; a `LayerKVCache` is written in its stacked arrays). A `PagedKVCache` takes one decode step (T = 1, one position per row,
-        each row seeing its positions up to `cache_index`) and S = its table's `n * page`
-        positions."""
+        or one per row; a `LayerKVCache` is written in its stacked arrays). A `PagedKVCache`
+        takes one decode step (T = 1, one position per row, each row seeing its positions up to
+        `cache_index`) and S = its table's `n * page` positions."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))

@@ -1,14 +1,17 @@
-"""A layer's KV cache as page pools plus a page table per row (vLLM's layout), one pool per
-shard of the rows, and attention over it.
+"""The KV cache as page pools plus a page table per row (vLLM's layout), one pool per shard of
+the rows, and attention over it.
 
 Pools hold keys and values in the layout of the Pallas paged-attention kernels (`jax.
 experimental.pallas.ops.{gpu,tpu}.paged_attention`), one pool per shard: `k`, `v` `[shards,
-kv_heads, pages, page, head_dim]`. The B rows split into `shards` equal blocks (as an array
+kv_heads, pages, page, head_dim]`, every layer's pages in one pool (layer l's in its l-th block
+of `pages / layers`, so a layer's table is the rows' table offset by `l * pages / layers`: the
+kernel reads any layer's pages from the one array, which a layer loop or scan carries and
+writes in place). The B rows split into `shards` equal blocks (as an array
 sharded over its rows splits them), and block s's rows own pages of pool s only, so a mesh that
 splits the rows over chips keeps each chip's pages on that chip. Row b's position p lives in
 its pool's page `table[b, p // page]` at offset `p % page`. Page 0 of every pool is its trash
-page: table entries a row does not own are 0, so writes through them land there, and reads
-past a row's length are masked.
+page (each layer's block's first): table entries a row does not own are 0, so writes through
+them land there, and reads past a row's length are masked.
 
 Attention (`attend`), by `kernel`:
   gather     XLA everywhere: each row's pages gathered into one contiguous cache per layer (a

@@ -126,8 +126,8 @@ class Qwen3(nnx.Module):
         `config.scan_layers` (no cache, all layers alike) the layers run as one `lax.scan`.
         `cache` is one `KVCache` per layer, or stacked over the layers (a `KVCache` with a
         leading layer axis, or a `PagedKVCache` of every layer's pages), which the layers write
-        in place; with `layer_stacks` (`stack_layers`, the layers' weights) the layers over a
-        stacked cache run as one `lax.scan` per run of alike layers."""
+        in place; with `layer_stacks` (the layers' weights stacked per `layer_runs`) the layers
+        over a stacked cache run as one `lax.scan` per run of alike layers."""
         cfg = self.config
         x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
                                ("batch", "length", "act_embed"))
@@ -191,12 +191,6 @@ class Qwen3(nnx.Module):
                 runs.append((start, i))
                 start = i
         return tuple(runs)
-
-    def stack_layers(self) -> tuple[nnx.State, ...]:
-        """Each run's (`layer_runs`) layer weights stacked on a leading axis: a copy."""
-        return tuple(jax.tree.map(lambda *xs: jnp.stack(xs),
-                                  *[nnx.state(self.layers[i]) for i in range(start, stop)])
-                     for start, stop in self.layer_runs())
 
     def _moe_before(self, layer: int) -> int:
         return sum(l.is_moe for l in self.layers[:layer])
@@ -282,17 +276,12 @@ def _stack_of(view: LayerKVCache | PagedKVCache) -> KVCache | PagedKVCache:
     return KVCache(view.k, view.v)
 
 
-def split_stacked(model: Qwen3) -> tuple[nnx.GraphDef, nnx.State, tuple[nnx.State, ...]]:
-    """`model` as its graph, the weights outside its layers, and its layers' weights stacked
-    per run (`Qwen3.stack_layers`, a copy): what `merge_stacked` takes back."""
-    graphdef, _, rest = nnx.split(model, nnx.PathContains("layers"), ...)
-    return graphdef, rest, model.stack_layers()
-
-
 def merge_stacked(graphdef: nnx.GraphDef, rest: nnx.State, stacks: tuple[nnx.State, ...]
                   ) -> Qwen3:
-    """The model of `split_stacked`'s parts; each layer's weights are slices of the stacks
-    (only computed where a layer is called outside `forward`'s scans)."""
+    """The model of `graphdef` (`nnx.split(model, nnx.PathContains("layers"), ...)`'s), the
+    weights outside its layers and its layers' weights stacked per run (`Qwen3.layer_runs`);
+    each layer's weights are slices of the stacks (only computed where a layer is called
+    outside `forward`'s scans)."""
     layers, run = {}, 0
     for stacked in stacks:
         count = jax.tree.leaves(stacked)[0].shape[0]

@@ -15,8 +15,11 @@ the pages of a paged cache `pages`; compiling ahead `precompile`. This module wi
 
 Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
 batch bucket); one slot insert per (prompt bucket, batch bucket); compiled when first met, or
-all ahead on a thread pool by `precompile`. Requests coming and going change only array
-values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
+all ahead on a thread pool by `precompile`. With `scan_layers` (default: the model config's)
+they scan the layers over the engine's own stacked copy of the layer weights, made at each
+`update_weights` (memory: the weights once more while a caller keeps its model's arrays), so
+they compile one layer per run of alike layers instead of all of them. Requests coming and
+going change only array values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
 (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk
 plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`buckets.length_bucket`; at least

@@ -8,6 +8,13 @@ up to `steps` decode steps over every slot, attending over the first `span` cach
 `_take_slots` / `_put_slots` gather running rows into a smaller slot bucket and back;
 `_deactivate` stops a preempted row; `_put_routing` restores a re-prefilled row's recorded routing.
 
+Layers: every cache is stacked over the layers (the slot cache and a prompt cache `[L, rows,
+...]`, a page pool every layer's pages), and each layer writes its keys and values into the
+stack in place. The weights are the model's (`merged`: the layer loop unrolled, one copy of
+the layer in the program per layer) or, with `stack_weights`, each run of alike layers stacked,
+which the model scans (one copy of the layer per run: the program compiles in time independent
+of depth).
+
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
 request, preempting one and shrinking / expanding write it in place, one slot row at a time
 (a dynamic-update-slice per row; a row read as a masked sum over the slots when the slots are
@@ -170,7 +177,7 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
 
 def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
     """The model of an engine's `weights` and its stacked layer weights: `(state, None)` (the
-    model's own arrays, layers unrolled) or `(rest, stacks)` (`qwen3.split_stacked`: layers
+    model's own arrays, layers unrolled) or `(rest, stacks)` (`stack_weights`: layers
     scanned)."""
     state, stacks = weights
     if stacks is None:
