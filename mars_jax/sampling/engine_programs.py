@@ -345,19 +345,20 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
     """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]`
     of every layer's block (its positions 0 .. n * page, zero-padded or cut;
-    `paged_kv.write_pages`)."""
+    `paged_kv.write_pages`), one layer at a time (the pool carried, written in place)."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
-    layers, heads, dim = prompt.k.shape[0], prompt.k.shape[2], prompt.k.shape[3]
+    layers = prompt.k.shape[0]
+    block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
     width = pages * page
-    k = pad_to(_row(prompt.k, row, 1)[:, 0], 3, page)[..., :width]  # [L, K, D, width]
-    v = pad_to(_row(prompt.v, row, 1)[:, 0], 2, page)[:, :, :width]  # [L, K, width, D]
-    k = jnp.transpose(k.reshape(layers, heads, dim, pages, page), (1, 0, 3, 4, 2))
-    v = jnp.transpose(v.reshape(layers, heads, pages, page, dim), (1, 0, 2, 3, 4))
-    block = pool.k.shape[2] // layers  # [K, L, n, page, D] to layer l's block's pages
-    ids = page_ids[:, None, :] + block * jnp.arange(layers, dtype=page_ids.dtype)[:, None]
-    flat = lambda x: x.reshape(heads, layers * pages, page, dim)
-    return KVCache(*write_pages(pool.k, pool.v, flat(k), flat(v),
-                                ids.reshape(ids.shape[0], layers * pages)))
+
+    def layer(l, pool):
+        k = pad_to(_row(prompt.k[l], row)[0], 2, page)[..., :width]  # [K, D, width]
+        v = pad_to(_row(prompt.v[l], row)[0], 1, page)[:, :width]    # [K, width, D]
+        k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (0, 2, 3, 1))  # [K, n, page, D]
+        v = v.reshape(v.shape[0], pages, page, v.shape[-1])
+        return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids + l * block))
+
+    return jax.lax.fori_loop(0, layers, layer, pool)
 
 
 @functools.partial(jax.jit, donate_argnames=("state", "pool"))
