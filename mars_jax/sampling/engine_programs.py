@@ -345,7 +345,8 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
     """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]`
     of every layer's block (its positions 0 .. n * page, zero-padded or cut;
-    `paged_kv.write_pages`), one layer at a time (the pool carried, written in place)."""
+    `paged_kv.write_pages`), one layer at a time (an unrolled loop: XLA partitions a
+    `fori_loop` over the layers of a KV-head-split pool with copies of the pool)."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
     layers = prompt.k.shape[0]
     block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
@@ -358,7 +359,9 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
         v = v.reshape(v.shape[0], pages, page, v.shape[-1])
         return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids + l * block))
 
-    return jax.lax.fori_loop(0, layers, layer, pool)
+    for l in range(layers):
+        pool = layer(l, pool)
+    return pool
 
 
 @functools.partial(jax.jit, donate_argnames=("state", "pool"))
