@@ -42,7 +42,7 @@ FLOPs and bytes accessed (XLA's `cost_analysis()`: per device, a loop body count
 whether it fits the chip;
 the exit code is 1 when a program does not fit. `--num_layers` compiles a shallower model of the
 same width (compile time grows with depth where the layer loop is unrolled: without
-`model.scan_layers`, and in the KV-cache programs).
+`model.scan_layers`; with it the engine programs scan the layers too, over stacked weights).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding, weight_sync  # noqa: E402
 from mars_jax.config_validation import ConfigError, micro_batch_problem, validate  # noqa: E402
-from mars_jax.layers.attention import KVCache, cache_layout  # noqa: E402
+from mars_jax.layers.attention import KVCache, cache_layout, stacked_cache_layout  # noqa: E402
 from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.buckets import pow2_at_least  # noqa: E402
@@ -276,6 +276,7 @@ class StepPrograms:
         self.config, self.cfg, self.mesh = config, cfg, mesh
         self.shapes = step_shapes(config, mesh)
         abstract_model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+        self.abstract_model = abstract_model
         self.graphdef, state = nnx.split(abstract_model)
         self.train_graphdef, _ = nnx.split(abstract_model, nnx.Param)
         self.weights = _abstract(state, sharding.state_shardings(state, mesh))
@@ -333,19 +334,39 @@ class StepPrograms:
             self.graphdef, self.weights, self.decode_state(), _scalar(self.mesh, jnp.float32),
             _scalar(self.mesh, jnp.int32), params=self.sampling)
 
+    @functools.cached_property
+    def engine_weights(self) -> tuple[nnx.GraphDef, tuple]:
+        """The engine programs' graph and abstract weights (`engine_programs.merged`): the
+        model's, or with `model.scan_layers` the layers' stacked per run of alike layers
+        (`engine_programs.stack_weights`), sharded as the layers with the new axis unsplit."""
+        if not self.cfg.scan_layers:
+            return self.graphdef, (self.weights, None)
+        model, mesh = self.abstract_model, self.mesh
+        graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
+        rest = _abstract(rest, sharding.state_shardings(rest, mesh))
+        layers = _abstract(layers, sharding.state_shardings(layers, mesh))["layers"]
+
+        def stacked(start, stop):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (stop - start,) + x.shape, x.dtype, sharding=NamedSharding(
+                    mesh, PartitionSpec(None, *x.sharding.spec))), layers[start])
+
+        return graphdef, (rest, tuple(stacked(*run) for run in model.layer_runs()))
+
     def engine_state(self, slots: int = 0) -> engine.SlotState:
         """The abstract slot state of the config's engine (or of `slots` of its slots), sharded
         by the logical rules."""
         cfg, mesh = self.cfg, self.mesh
         all_slots, length = engine_shape(self.config, mesh)
         slots = slots or all_slots
+        graphdef, weights = self.engine_weights
         state = jax.eval_shape(functools.partial(
-            engine._init_state, self.graphdef, num_slots=slots, max_length=length,
+            engine._init_state, graphdef, num_slots=slots, max_length=length,
             max_stops=STOP_IDS, record=self.sampling.record_routing,
-            paged=bool(self.pages)), self.weights)
-        layout = cache_layout(slots, length, cfg.num_key_value_heads, cfg.head_dim)
-        cache = tuple(KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
-                                for shape, names in layout)) for _ in state.cache)
+            paged=bool(self.pages)), weights)
+        cache = ()
+        if not self.pages:
+            cache = self._stacked_cache(slots, length)
         like = lambda x, *names: _sharded(mesh, x.shape, x.dtype, names)
         per_slot = {f.name: like(getattr(state, f.name), "batch")
                     for f in dataclasses.fields(state)
@@ -361,16 +382,25 @@ class StepPrograms:
         """The engine's KV pages (`rollout.engine_kv_pages`; 0: reserved slots)."""
         return self.config.rollout.get("engine_kv_pages", 0)
 
-    def engine_pool(self) -> tuple[KVCache, ...] | None:
-        """The abstract page pools of a paged engine, one per batch shard (None with reserved
-        slots)."""
+    def _stacked_cache(self, rows: int, length: int) -> KVCache:
+        """An abstract KV cache stacked over the layers (`qwen3.Qwen3.init_cache`)."""
+        cfg = self.cfg
+        layout = stacked_cache_layout(cfg.num_hidden_layers, rows, length,
+                                      cfg.num_key_value_heads, cfg.head_dim)
+        return KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, names)
+                         for shape, names in layout))
+
+    def engine_pool(self) -> KVCache | None:
+        """The abstract page pools of a paged engine, one per batch shard, every layer's pages
+        in each (None with reserved slots)."""
         if not self.pages:
             return None
         cfg, page = self.cfg, self.config.rollout.engine_page_size
         shards = sharding_multiple(self.mesh)
-        shape = (shards, cfg.num_key_value_heads, self.pages // shards + 1, page, cfg.head_dim)
-        return tuple(KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
-                               for _ in range(2))) for _ in range(cfg.num_hidden_layers))
+        shape = (shards, cfg.num_key_value_heads, cfg.num_hidden_layers * (
+            self.pages // shards + 1), page, cfg.head_dim)
+        return KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
+                         for _ in range(2)))
 
     def _page_ids(self, *lead: int, positions: int):
         """Abstract page ids covering `positions` positions (None with reserved slots)."""
@@ -384,10 +414,7 @@ class StepPrograms:
         cfg, mesh = self.cfg, self.mesh
         slots, _ = engine_shape(self.config, mesh)
         bucket = self.shapes.prompt_len
-        layout = cache_layout(slots, bucket, cfg.num_key_value_heads, cfg.head_dim)
-        cache = tuple(KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
-                                for shape, names in layout))
-                      for _ in range(cfg.num_hidden_layers))
+        cache = self._stacked_cache(slots, bucket)
         logits = _sharded(mesh, (slots, cfg.vocab_size), jnp.float32, ("batch", "act_vocab"))
         experts = None
         if self.num_moe:
@@ -400,7 +427,7 @@ class StepPrograms:
         piece = min(bucket, engine.PREFILL_CHUNK)
         tokens = _sharded(self.mesh, (slots, piece), jnp.int32, ("batch", None))
         last = _sharded(self.mesh, (slots,), jnp.int32, ("batch",))
-        return engine._prefill.lower(self.graphdef, self.weights, cache, logits, experts, tokens,
+        return engine._prefill.lower(*self.engine_weights, cache, logits, experts, tokens,
                                      _scalar(self.mesh, jnp.int32), last, bucket=bucket,
                                      fresh=False)
 
@@ -423,7 +450,7 @@ class StepPrograms:
         table = self._page_ids(slots, positions=length)
         span = length if table is None else table.shape[1] * self.config.rollout.engine_page_size
         return engine._decode_chunk.lower(
-            self.graphdef, self.weights, self.engine_state(), self.engine_pool(), table,
+            *self.engine_weights, self.engine_state(), self.engine_pool(), table,
             _scalar(self.mesh, jnp.int32), steps=self.config.rollout.engine_chunk_steps,
             span=span, kernel=self.paged_kernel)
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from mars_jax import sharding
 from mars_jax.layers.attention_mask import AttentionMask
@@ -49,6 +49,49 @@ def cache_layout(batch: int, length: int, kv_heads: int, head_dim: int) -> KVCac
     return KVCache(
         k=((batch, kv_heads, head_dim, length), ("batch", "act_kv_heads", None, "cache_length")),
         v=((batch, kv_heads, length, head_dim), ("batch", "act_kv_heads", "cache_length", None)))
+
+
+def stacked_cache_layout(layers: int, batch: int, length: int, kv_heads: int, head_dim: int
+                         ) -> KVCache:
+    """`cache_layout` of a cache stacked over `layers` (a leading layer axis, unsharded)."""
+    return KVCache(*(((layers,) + shape, (None,) + names)
+                     for shape, names in cache_layout(batch, length, kv_heads, head_dim)))
+
+
+@struct.dataclass
+class LayerKVCache:
+    """Layer `layer` of a cache stacked over layers (`KVCache`'s layouts behind a leading layer
+    axis: k `[L, B, K, D, S]`, v `[L, B, K, S, D]`). Reads take that layer's first positions;
+    writes update the stacked arrays at that layer, so a layer loop or scan that carries them
+    writes the cache in place."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array | int = 0
+
+    def read(self, keys: int) -> tuple[jax.Array, jax.Array]:
+        """The layer's first `keys` positions: keys `[B, K, D, keys]`, values `[B, K, keys, D]`."""
+        _, b, heads, d, _ = self.k.shape
+        k = jax.lax.dynamic_slice(self.k, (self.layer, 0, 0, 0, 0), (1, b, heads, d, keys))
+        v = jax.lax.dynamic_slice(self.v, (self.layer, 0, 0, 0, 0), (1, b, heads, keys, d))
+        return k[0], v[0]
+
+    def write(self, k: jax.Array, v: jax.Array, index: jax.Array | int) -> "LayerKVCache":
+        """New keys and values `[B, T, K, D]` written at positions index.. index+T of the
+        layer (`index`: one position, or one per row `[B]`)."""
+        at = self.layer
+        if jnp.ndim(index) == 1:  # one scatter into the stacks (no transposed copy of them)
+            rows = jnp.arange(k.shape[0])[:, None]
+            where = index[:, None] + jnp.arange(k.shape[1])  # [B, T]
+            put = dict(unique_indices=True, mode="promise_in_bounds")
+            return self.replace(  # both index [B, T, K, D] (numpy's advanced-index order)
+                k=self.k.at[at, rows, :, :, where].set(k.astype(self.k.dtype), **put),
+                v=self.v.at[at, rows, :, where, :].set(v.astype(self.v.dtype), **put))
+        k, v = _to_cache_layout(k, v)
+        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+        return self.replace(
+            k=jax.lax.dynamic_update_slice(self.k, k[None], (at, 0, 0, 0, index)),
+            v=jax.lax.dynamic_update_slice(self.v, v[None], (at, 0, 0, index, 0)))
 
 
 def _to_cache_layout(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -166,13 +209,14 @@ class Attention(nnx.Module):
         return length > self.block and batch * heads * length * keys * 4 > AUTO_DENSE_MAX_SCORE_BYTES
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
-                 cache: KVCache | PagedKVCache | None = None, cache_index: jax.Array | int = 0,
-                 ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
+                 cache: KVCache | LayerKVCache | PagedKVCache | None = None,
+                 cache_index: jax.Array | int = 0,
+                 ) -> tuple[jax.Array, KVCache | LayerKVCache | PagedKVCache | None]:
         """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
         `cache` is given, in which case the new keys are written at `cache_index`: one position,
-        or one per row). A `PagedKVCache` takes one decode step (T = 1, one position per row,
-        each row seeing its positions up to `cache_index`) and S = its table's `n * page`
-        positions."""
+        or one per row; a `LayerKVCache` is written in its stacked arrays). A `PagedKVCache`
+        takes one decode step (T = 1, one position per row, each row seeing its positions up to
+        `cache_index`) and S = its table's `n * page` positions."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
@@ -188,7 +232,9 @@ class Attention(nnx.Module):
                 out = cache.attend(q, cache_index + 1, scale).astype(x.dtype)
             return self._output(out, x.dtype), cache
         from_cache = cache is not None and not _is_fresh_prefill(cache_index)
-        if cache is not None:
+        if isinstance(cache, LayerKVCache):
+            cache = cache.write(k, v, cache_index)
+        elif cache is not None:
             cache = _write_cache(cache, k, v, cache_index)
         if not from_cache:  # the queries see only their own keys (module docstring)
             mask = mask.first_keys(k.shape[1])
@@ -201,7 +247,11 @@ class Attention(nnx.Module):
         # Only the first keys the mask covers are read (the engine's decode chunk attends over a
         # span of a longer cache, updated in place).
         keys = mask.kv_segments.shape[1]
-        k, v = cache.k[..., :keys].astype(x.dtype), cache.v[:, :, :keys].astype(x.dtype)
+        if isinstance(cache, LayerKVCache):
+            k, v = cache.read(keys)
+        else:
+            k, v = cache.k[..., :keys], cache.v[:, :, :keys]
+        k, v = k.astype(x.dtype), v.astype(x.dtype)
         if self._use_flash(q, keys):  # back to [B, S, K, D]
             out = flash_attention(q, jnp.transpose(k, (0, 3, 1, 2)), jnp.swapaxes(v, 1, 2), mask,
                                   scale, block_q=self.block, block_k=self.block)

@@ -1,14 +1,17 @@
-"""A layer's KV cache as page pools plus a page table per row (vLLM's layout), one pool per
-shard of the rows, and attention over it.
+"""The KV cache as page pools plus a page table per row (vLLM's layout), one pool per shard of
+the rows, and attention over it.
 
 Pools hold keys and values in the layout of the Pallas paged-attention kernels (`jax.
 experimental.pallas.ops.{gpu,tpu}.paged_attention`), one pool per shard: `k`, `v` `[shards,
-kv_heads, pages, page, head_dim]`. The B rows split into `shards` equal blocks (as an array
+kv_heads, pages, page, head_dim]`, every layer's pages in one pool (layer l's in its l-th block
+of `pages / layers`, so a layer's table is the rows' table offset by `l * pages / layers`: the
+kernel reads any layer's pages from the one array, which a layer loop or scan carries and
+writes in place). The B rows split into `shards` equal blocks (as an array
 sharded over its rows splits them), and block s's rows own pages of pool s only, so a mesh that
 splits the rows over chips keeps each chip's pages on that chip. Row b's position p lives in
 its pool's page `table[b, p // page]` at offset `p % page`. Page 0 of every pool is its trash
-page: table entries a row does not own are 0, so writes through them land there, and reads
-past a row's length are masked.
+page (each layer's block's first): table entries a row does not own are 0, so writes through
+them land there, and reads past a row's length are masked.
 
 Attention (`attend`), by `kernel`:
   gather     XLA everywhere: each row's pages gathered into one contiguous cache per layer (a
@@ -44,26 +47,45 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 @struct.dataclass
 class PagedKVCache:
-    """One layer's page pools and the rows' page tables `[B, n]` (n pages per row visible,
-    ids into the row's own pool)."""
+    """Page pools and the rows' page tables `[B, n]` (n pages per row visible, ids into the
+    row's own pool) of layer `layer` of `layers`: each pool holds every layer's pages, layer l's
+    in its l-th block of `pages / layers` (its own trash page first), so the table's ids are
+    offset by `l * pages / layers` (`layer_table`). Writes and reads address the pools in place:
+    a layer loop or scan that carries them never copies one layer's pages out."""
 
     k: jax.Array      # [shards, kv_heads, pages, page, head_dim]
     v: jax.Array      # [shards, kv_heads, pages, page, head_dim]
-    table: jax.Array  # [B, n] int32 page ids, 0 = the trash page
+    table: jax.Array  # [B, n] int32 page ids in a layer's block, 0 = its trash page
     kernel: str = struct.field(pytree_node=False, default="gather")
+    layer: jax.Array | int = 0
+    layers: int = struct.field(pytree_node=False, default=1)
 
     @property
     def page_size(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def layer_table(self) -> jax.Array:
+        """The table as ids into the whole pool: layer `layer`'s block."""
+        return self.table + self.layer * (self.k.shape[2] // self.layers)
+
     def write(self, k: jax.Array, v: jax.Array, index: jax.Array) -> "PagedKVCache":
         """The pools with one new key and value per row (`[B, 1, K, D]`) written at position
         `index [B]` of each row; `index` must lie inside the table's `n * page` positions."""
         shards = self.k.shape[0]
-        page = jnp.take_along_axis(self.table, (index // self.page_size)[:, None], axis=1)[:, 0]
+        page = jnp.take_along_axis(self.layer_table, (index // self.page_size)[:, None],
+                                   axis=1)[:, 0]
         offset = index % self.page_size
-        # pool [K, pages, page, D].at[:, p, o] indexes [K, rows, D]: rows in the middle
-        put = jax.vmap(lambda pool, p, o, x: pool.at[:, p, o, :].set(jnp.swapaxes(x, 0, 1)))
+        if self.kernel == "tpu":
+            # One [D] vector per (row, head): a scatter whose window is the minor dimension
+            # alone, which XLA:TPU lays out as the Pallas kernel reads the pool (row-major), so
+            # the pool carried through the layers is updated in place, never re-laid out for
+            # the kernel (a [K, D] window made it pick another layout: a copy at every layer).
+            heads = jnp.arange(self.k.shape[1])[None, :]
+            put = jax.vmap(lambda pool, p, o, x: pool.at[heads, p[:, None], o[:, None], :].set(
+                x, unique_indices=True, mode="promise_in_bounds"))
+        else:  # pool [K, pages, page, D].at[:, p, o] indexes [K, rows, D]: rows in the middle
+            put = jax.vmap(lambda pool, p, o, x: pool.at[:, p, o, :].set(jnp.swapaxes(x, 0, 1)))
         page, offset = _by_shard(page, shards), _by_shard(offset, shards)
         return self.replace(
             k=put(self.k, page, offset, _by_shard(k[:, 0].astype(self.k.dtype), shards)),
@@ -76,8 +98,9 @@ class PagedKVCache:
         shards, heads, _, page, dim = self.k.shape
         gather = jax.vmap(lambda pool, ids: pool[:, ids])  # [S, K, B / S, n, page, D]
         to_rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(rows, heads, n * page, dim)
-        values = to_rows(gather(self.v, _by_shard(self.table, shards)))
-        keys = jnp.swapaxes(to_rows(gather(self.k, _by_shard(self.table, shards))), 2, 3)
+        table = _by_shard(self.layer_table, shards)
+        values = to_rows(gather(self.v, table))
+        keys = jnp.swapaxes(to_rows(gather(self.k, table)), 2, 3)
         return keys, values
 
     def attend(self, q: jax.Array, lengths: jax.Array, scale: float) -> jax.Array:
@@ -97,7 +120,7 @@ class PagedKVCache:
                 _largest_divisor(n // _largest_divisor(n, 16), 8),
                 interpret=self.kernel == "interpret")
         run = jax.vmap(attend)
-        args = (_by_shard(q, shards), self.k, self.v, _by_shard(self.table, shards),
+        args = (_by_shard(q, shards), self.k, self.v, _by_shard(self.layer_table, shards),
                 _by_shard(lengths.astype(jnp.int32), shards))
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:  # a Pallas kernel is not partitioned by XLA: each chip runs its part

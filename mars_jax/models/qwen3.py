@@ -8,12 +8,14 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mars_jax import sharding
-from mars_jax.layers.attention import Attention, KVCache, cache_layout
+from mars_jax.layers.attention import (Attention, KVCache, LayerKVCache, cache_layout,
+                                       stacked_cache_layout)
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.embeddings import Embed, rope_cos_sin
 from mars_jax.layers.mlp import MLP
 from mars_jax.layers.moe import MoE
 from mars_jax.layers.normalization import RMSNorm
+from mars_jax.layers.paged_kv import PagedKVCache
 from mars_jax.layers.params import normal_param
 from mars_jax.models.config import Qwen3Config
 
@@ -26,7 +28,7 @@ class ModelOutput:
     hidden: jax.Array
     router_logits: jax.Array | None
     expert_ids: jax.Array | None
-    cache: tuple[KVCache, ...] | None
+    cache: tuple[KVCache, ...] | KVCache | PagedKVCache | None
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -115,16 +117,27 @@ class Qwen3(nnx.Module):
         return self.logits(out.hidden)
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array, mask: AttentionMask,
-                cache: tuple[KVCache, ...] | None = None, cache_index: jax.Array | int = 0,
-                expert_ids: jax.Array | None = None) -> ModelOutput:
+                cache: tuple[KVCache, ...] | KVCache | PagedKVCache | None = None,
+                cache_index: jax.Array | int = 0, expert_ids: jax.Array | None = None,
+                layer_stacks: tuple[nnx.State, ...] | None = None) -> ModelOutput:
         """The decoder stack. `mask` says which keys each query attends to (S = T, or the cache
         length when `cache` is given); `expert_ids [L_moe,B,T,k]` replays recorded routing. With
         `config.remat` (and no cache) each layer is recomputed in the backward pass; with
-        `config.scan_layers` (no cache, all layers alike) the layers run as one `lax.scan`."""
+        `config.scan_layers` (no cache, all layers alike) the layers run as one `lax.scan`.
+        `cache` is one `KVCache` per layer, or stacked over the layers (a `KVCache` with a
+        leading layer axis, or a `PagedKVCache` of every layer's pages), which the layers write
+        in place; with `layer_stacks` (the layers' weights stacked per `layer_runs`) the layers
+        over a stacked cache run as one `lax.scan` per run of alike layers."""
         cfg = self.config
         x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
                                ("batch", "length", "act_embed"))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        if isinstance(cache, (KVCache, PagedKVCache)):
+            args = (x, cos, sin, mask, cache, cache_index, expert_ids)
+            x, cache, logits, ids = (self._stacked_cache_layers(*args) if layer_stacks is None
+                                     else self._scan_cached_layers(*args, layer_stacks))
+            return ModelOutput(hidden=self.norm(x), router_logits=logits, expert_ids=ids,
+                               cache=cache)
         if cfg.scan_layers and cache is None and len({l.is_moe for l in self.layers}) == 1:
             x, logits, ids = self._scan_layers(x, cos, sin, mask, expert_ids)
             return ModelOutput(hidden=self.norm(x), router_logits=logits, expert_ids=ids,
@@ -170,6 +183,61 @@ class Qwen3(nnx.Module):
         logits, ids = routing if is_moe else (None, None)
         return x, logits, ids
 
+    def layer_runs(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of each run of consecutive alike layers (dense or MoE)."""
+        runs, start = [], 0
+        for i in range(1, len(self.layers) + 1):
+            if i == len(self.layers) or self.layers[i].is_moe != self.layers[start].is_moe:
+                runs.append((start, i))
+                start = i
+        return tuple(runs)
+
+    def _moe_before(self, layer: int) -> int:
+        return sum(l.is_moe for l in self.layers[:layer])
+
+    def _stacked_cache_layers(self, x, cos, sin, mask, cache, cache_index, expert_ids):
+        """The layer loop over a cache stacked over layers (`forward`), unrolled."""
+        all_logits, all_ids = [], []
+        for i, layer in enumerate(self.layers):
+            replay = None
+            if layer.is_moe and expert_ids is not None:
+                replay = expert_ids[self._moe_before(i)]
+            x, view, logits, ids = layer(x, cos, sin, mask, _layer_view(cache, i), cache_index,
+                                         replay)
+            cache = _stack_of(view)
+            if layer.is_moe:
+                all_logits.append(logits)
+                all_ids.append(ids)
+        return (x, cache, jnp.stack(all_logits) if all_logits else None,
+                jnp.stack(all_ids) if all_ids else None)
+
+    def _scan_cached_layers(self, x, cos, sin, mask, cache, cache_index, expert_ids,
+                            layer_stacks):
+        """`_stacked_cache_layers` as one `lax.scan` per run of alike layers over the run's
+        stacked weights (`layer_stacks`), the cache carried and written in place."""
+        all_logits, all_ids = [], []
+        for (start, stop), stacked in zip(self.layer_runs(), layer_stacks, strict=True):
+            graphdef, is_moe = nnx.graphdef(self.layers[start]), self.layers[start].is_moe
+            replay = None
+            if is_moe and expert_ids is not None:
+                first = self._moe_before(start)
+                replay = expert_ids[first:first + stop - start]
+
+            def body(carry, inputs, graphdef=graphdef, is_moe=is_moe):
+                x, cache = carry
+                state, i, replay = inputs
+                x, view, logits, ids = nnx.merge(graphdef, state)(
+                    x, cos, sin, mask, _layer_view(cache, i), cache_index, replay)
+                return (x, _stack_of(view)), ((logits, ids) if is_moe else None)
+
+            (x, cache), routing = jax.lax.scan(
+                body, (x, cache), (stacked, jnp.arange(start, stop), replay))
+            if is_moe:
+                all_logits.append(routing[0])
+                all_ids.append(routing[1])
+        join = lambda parts: jnp.concatenate(parts) if parts else None
+        return x, cache, join(all_logits), join(all_ids)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Output projection of final hidden states (tied or untied), in float32."""
         if self.config.tie_word_embeddings:
@@ -178,14 +246,49 @@ class Qwen3(nnx.Module):
             out = hidden @ self.lm_head[...].astype(hidden.dtype)
         return sharding.constrain(out.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
-    def init_cache(self, batch: int, length: int, dtype: jnp.dtype | None = None
-                   ) -> tuple[KVCache, ...]:
-        """Zeroed KV cache of `length` positions per layer (layouts: `KVCache`)."""
+    def init_cache(self, batch: int, length: int, dtype: jnp.dtype | None = None, *,
+                   stacked: bool = False) -> tuple[KVCache, ...] | KVCache:
+        """Zeroed KV cache of `length` positions per layer (layouts: `KVCache`): one per layer,
+        or with `stacked` one `KVCache` stacked over the layers (`stacked_cache_layout`)."""
         cfg = self.config
-        layout = cache_layout(batch, length, cfg.num_key_value_heads, cfg.head_dim)
         dtype = dtype or cfg.compute_dtype
-        return tuple(KVCache(*(sharding.constrain(jnp.zeros(shape, dtype), names)
-                               for shape, names in layout)) for _ in self.layers)
+        zeros = lambda layout: KVCache(*(sharding.constrain(jnp.zeros(shape, dtype), names)
+                                         for shape, names in layout))
+        if stacked:
+            return zeros(stacked_cache_layout(len(self.layers), batch, length,
+                                              cfg.num_key_value_heads, cfg.head_dim))
+        layout = cache_layout(batch, length, cfg.num_key_value_heads, cfg.head_dim)
+        return tuple(zeros(layout) for _ in self.layers)
+
+
+def _layer_view(cache: KVCache | PagedKVCache, layer: jax.Array | int
+                ) -> LayerKVCache | PagedKVCache:
+    """Layer `layer`'s view of a cache stacked over layers (read and written in place)."""
+    if isinstance(cache, PagedKVCache):
+        return cache.replace(layer=layer)
+    return LayerKVCache(cache.k, cache.v, layer)
+
+
+def _stack_of(view: LayerKVCache | PagedKVCache) -> KVCache | PagedKVCache:
+    """The stacked cache a layer's view wrote."""
+    if isinstance(view, PagedKVCache):
+        return view.replace(layer=0)
+    return KVCache(view.k, view.v)
+
+
+def merge_stacked(graphdef: nnx.GraphDef, rest: nnx.State, stacks: tuple[nnx.State, ...]
+                  ) -> Qwen3:
+    """The model of `graphdef` (`nnx.split(model, nnx.PathContains("layers"), ...)`'s), the
+    weights outside its layers and its layers' weights stacked per run (`Qwen3.layer_runs`);
+    each layer's weights are slices of the stacks (only computed where a layer is called
+    outside `forward`'s scans)."""
+    layers, run = {}, 0
+    for stacked in stacks:
+        count = jax.tree.leaves(stacked)[0].shape[0]
+        for j in range(count):
+            layers[run + j] = jax.tree.map(lambda x, j=j: x[j], stacked)
+        run += count
+    return nnx.merge(graphdef, nnx.State({"layers": layers}), rest)
 
 
 def create_model(config: Qwen3Config, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,

@@ -15,8 +15,11 @@ the pages of a paged cache `pages`; compiling ahead `precompile`. This module wi
 
 Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
 batch bucket); one slot insert per (prompt bucket, batch bucket); compiled when first met, or
-all ahead on a thread pool by `precompile`. Requests coming and going change only array
-values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
+all ahead on a thread pool by `precompile`. With `scan_layers` (default: the model config's)
+they scan the layers over the engine's own stacked copy of the layer weights, made at each
+`update_weights` (memory: the weights once more while a caller keeps its model's arrays), so
+they compile one layer per run of alike layers instead of all of them. Requests coming and
+going change only array values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
 (as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
 `span` cache positions only, `span` = the longest a running request can grow to in the chunk
 plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`buckets.length_bucket`; at least
@@ -78,7 +81,7 @@ from mars_jax.models.qwen3 import Qwen3
 from mars_jax.sampling.engine_programs import (MIN_SPAN, SlotState, _decode_chunk, _deactivate,
                                                _init_pool, _init_state, _insert, _prefill,
                                                _put_routing, _put_slots, _take_slots,
-                                               span_bucket)
+                                               span_bucket, stack_weights)
 from mars_jax.sampling.kv_memory import (bytes_per_row, device_free_bytes, kv_bytes_per_token,
                                           prefill_parts)
 from mars_jax.sampling.pages import PageTable
@@ -141,7 +144,7 @@ class Engine(SlotScheduler):
                  record_routing: bool = False, mesh: jax.sharding.Mesh | None = None,
                  admit_batch: int = 1, prefill_ahead: int = 0, min_span: int = MIN_SPAN,
                  kv_pages: int | None = None, page_size: int = 64,
-                 paged_attention: str = "auto"):
+                 paged_attention: str = "auto", scan_layers: bool | None = None):
         if num_slots < 1 or max_length < 2 or chunk_steps < 1:
             raise ValueError(f"Engine: need num_slots >= 1, max_length >= 2, chunk_steps >= 1; "
                              f"got {num_slots}, {max_length}, {chunk_steps}")
@@ -171,11 +174,12 @@ class Engine(SlotScheduler):
         self.prefill_chunk, self.max_stop_ids, self.seed = prefill_chunk, max_stop_ids, seed
         self.mesh, self.min_span, self.prefill_ahead = mesh, min_span, prefill_ahead
         self.record_routing = bool(record_routing) and bool(model.config.num_experts)
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size, self.num_layers = model.config.vocab_size, model.config.num_hidden_layers
         self.kv_pages, self.page_size = kv_pages, page_size
         self.paged_attention = (default_kernel(model.config.head_dim, page_size)
                                 if paged_attention == "auto" else paged_attention)
         self._multiple = multiple
+        self.scan_layers = model.config.scan_layers if scan_layers is None else scan_layers
         self.update_weights(model)
         self._pages = None if kv_pages is None else PageTable(
             num_slots=num_slots, pools=multiple, pages=kv_pages, page_size=page_size,
@@ -222,8 +226,15 @@ class Engine(SlotScheduler):
     def update_weights(self, model: Qwen3) -> None:
         """Reads `model`'s current arrays: later steps, prefills and `recompute`s use them (a
         group prompt prefilled under the old arrays is prefilled again for members still
-        waiting)."""
-        self._graphdef, self._weights = nnx.split(model)
+        waiting). With `scan_layers` the engine keeps its own copy of the layers' weights
+        stacked per run of alike layers (`engine_programs.stack_weights`), which its programs
+        scan over."""
+        self._weights = None  # the old stacked copy freed before the new one is made
+        if self.scan_layers:
+            self._graphdef, self._weights = stack_weights(model)
+        else:
+            graphdef, state = nnx.split(model)
+            self._graphdef, self._weights = graphdef, (state, None)
         self._drop_prefills()
 
     def free_kv(self) -> None:
@@ -358,16 +369,19 @@ class Engine(SlotScheduler):
         and `[K, L, D]` values for its L = prompt + new tokens positions)."""
         request = self._requests[request_id]
         length = len(request.group.prompt) + len(request.tokens)
+        layers = self.num_layers
         if self._pages is not None:
             pages, shard = self._pages.owned[request.slot], self._pages.pool(request.slot)
             pool = sharding.fetch(self._pool)
+            block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
             join = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]  # [K, L, D]
             return tuple(KVCache(
-                np.swapaxes(join(np.asarray(p.k)[shard][:, pages]), 1, 2),
-                join(np.asarray(p.v)[shard][:, pages])) for p in pool)
+                np.swapaxes(join(np.asarray(pool.k)[shard][:, np.add(pages, l * block)]), 1, 2),
+                join(np.asarray(pool.v)[shard][:, np.add(pages, l * block)]))
+                for l in range(layers))
         cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
-        return tuple(KVCache(np.asarray(c.k[row, :, :, :length]),
-                             np.asarray(c.v[row, :, :length])) for c in cache)
+        return tuple(KVCache(np.asarray(cache.k[l, row, :, :, :length]),
+                             np.asarray(cache.v[l, row, :, :length])) for l in range(layers))
 
     # --- the loop ---
 
@@ -517,7 +531,7 @@ class Engine(SlotScheduler):
         if self._pages is not None:
             if not self._pages.grow(slot, len(request.group.prompt) + step):
                 raise RuntimeError("kv_pages: no free page for a request's prefill")
-            pages = self._pages.pages_for(cache[0].v.shape[2])
+            pages = self._pages.pages_for(cache.v.shape[3])
             ids = np.zeros((self._multiple, pages), np.int32)  # other pools: their trash page
             ids[self._pages.pool(slot)] = self._pages.table[slot, :pages]
             page_ids = jnp.asarray(ids)

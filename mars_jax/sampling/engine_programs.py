@@ -8,6 +8,13 @@ up to `steps` decode steps over every slot, attending over the first `span` cach
 `_take_slots` / `_put_slots` gather running rows into a smaller slot bucket and back;
 `_deactivate` stops a preempted row; `_put_routing` restores a re-prefilled row's recorded routing.
 
+Layers: every cache is stacked over the layers (the slot cache and a prompt cache `[L, rows,
+...]`, a page pool every layer's pages), and each layer writes its keys and values into the
+stack in place. The weights are the model's (`merged`: the layer loop unrolled, one copy of
+the layer in the program per layer) or, with `stack_weights`, each run of alike layers stacked,
+which the model scans (one copy of the layer per run: the program compiles in time independent
+of depth).
+
 Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
 request, preempting one and shrinking / expanding write it in place, one slot row at a time
 (a dynamic-update-slice per row; a row read as a masked sum over the slots when the slots are
@@ -42,10 +49,11 @@ from flax import nnx, struct
 
 from mars_jax import sharding
 from mars_jax.buckets import length_bucket
-from mars_jax.layers.attention import KVCache
+from mars_jax.layers.attention import KVCache, stacked_cache_layout
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.layers.flash_attention import pad_to
 from mars_jax.layers.paged_kv import POOL_AXES, PagedKVCache, write_pages
+from mars_jax.models.qwen3 import Qwen3, merge_stacked
 from mars_jax.sampling.processors import choose_tokens_per_row
 
 MIN_SPAN = 128  # default shortest KV span a decode chunk attends over
@@ -55,7 +63,8 @@ MIN_SPAN = 128  # default shortest KV span a decode chunk attends over
 class SlotState:
     """Everything the decode chunk reads and writes, one row per slot."""
 
-    cache: tuple[KVCache, ...]  # per layer, [slots, ...] over max_length positions; () paged
+    cache: KVCache | tuple      # stacked over layers, [L, slots, ...] over max_length positions;
+                                # () paged
     next_logits: jax.Array      # [slots, V] logits of the next token
     length: jax.Array           # [slots] filled cache positions = position of the next token
     step: jax.Array             # [slots] tokens generated so far (the PRNG fold index)
@@ -77,8 +86,9 @@ class SlotState:
 # state was created with.
 
 def _slot_axis(name: str) -> int:
-    """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`)."""
-    return 1 if name == "experts" else 0
+    """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`, the cache
+    `[L, slots, ...]`)."""
+    return 1 if name in ("experts", "cache") else 0
 
 
 def _state_names(state: SlotState) -> dict[str, object]:
@@ -86,8 +96,7 @@ def _state_names(state: SlotState) -> dict[str, object]:
     names = {f.name: ("batch",) + (None,) * (getattr(state, f.name).ndim - 1)
              for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
     names["next_logits"] = ("batch", "act_vocab")
-    names["cache"] = KVCache(("batch", "act_kv_heads", None, "cache_length"),
-                             ("batch", "act_kv_heads", "cache_length", None))
+    names["cache"] = KVCache(*(names for _, names in stacked_cache_layout(1, 1, 1, 1, 1)))
     names["experts"] = (None, "batch", None, None)
     return names
 
@@ -97,20 +106,21 @@ def _pinned(state: SlotState) -> SlotState:
     names = _state_names(state)
     fields = {f.name: sharding.constrain(getattr(state, f.name), names[f.name])
               for f in dataclasses.fields(state) if f.name not in ("cache", "experts")}
-    cache = tuple(KVCache(sharding.constrain(c.k, names["cache"].k),
-                          sharding.constrain(c.v, names["cache"].v)) for c in state.cache)
+    cache = state.cache
+    if cache != ():
+        cache = KVCache(sharding.constrain(cache.k, names["cache"].k),
+                        sharding.constrain(cache.v, names["cache"].v))
     experts = None if state.experts is None else sharding.constrain(state.experts,
                                                                     names["experts"])
     return state.replace(cache=cache, experts=experts, **fields)
 
 
-def _pinned_pool(pool: tuple[KVCache, ...] | None) -> tuple[KVCache, ...] | None:
+def _pinned_pool(pool: KVCache | None) -> KVCache | None:
     """Page pools constrained to their logical shardings (a pool per batch shard, KV heads
     split; pages never)."""
     if pool is None:
         return None
-    return tuple(KVCache(sharding.constrain(p.k, POOL_AXES), sharding.constrain(p.v, POOL_AXES))
-                 for p in pool)
+    return KVCache(sharding.constrain(pool.k, POOL_AXES), sharding.constrain(pool.v, POOL_AXES))
 
 
 def _slots_sharded(num_slots: int) -> bool:
@@ -158,30 +168,66 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
         axis = _slot_axis(f.name)
         ys = [getattr(o, f.name) for o in others]
         if f.name == "cache":
-            fields[f.name] = tuple(KVCache(fn(c.k, *(y[i].k for y in ys), axis),
-                                           fn(c.v, *(y[i].v for y in ys), axis))
-                                   for i, c in enumerate(x))
+            fields[f.name] = () if x == () else KVCache(fn(x.k, *(y.k for y in ys), axis),
+                                                        fn(x.v, *(y.v for y in ys), axis))
         else:
             fields[f.name] = fn(x, *ys, axis)
     return state.replace(**fields)
 
 
+def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
+    """The model of an engine's `weights` and its stacked layer weights: `(state, None)` (the
+    model's own arrays, layers unrolled) or `(rest, stacks)` (`stack_weights`: layers
+    scanned)."""
+    state, stacks = weights
+    if stacks is None:
+        return nnx.merge(graphdef, state), None
+    return merge_stacked(graphdef, state, stacks), stacks
+
+
+@functools.partial(jax.jit, static_argnames=("shardings",))
+def _stack_runs(runs, shardings):
+    """Each run's layer weights stacked on a new leading axis, pinned to `shardings` (one per
+    leaf of the result, or None)."""
+    out = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *run) for run in runs)
+    if shardings is None:
+        return out
+    leaves, tree = jax.tree.flatten(out)
+    return jax.tree.unflatten(tree, [jax.lax.with_sharding_constraint(x, where)
+                                     for x, where in zip(leaves, shardings)])
+
+
+def stack_weights(model: Qwen3):
+    """An engine's graph and weights with the layers scanned (`merged`): the weights outside the
+    layers (the model's own arrays) and a stacked copy of each run of alike layers
+    (`Qwen3.layer_runs`), sharded as the layers with the new axis unsplit."""
+    graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
+    runs = [[layers["layers"][i] for i in range(start, stop)]
+            for start, stop in model.layer_runs()]
+    where = [getattr(x, "sharding", None) for x in jax.tree.leaves([run[0] for run in runs])]
+    shardings = None
+    if all(isinstance(w, jax.sharding.NamedSharding) for w in where):
+        shardings = tuple(jax.sharding.NamedSharding(w.mesh, jax.sharding.PartitionSpec(
+            None, *w.spec)) for w in where)
+    return graphdef, (rest, _stack_runs(runs, shardings))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "shards", "pages", "page_size"))
-def _init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int
-               ) -> tuple[KVCache, ...]:
-    """Zeroed page pools per layer, `shards` of `pages` pages each (`paged_kv`'s layouts)."""
-    cfg = nnx.merge(graphdef, weights).config
-    shape = (shards, cfg.num_key_value_heads, pages, page_size, cfg.head_dim)
-    return _pinned_pool(tuple(
-        KVCache(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
-        for _ in range(cfg.num_hidden_layers)))
+def _init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int) -> KVCache:
+    """Zeroed page pools of every layer, `shards` of `pages` pages a layer each
+    (`paged_kv`'s layouts: layer l's pages are the l-th block of a pool's)."""
+    cfg = merged(graphdef, weights)[0].config
+    shape = (shards, cfg.num_key_value_heads, cfg.num_hidden_layers * pages, page_size,
+             cfg.head_dim)
+    return _pinned_pool(KVCache(jnp.zeros(shape, cfg.compute_dtype),
+                                jnp.zeros(shape, cfg.compute_dtype)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "max_length", "max_stops",
                                              "record", "paged"))
 def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops: int,
                 record: bool, paged: bool) -> SlotState:
-    model = nnx.merge(graphdef, weights)
+    model = merged(graphdef, weights)[0]
     cfg = model.config
     zeros = lambda dtype=jnp.int32: jnp.zeros((num_slots,), dtype)
     experts = None
@@ -189,7 +235,7 @@ def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops
         experts = jnp.zeros((len(model.moe_layers), num_slots, max_length,
                              cfg.num_experts_per_tok), jnp.int32)
     return _pinned(SlotState(
-        cache=() if paged else model.init_cache(num_slots, max_length),
+        cache=() if paged else model.init_cache(num_slots, max_length, stacked=True),
         next_logits=jnp.zeros((num_slots, cfg.vocab_size), jnp.float32),
         length=zeros(), step=zeros(), budget=zeros(), active=zeros(bool),
         keys=jax.vmap(jax.random.key)(zeros(jnp.uint32)), temperature=zeros(jnp.float32),
@@ -218,11 +264,12 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
     None): row b's positions are in pages `table[b]` (`span / page` of them; the caller gives 0,
     the trash page, where a row owns none and for every row idle at the start), attended by
     `kernel` (`paged_kv`)."""
-    model = nnx.merge(graphdef, weights)
+    model, stacks = merged(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
-        state = state.replace(cache=tuple(PagedKVCache(p.k, p.v, table, kernel) for p in pool))
-    positions = span if pool is not None else state.cache[0].v.shape[2]  # a row's cache
+        state = state.replace(cache=PagedKVCache(pool.k, pool.v, table, kernel,
+                                                 layers=model.config.num_hidden_layers))
+    positions = span if pool is not None else state.cache.v.shape[3]  # a row's cache
 
     def cond(carry):
         i, s, _, _, ended = carry
@@ -240,7 +287,7 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
         finished = active & (jnp.any(token[:, None] == s.stop_ids, axis=-1) | (step >= s.budget))
         out = model.forward(token[:, None], positions=s.length[:, None],
                             mask=AttentionMask.filled(s.length + 1, span), cache=s.cache,
-                            cache_index=jnp.minimum(s.length, positions - 1))
+                            cache_index=jnp.minimum(s.length, positions - 1), layer_stacks=stacks)
         experts = s.experts
         if experts is not None:
             write = lambda e, new, at: jax.lax.dynamic_update_slice_in_dim(e, new, at, axis=1)
@@ -259,7 +306,7 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
              jnp.zeros((num_slots, steps), jnp.float32), jnp.zeros((), jnp.int32))
     i, state, tokens, logprobs, _ = jax.lax.while_loop(cond, body, carry)
     if pool is not None:
-        pool = tuple(KVCache(c.k, c.v) for c in state.cache)
+        pool = KVCache(state.cache.k, state.cache.v)
         state = state.replace(cache=())
     return _pinned(state), _pinned_pool(pool), tokens, logprobs, i
 
@@ -272,17 +319,17 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
     `[G, bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after
     each row's position `last [G]` (rows whose `last` lies in this piece; the others keep
     `logits`) and the recorded routing `[L_moe, G, bucket, k]` (or None)."""
-    model = nnx.merge(graphdef, weights)
+    model, stacks = merged(graphdef, weights)
     rows, width = tokens.shape
     if fresh:
-        cache = model.init_cache(rows, bucket)
+        cache = model.init_cache(rows, bucket, stacked=True)
         logits = jnp.zeros((rows, model.config.vocab_size), jnp.float32)
     mask = AttentionMask(q_segments=jnp.ones((rows, width), jnp.int32),
                          kv_segments=jnp.ones((rows, bucket), jnp.int32),
                          offset=jnp.asarray(start, jnp.int32))
     positions = jnp.broadcast_to(start + jnp.arange(width), (rows, width))
     out = model.forward(tokens, positions=positions, mask=mask, cache=cache,
-                        cache_index=0 if fresh else start)
+                        cache_index=0 if fresh else start, layer_stacks=stacks)
     at = jnp.clip(last - start, 0, width - 1)
     hidden = jnp.take_along_axis(out.hidden, at[:, None, None], axis=1)[:, 0]
     here = (last >= start) & (last < start + width)
@@ -296,35 +343,45 @@ def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, 
 
 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
-    """`pool` with row `row` of a prompt cache written to pages `page_ids [shards, n]` (its
-    positions 0 .. n * page, zero-padded or cut; `paged_kv.write_pages`)."""
+    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]`
+    of every layer's block (its positions 0 .. n * page, zero-padded or cut;
+    `paged_kv.write_pages`), one layer at a time (an unrolled loop: XLA partitions a
+    `fori_loop` over the layers of a KV-head-split pool with copies of the pool)."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
+    layers = prompt.k.shape[0]
+    block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
     width = pages * page
-    k = pad_to(_row(prompt.k, row)[0], 2, page)[..., :width]  # [K, D, width]
-    v = pad_to(_row(prompt.v, row)[0], 1, page)[:, :width]    # [K, width, D]
-    k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (0, 2, 3, 1))  # [K, n, page, D]
-    v = v.reshape(v.shape[0], pages, page, v.shape[-1])
-    return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids))
+
+    def layer(l, pool):
+        k = pad_to(_row(prompt.k[l], row)[0], 2, page)[..., :width]  # [K, D, width]
+        v = pad_to(_row(prompt.v[l], row)[0], 1, page)[:, :width]    # [K, width, D]
+        k = jnp.transpose(k.reshape(*k.shape[:2], pages, page), (0, 2, 3, 1))  # [K, n, page, D]
+        v = v.reshape(v.shape[0], pages, page, v.shape[-1])
+        return KVCache(*write_pages(pool.k, pool.v, k, v, page_ids + l * block))
+
+    for l in range(layers):
+        pool = layer(l, pool)
+    return pool
 
 
 @functools.partial(jax.jit, donate_argnames=("state", "pool"))
 def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
             budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
-            ) -> tuple[SlotState, tuple[KVCache, ...] | None]:
+            ) -> tuple[SlotState, KVCache | None]:
     """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
     `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
     those pages) and the request's settings, active; written in place."""
     if pool is None:
-        span = min(cache[0].v.shape[2], state.cache[0].v.shape[2])  # what a slot holds
-        new_cache = tuple(KVCache(
-            jax.lax.dynamic_update_slice(c.k, _row(p.k, row)[..., :span].astype(c.k.dtype),
-                                         (slot, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(c.v, _row(p.v, row)[:, :, :span].astype(c.v.dtype),
-                                         (slot, 0, 0, 0)))
-            for c, p in zip(state.cache, cache))
+        c = state.cache
+        span = min(cache.v.shape[3], c.v.shape[3])  # what a slot holds
+        new_cache = KVCache(
+            jax.lax.dynamic_update_slice(c.k, _row(cache.k, row, 1)[..., :span].astype(c.k.dtype),
+                                         (0, slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(c.v, _row(cache.v, row, 1)[..., :span, :].astype(
+                c.v.dtype), (0, slot, 0, 0, 0)))
     else:
         new_cache = ()
-        pool = _pinned_pool(tuple(_write_pages(p, c, row, page_ids) for p, c in zip(pool, cache)))
+        pool = _pinned_pool(_write_pages(pool, cache, row, page_ids))
     new_experts = state.experts
     if new_experts is not None:
         new_experts = jax.lax.dynamic_update_slice(

@@ -136,7 +136,7 @@ def _compile_insert(engine: Engine, full: SlotState, prefilled: tuple) -> None:
     cache, logits, experts = prefilled
     page_ids = None
     if engine._pool is not None:
-        page_ids = jnp.zeros((engine._multiple, engine._pages.pages_for(cache[0].v.shape[2])),
+        page_ids = jnp.zeros((engine._multiple, engine._pages.pages_for(cache.v.shape[3])),
                              jnp.int32)
     with engine._mesh():
         i32, f32, u32 = jnp.int32(0), jnp.float32(0), jnp.uint32(0)

@@ -60,11 +60,14 @@ def _serve(engine, order):
     return {i: outputs[rid] for i, rid in ids.items()}
 
 
-@pytest.mark.parametrize("order", [list(range(10)), list(range(9, -1, -1)),
-                                   [3, 8, 0, 5, 9, 1, 6, 2, 7, 4]])
-def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order):
+@pytest.mark.parametrize("order, scan", [(list(range(10)), False), (list(range(9, -1, -1)), False),
+                                         ([3, 8, 0, 5, 9, 1, 6, 2, 7, 4], True)])
+def test_tokens_equal_generate_whatever_the_neighbours(model, reference, order, scan):
+    """Layers unrolled, or scanned (one scan per run of alike layers: the fixture's dense
+    layer 1 between MoE layers 0 and 2 makes three)."""
     engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, record_routing=True,
-                    min_span=16)  # decode chunks over KV spans of 16, 24, 32, 48 and 64 positions
+                    min_span=16,  # decode chunks over KV spans of 16, 24, 32, 48 and 64 positions
+                    scan_layers=scan)
     outputs = _serve(engine, order)
     assert engine.stats["prefills"] == 10
     for i, ref in enumerate(reference):
@@ -167,23 +170,25 @@ def test_one_row_reads_are_slices_unless_the_mesh_splits_the_slots():
     assert not engine_programs._slots_sharded(256)  # no mesh
 
 
-@pytest.mark.parametrize("span", [1024, 2048])
-def test_a_decode_chunk_holds_no_second_copy_of_the_cache(tmp_path, span):
-    """The chunk writes the slots' cache in place and reads one layer's span at a time: its
-    temporaries stay under one layer's KV, with blockwise attention configured and over a span
-    shorter than the cache (a chunk that copied the span, or read each layer's cache transposed,
-    held a span of every layer: half the cache or more)."""
+@pytest.mark.parametrize("span, scan", [(1024, False), (2048, False), (2048, True)])
+def test_a_decode_chunk_holds_no_second_copy_of_the_cache(tmp_path, span, scan):
+    """The chunk writes the slots' cache (stacked over the layers) in place and reads one
+    layer's span at a time, its layers unrolled or scanned: its temporaries stay under two
+    layers' KV (XLA:CPU copies the layer's span out of the stack for the matmuls), with
+    blockwise attention configured and over a span shorter than the cache (a chunk that copied
+    the span, or read each layer's cache transposed, held a span of every layer: half the cache
+    or more)."""
     layers = 6
     model = from_pretrained(hf_fixtures.save_tiny_hf(tmp_path, moe=False,
                                                      num_hidden_layers=layers),
                             attention_impl="flash", attention_block=4)
-    engine = Engine(model, num_slots=8, max_length=2048, chunk_steps=4)
+    engine = Engine(model, num_slots=8, max_length=2048, chunk_steps=4, scan_layers=scan)
     state = engine._state
-    kv_bytes = sum(c.k.nbytes + c.v.nbytes for c in state.cache)
+    kv_bytes = state.cache.k.nbytes + state.cache.v.nbytes
     compiled = engine_programs._decode_chunk.lower(
         engine._graphdef, engine._weights, state, None, None, jnp.int32(0), steps=4,
         span=span).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes < kv_bytes / layers
+    assert compiled.memory_analysis().temp_size_in_bytes < 2 * kv_bytes / layers
 
 
 def test_prefill_ahead_prefills_queued_prompts_in_few_calls_with_the_same_tokens(model,
@@ -467,16 +472,18 @@ def test_update_weights_drops_a_group_prefill_made_under_the_old_weights(model, 
                                   temperature=0).tokens[0]
 
 
-@pytest.mark.parametrize("pages, order, kernel", [
-    (64, range(10), "gather"), (8, [3, 8, 0, 5, 9, 1, 6, 2, 7, 4], "gather"),
-    (8, range(10), "interpret")])
-def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, kernel):
+@pytest.mark.parametrize("pages, order, kernel, scan", [
+    (64, range(10), "gather", False), (8, [3, 8, 0, 5, 9, 1, 6, 2, 7, 4], "gather", True),
+    (8, range(10), "interpret", False)])
+def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, kernel, scan):
     """64 pages of 8 hold every request at once; 8 pages (64 positions) hold about one, so
     requests are preempted and re-prefilled from their tokens: the outputs stay `generate`'s,
-    with the pages gathered for attention or read by the Pallas GPU kernel (interpreted), and
-    the routing recorded before a preemption put back in the new slot."""
+    with the pages gathered for attention or read by the Pallas GPU kernel (interpreted), the
+    layers unrolled or scanned, and the routing recorded before a preemption put back in the
+    new slot."""
     engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
-                    kv_pages=pages, page_size=8, paged_attention=kernel, record_routing=True)
+                    kv_pages=pages, page_size=8, paged_attention=kernel, record_routing=True,
+                    scan_layers=scan)
     outputs = _serve(engine, order)
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
@@ -485,8 +492,8 @@ def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, ke
     assert (engine.stats["preemptions"] > 0) == (pages == 8)
     assert sorted(engine._pages.free[0]) == list(range(1, pages + 1))
     assert engine._state.cache == ()
-    assert engine.kv_bytes == engine.kv_bytes_per_token * 8 * (pages + 1) == sum(
-        p.k.nbytes + p.v.nbytes for p in engine._pool)
+    assert engine.kv_bytes == engine.kv_bytes_per_token * 8 * (pages + 1) == (
+        engine._pool.k.nbytes + engine._pool.v.nbytes)
 
 
 def test_paged_admission_leaves_the_running_requests_their_next_chunk(model):
@@ -523,7 +530,7 @@ def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec, kernel)
     sharded = from_pretrained(hf_moe_dir, mesh=mesh)
     engine = Engine(sharded, num_slots=16, max_length=64, chunk_steps=4, mesh=mesh, min_span=16,
                     kv_pages=64, page_size=8, paged_attention=kernel)
-    assert tuple(engine._pool[0].k.sharding.spec)[:len(pool_spec)] == pool_spec
+    assert tuple(engine._pool.k.sharding.spec)[:len(pool_spec)] == pool_spec
     outputs = _serve(engine, range(10))
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
