@@ -423,8 +423,9 @@ class Engine(SlotScheduler):
             return
         if self._full is None:
             self._full = self._state
-        self._state = _take_slots(self._state, jnp.asarray(np.array(plan.index, np.int32)),
-                                  jnp.asarray(np.array(plan.live, bool)))
+        # numpy arguments: placed on the engine's devices by the call, not on the default device
+        self._state = _take_slots(self._state, np.array(plan.index, np.int32),
+                                  np.array(plan.live, bool))
         self._rows = plan.rows
         self.stats["shrinks"] += 1
 
@@ -444,8 +445,7 @@ class Engine(SlotScheduler):
         rows, slots = np.zeros((2, self._state.length.shape[0]), np.int32)
         for i, (slot, row) in enumerate(self._rows.items()):
             rows[i], slots[i] = row, slot
-        self._state = _put_slots(self._full, self._state, jnp.asarray(rows), jnp.asarray(slots),
-                                 jnp.int32(len(self._rows)))
+        self._state = _put_slots(self._full, self._state, rows, slots, np.int32(len(self._rows)))
         self._full, self._rows = None, {}
 
     def _place(self, request: _Request) -> int | None:
@@ -635,7 +635,7 @@ class Engine(SlotScheduler):
         queue with its tokens, to be re-prefilled (prompt + tokens) when readmitted."""
         request = self._requests[self._slots[slot]]
         request.routing = self._recorded_routing(request)
-        self._state = _deactivate(self._state, jnp.int32(self._row(slot)))
+        self._state = _deactivate(self._state, np.int32(self._row(slot)))
         self._requeue(request)
         request.group = Group(request.group.prompt, waiting=1)
         self.stats["preemptions"] += 1
