@@ -72,8 +72,12 @@ def _drop_compiled_programs():
 # The longest files (minutes each on 2 cores) go first, so that the two xdist workers of
 # pytest.ini (a file at a time, in this order: `--dist=loadfile --no-loadscope-reorder`) finish
 # together instead of one of them running a long subprocess test alone at the end.
-LONGEST_FIRST = ("tests/distributed/test_stream_hosts.py", "tests/test_main_job.py",
+LONGEST_FIRST = ("tests/distributed/test_stream_hosts.py", "tests/fault/test_gcs_workdir.py",
+                 "tests/test_main_job.py", "tests/experiments/test_export_hf.py",
                  "tests/rl/test_overlap.py", "tests/rl/test_resume.py",
+                 "tests/distributed/test_exchange_rounds.py",
+                 "tests/distributed/test_agreed_restore.py",
+                 "tests/distributed/test_host_loss.py",
                  "tests/fault/test_preemption.py", "tests/sampling/test_engine.py",
                  "tests/rl/test_update.py", "tests/sft/test_configs.py",
                  "tests/launch/test_aot_compile.py", "tests/sampling/test_sampler.py")
