@@ -51,8 +51,9 @@ def install() -> None:
         StreamingRollouts._round, StreamingRollouts.collect = slow_round, slow_collect
     if "SLOW_UPDATE" in os.environ:
         first, pause = int(os.environ["SLOW_UPDATE"]), float(os.environ.get("SLOW_UPDATE_S", 8))
-        # What ppo_update calls for each micro-batch, and to end each optimizer update.
-        micro_batch, apply, update = learner._MICRO_BATCH, learner._APPLY, trainer.ppo_update
+        # What train_mini_batches calls for each micro-batch, and to end each optimizer update.
+        micro_batch, apply = learner._MICRO_BATCH, learner._APPLY
+        update = trainer.train_mini_batches
         updates = [0]  # the train state's update count
 
         def counted_update(state, *args, **kwargs):
@@ -71,7 +72,7 @@ def install() -> None:
                 time.sleep(pause)
             return result
 
-        trainer.ppo_update, learner._APPLY = counted_update, counted_apply
+        trainer.train_mini_batches, learner._APPLY = counted_update, counted_apply
         learner._MICRO_BATCH = slow_micro_batch
 
 
