@@ -12,11 +12,14 @@ other hosts, as lines of `{workdir}/programs{process}.jsonl` written when the ru
                              the rollout scheduler launched (none should).
 
 Every jitted call runs through Python (jax's C++ dispatch fast path is off), so every execution
-is seen. Test helper: `install()` it in a wrapper of experiments/run.py."""
+is seen; `install(on_launch)` also calls `on_launch(thread name, program name, ids of the
+program's devices)` before each. Test helper: `install()` it in a wrapper of
+experiments/run.py."""
 import atexit
 import json
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -76,16 +79,22 @@ class _Recorder:
                 f.write(json.dumps({"decode_global": name}) + "\n")
 
 
-def install() -> None:
+Launch = Callable[[str, str, frozenset[int]], None]
+
+
+def install(on_launch: Launch | None = None) -> None:
     """Records from now on; writes `{--workdir}/programs{process}.jsonl` at exit."""
     recorder = _Recorder()
     build = pxla.UnloadedMeshExecutable.build_unsafe_call
 
     def recorded_build(self):
         call, name, devices = build(self), self.name, list(self.device_list)
+        ids = frozenset(device.id for device in devices)
 
         def recorded_call(*args):  # not an ExecuteReplicated: jax then skips its fast path
             recorder.program(name, devices)
+            if on_launch is not None:
+                on_launch(threading.current_thread().name, name, ids)
             return call(*args)
 
         return recorded_call

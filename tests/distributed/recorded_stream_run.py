@@ -4,7 +4,7 @@ while an update ran, as lines of `{workdir}/record{process}.jsonl`: {"trained": 
 ids, reward], ...]} per update, {"copy_equal": bool, "bytes": int} per copy of the weights to
 this host's engine, {"overlap_tokens": int} per update overlapped with decoding (pipeline mode
 on a rollout submesh), {"update_thread_program": [name, runs on a rollout device]} per device
-program the thread of an overlapped update launches (`tests/device_programs.py`); and its device
+program the thread of an overlapped update launches (`program_recorder`); and its device
 programs and host exchanges (`program_recorder`). Test helper."""
 import json
 import sys
@@ -17,7 +17,6 @@ from jax.experimental import multihost_utils
 from mars_jax import builders, weight_sync
 from mars_jax.rl import trainer
 from mars_jax.rl.streaming import StreamingRollouts
-from tests import device_programs
 from tests.distributed import program_recorder
 from tests.fault import parity_reward_run
 
@@ -71,11 +70,10 @@ def install() -> None:
             _record({"update_thread_program": [program, bool(devices & rollout_devices)]})
 
     builders.build_meshes = recorded_meshes
-    device_programs.install(on_launch)
+    program_recorder.install(on_launch)
 
 
 if __name__ == "__main__":
     parity_reward_run.install()
     install()
-    program_recorder.install()
     parity_reward_run.run()
