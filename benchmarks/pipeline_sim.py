@@ -269,11 +269,6 @@ def paper_costs(hw: Hardware, variant: Variant, args, workload: "Workload") -> C
                  None if args.kv == "paged" else args.chunk_steps or None)
 
 
-def is_trained(group, drop_zero_variance: bool) -> bool:
-    """Whether a complete group's samples enter the update (a zero-variance group is dropped)."""
-    return not drop_zero_variance or len({r.reward for r in group}) > 1
-
-
 def padded_tokens(lengths: Sequence[int], micro_batch: int, min_length: int,
                   config: UpdateConfig = UpdateConfig()) -> list[int]:
     """Tokens the update computes per micro-batch row for samples of `lengths` tokens, batched
@@ -350,7 +345,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     window_stats, deferred, truncated = None, 0.0, 0
     for _ in range(updates):
         batch = scheduler.collect(version)
-        samples = [r for g in batch.groups if is_trained(g, workload.drop_zero_variance) for r in g]
+        samples = [g[i] for g in batch.groups for i, _ in scheduler.rules.trained(g)]
         sample_tokens = [len(r.prompt_ids) + len(r.response_ids) for r in samples]
         if workload.update_micro_batch:
             sample_tokens = padded_tokens(sample_tokens, workload.update_micro_batch,

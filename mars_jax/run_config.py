@@ -66,6 +66,7 @@ def stream_options(config: ConfigDict) -> dict:
                 max_inflight_rows=-(-cap // jax.process_count()),
                 staleness_bound=r.staleness_bound, resume=r.resume,
                 roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,
+                mask_truncated=config.loss.mask_truncated,
                 sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
                 chunks_per_round=r.exchange_chunks)
 

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.pipeline_sim import (MemoStreaming, Workload, hardware, is_trained,  # noqa: E402
+from benchmarks.pipeline_sim import (MemoStreaming, Workload, hardware,  # noqa: E402
                                      mesh_slots)
 from benchmarks.sim.agents import (  # noqa: E402
     SimRollouts, SimTokenizer, problems, role_of_prompt, sim_encode)
@@ -176,8 +176,8 @@ def simulate(setting: Setting, args) -> dict:
         version, ends, trained, waited = 0, [], [], []
         for _ in range(args.updates):
             batch = scheduler.collect(version)
-            tokens = [len(r.prompt_ids) + len(r.response_ids) for g in batch.groups
-                      if is_trained(g, workload.drop_zero_variance) for r in g]
+            tokens = [len(g[i].prompt_ids) + len(g[i].response_ids) for g in batch.groups
+                      for i, _ in scheduler.rules.trained(g)]
             everyone = clocks.meet(h, tokens, exchange=False)  # the update: every chip
             seconds = sum(train.update_seconds(n) for host_tokens in everyone
                           for n in host_tokens)

@@ -71,6 +71,7 @@ from collections.abc import Callable, Iterator, Sequence
 from mars_jax.distributed import HostGroup
 from mars_jax.preemption import Stopped
 from mars_jax.rl.rollout import STAGE_ROLES, AgenticRollouts, Rollout, RolloutConfig
+from mars_jax.rl.samples import SampleRules
 from mars_jax.sampling import DecodeEngine, EngineOutput
 
 MODES = ("pipeline", "sequential")
@@ -129,6 +130,7 @@ class StreamingRollouts:
                  *, mode: str, prompts_per_step: int, samples_per_update: int,
                  max_inflight_rows: int, staleness_bound: int, resume: str, roles_trained: str,
                  drop_zero_variance: bool, sampling: dict, stop_ids: Sequence[int],
+                 mask_truncated: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
                  hosts: HostGroup | None = None,
                  should_stop: Callable[[], bool] = lambda: False, chunks_per_round: int = 1):
@@ -149,8 +151,7 @@ class StreamingRollouts:
         self.mode, self.prompts_per_step = mode, prompts_per_step
         self.samples_per_update, self.max_inflight_rows = samples_per_update, max_inflight_rows
         self.staleness_bound, self.resume = staleness_bound, resume
-        self.roles = ROLES_TRAINED[roles_trained]
-        self.drop_zero_variance = drop_zero_variance
+        self.rules = SampleRules(ROLES_TRAINED[roles_trained], drop_zero_variance, mask_truncated)
         self.sampling, self.stop_ids, self.clock = dict(sampling), tuple(stop_ids), clock
         self.hosts = hosts or HostGroup("stream")
         self.should_stop = should_stop
@@ -195,7 +196,7 @@ class StreamingRollouts:
         self._before_hand_out = self._ready
         groups, self._ready = self._hand_out(agreed, version)
         self._kept = len(self._ready)
-        trained = [g for g in groups if g[0].role in self.roles]
+        trained = [g for g in groups if g[0].role in self.rules.roles]
         generated = self.engine.stats["tokens"] - tokens
         return StreamBatch(
             groups=trained, all_groups=groups, generated_tokens=generated,
@@ -204,7 +205,8 @@ class StreamingRollouts:
             problems_admitted=self.problems_admitted - admitted,
             inflight=len(self._inflight) + sum(r.first_version is not None
                                                for r in self.rollouts.pending),
-            staleness=[version - r.first_version for g in trained if self._size(g) for r in g],
+            staleness=[version - g[i].first_version for g in trained
+                       for i, _ in self.rules.trained(g)],
             sync_seconds=self.hosts.seconds - synced)
 
     def decode_while(self, busy: Callable[[], bool], version: int) -> None:
@@ -360,12 +362,8 @@ class StreamingRollouts:
     # --- when an update is due -------------------------------------------------------------
 
     def _size(self, group: list[Rollout]) -> int:
-        """Trained samples of a complete group (module docstring)."""
-        if group[0].role not in self.roles:
-            return 0
-        if self.drop_zero_variance and len({r.reward for r in group}) == 1:
-            return 0
-        return len(group)
+        """Trained samples of a complete group (`samples.SampleRules`)."""
+        return len(self.rules.trained(group))
 
     def _agree(self, version: int) -> _Agreed:
         """Exchanges every host's ready groups and oldest untrained version (a round)."""

@@ -70,12 +70,12 @@ from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
 from mars_jax.profiling import StepProfiler
-from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl import queue_arrays
 from mars_jax.rl.learner import (UpdateStopped, split_mini_batches, summarize_updates,
                                  train_mini_batches)
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
+from mars_jax.rl.samples import training_samples
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import init_train_state
 from mars_jax.sampling import EngineSettings, batch_shards, make_engine
@@ -123,27 +123,6 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     for key in ("recall", "specificity", "balanced_accuracy", "precision", "pass_rate"):
         metrics[f"verifier/{key}"] = float(getattr(verdicts, key))
     return metrics
-
-
-def training_samples(groups: Sequence[list[Rollout]], *, drop_zero_variance: bool,
-                     normalize_std: bool, mask_truncated: bool = False) -> list[TrainSample]:
-    """GRPO advantages within each (problem, role, parent) group, then one TrainSample each.
-
-    Samples of zero-variance groups (advantage 0) are dropped, or with `drop_zero_variance=False`
-    kept with a zero loss mask (same gradient, fixed batch shapes); either way they add nothing
-    to the loss's normalisation. With `mask_truncated` an output that ended by length is left
-    out of the batch (DAPO's overlong filtering) after it took part in its group's advantages."""
-    if not groups:
-        return []
-    members = [r for g in groups for r in g]
-    ids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    result = group_advantages_np(np.array([r.reward for r in members], np.float32), ids,
-                                 normalize_std=normalize_std)
-    return [TrainSample(r.prompt_ids, r.response_ids, r.logprobs, float(a), r.expert_ids,
-                        in_loss=not zero)
-            for r, a, zero in zip(members, result.advantages, result.zero_variance)
-            if not (drop_zero_variance and zero)
-            and not (mask_truncated and r.finish_reason == "length")]
 
 
 def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_config,
@@ -417,10 +396,8 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
                 if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
                     stream.free_kv()  # into the KV cache's room where nothing is lost
                     state, ref_params = offload.move_update_state(state, ref_params, "device")
-                samples = training_samples(
-                    groups, drop_zero_variance=config.rollout.drop_zero_variance,
-                    normalize_std=config.rollout.normalize_std,
-                    mask_truncated=config.loss.mask_truncated)
+                samples = training_samples(groups, rules=stream.rules,
+                                           normalize_std=config.rollout.normalize_std)
                 metrics["samples/trained"] = len(samples)
                 history, micro_seconds = None, []
 

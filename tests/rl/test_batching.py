@@ -6,7 +6,7 @@ import pytest
 from experiments.configs import common
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl.rollout import Rollout
-from mars_jax.rl.trainer import training_samples
+from mars_jax.rl.samples import SampleRules, training_samples
 from mars_jax.run_config import loss_config
 
 
@@ -95,16 +95,21 @@ def test_training_samples_advantages_zero_variance_and_truncation_by_hand():
              _rollout("d", 1.0)]
     flat = [_rollout("e", 1.0), _rollout("f", 1.0)]
     # mixed: mean .5, std .5 -> advantages [1, -1, -1, 1]; flat: zero variance.
-    got = training_samples([mixed, flat], drop_zero_variance=True, normalize_std=True)
+    got = training_samples([mixed, flat], rules=SampleRules(drop_zero_variance=True),
+                           normalize_std=True)
     assert [round(s.advantage, 4) for s in got] == [1.0, -1.0, -1.0, 1.0]
     assert all(s.in_loss for s in got)
-    kept = training_samples([mixed, flat], drop_zero_variance=False, normalize_std=False)
+    kept = training_samples([mixed, flat], rules=SampleRules(drop_zero_variance=False),
+                            normalize_std=False)
     assert [s.advantage for s in kept] == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0]
     assert [s.in_loss for s in kept] == [True] * 4 + [False] * 2
     # Truncated outputs take part in their group's advantages, then leave the batch.
-    masked = training_samples([mixed, flat], drop_zero_variance=True, normalize_std=True,
-                              mask_truncated=True)
+    masked = training_samples([mixed, flat], rules=SampleRules(mask_truncated=True),
+                              normalize_std=True)
     assert [round(s.advantage, 4) for s in masked] == [1.0, -1.0, 1.0]
+    # Groups of roles not trained add nothing (the rollouts here are Solver outputs).
+    assert training_samples([mixed], rules=SampleRules(roles=("verifier",)),
+                            normalize_std=True) == []
 
 
 def test_loss_config_maps_zero_to_off_and_keeps_the_rest():

@@ -13,7 +13,9 @@ from flax import nnx
 
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
 from mars_jax.models import create_model, get_preset
+from mars_jax.rl.batching import make_batch
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig
+from mars_jax.rl.samples import training_samples
 from mars_jax.rl.streaming import StreamingRollouts
 from mars_jax.sampling import Engine
 
@@ -352,3 +354,41 @@ def test_freeing_the_kv_cache_for_each_update_trains_what_keeping_it_trains(pagi
     assert held and [(u, t) for u, t, _ in freed] == [(u, t) for u, t, _ in kept]
     for (_, _, a), (_, _, b) in zip(freed, kept):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+class _GroupsEngine(ScriptedEngine):
+    """ScriptedEngine whose i-th submitted group decodes `groups[i]`: per member (boxed answer,
+    cut off by its budget)."""
+
+    def __init__(self, groups):
+        super().__init__(num_slots=8)
+        self.groups = iter(groups)
+
+    def submit(self, prompt_ids, *, n=1, **kwargs):
+        ids = super().submit(prompt_ids, n=n, **kwargs)
+        for request_id, (answer, cut) in zip(ids, next(self.groups), strict=True):
+            tokens = TOKENIZER.encode(f"so \\boxed{{{answer}}}", add_special_tokens=False)
+            self.requests[request_id]["script"] = tokens if cut else tokens + [EOS]
+        return ids
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "sequential"])
+def test_an_update_is_due_by_the_samples_the_batch_builder_trains(mode):
+    """By hand, answer 2 right, 3 wrong, a cut output 0: group 0 (all right) trains nothing
+    (zero variance), group 1 [1, 0, cut, 1] three outputs (the cut one masked), group 2
+    [1, 0, 0, 1] four. With 4 samples due per update, group 1 alone (four outputs, three
+    trained) is not enough: the update takes groups 0-2, seven rows, and the scheduler counts
+    the rows the batch builder makes."""
+    engine = _GroupsEngine([[(2, False)] * 4, [(2, False), (3, False), (2, True), (2, False)],
+                            [(2, False), (3, False), (3, False), (2, False)],
+                            [(2, False)] * 4])  # pipeline mode admits it before the update
+    stream = _stream(mode, engine, _rollouts(max_stages=1), prompts_per_step=1,
+                     samples_per_update=4, max_inflight_rows=4, roles_trained="solver",
+                     drop_zero_variance=True, mask_truncated=True)
+    batch = stream.collect(0)
+    samples = training_samples(batch.groups, rules=stream.rules, normalize_std=True)
+    rows = make_batch(samples, micro_batch_size=4).attention_mask.any(-1).sum()
+    assert len(batch.staleness) == rows  # the scheduler's count of trained samples
+    assert rows == len(samples) == 7
+    assert [sorted(r.reward for r in g) for g in batch.groups] == [[1.0] * 4, [0, 0, 1, 1],
+                                                                   [0, 0, 1, 1]]
