@@ -240,6 +240,11 @@ class StreamingRollouts:
         if self.resume == "recompute":
             self.engine.recompute(self.engine.in_slots())
 
+    def weights_moved(self, model) -> None:
+        """Decodes with `model`: the weights it decoded with, in other arrays (an update that
+        changed nothing donated the old ones); requests in slots go on as they are."""
+        self.engine.update_weights(model)
+
     # --- decoding --------------------------------------------------------------------------
 
     def _round(self, version: int, until: Callable[[], bool]) -> bool:

@@ -50,12 +50,15 @@ global.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
+import optax
 import tqdm
 from etils import epath
 from flax import nnx
@@ -66,18 +69,20 @@ from mars_jax import (builders, config_diff, console, distributed, memory_fit, o
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
 from mars_jax.config_validation import ConfigError, micro_batch_problem
+from mars_jax.data.iterator import ProblemIterator
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
+from mars_jax.models.config import Qwen3Config
 from mars_jax.optimizer import make_optimizer
 from mars_jax.profiling import StepProfiler
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl import queue_arrays
-from mars_jax.rl.learner import (UpdateStopped, split_mini_batches, summarize_updates,
-                                 train_mini_batches)
+from mars_jax.rl.learner import (LearnerConfig, UpdateStopped, split_mini_batches,
+                                 summarize_updates, train_mini_batches)
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
 from mars_jax.rl.samples import training_samples
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
-from mars_jax.rl.update import init_train_state
+from mars_jax.rl.update import TrainState, UpdateConfig, init_train_state
 from mars_jax.sampling import EngineSettings, batch_shards, make_engine
 from mars_jax.sft.probe import probe_model
 from mars_jax.types import TrainBatch
@@ -267,13 +272,105 @@ def _recorded_config(workdir_path: epath.Path) -> dict | None:
     return recorded if jax.process_count() == 1 else distributed.allgather_json(recorded)[0]
 
 
+class _WeightPublisher:
+    """The one path from the train state's parameters to the engine's weights: the update's own
+    arrays on one shared mesh, else a copy on the rollout mesh (`weight_sync`, metrics
+    `sync/*`)."""
+
+    def __init__(self, graphdef, params, mesh: jax.sharding.Mesh,
+                 rollout_mesh: jax.sharding.Mesh):
+        self.graphdef = graphdef
+        self.copy = (_weight_copier(params, mesh, rollout_mesh) if rollout_mesh is not mesh
+                     else None)
+
+    def first_model(self, params):
+        """The model the engine starts with."""
+        if self.copy is None:
+            return nnx.merge(self.graphdef, params)
+        return weight_sync.rollout_model(self.graphdef, self.copy(params)[0])
+
+    def publish(self, stream: StreamingRollouts, params, version: int) -> dict[str, float]:
+        """`stream` decodes `params`, policy `version`, from now on; returns the copy's
+        metrics."""
+        if self.copy is None:
+            stream.weights_updated(nnx.merge(self.graphdef, params), version)
+            return {}
+        copied, transfer = self.copy(params)
+        stream.weights_updated(weight_sync.rollout_model(self.graphdef, copied), version)
+        return {"sync/seconds": transfer.seconds, "sync/bytes": transfer.bytes,
+                "sync/bytes_per_device": transfer.bytes_per_device}
+
+    def unchanged(self, stream: StreamingRollouts, params) -> None:
+        """After an update that changed nothing: on a shared mesh the update donated the arrays
+        the engine decodes with, so it takes the same weights in `params`' arrays."""
+        if self.copy is None:
+            stream.weights_moved(nnx.merge(self.graphdef, params))
+
+
+class _Resumed(NamedTuple):
+    """Where a run starts: step, train state, the scheduler's saved state, counters."""
+
+    start: int
+    state: TrainState
+    stream: tuple[dict, dict | None] | None
+    nonfinite_streak: int
+    version: int
+    restored: bool
+
+
+def _restore(config: ConfigDict, workdir_path: epath.Path, checkpointer: Checkpointer, state,
+             problems, tokenizer, allow_config_change: tuple[str, ...]) -> _Resumed:
+    """The newest readable checkpoint (config changes checked: `config_diff.check_resume`), or a
+    fresh start; writes the run's config record once a resume accepted it."""
+    start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
+    recorded = _recorded_config(workdir_path)
+    restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
+        name: distributed.host_arrays_target(index)
+        for name, index in distributed.local_process_meta(saved).items()
+        if name in _ARRAYS and index is not None},
+        check_meta=lambda step, saved: config_diff.check_resume(
+            saved.get(CONFIG_KEY) if recorded is None else recorded, config, step=step,
+            allowed=allow_config_change))
+    if jax.process_index() == 0:  # the run's record, once a resume accepted this config
+        config_diff.write_record(workdir_path, config)
+    if restored is not None:
+        start, state, saved, arrays = restored
+        meta = distributed.local_process_meta(saved)
+        start = meta.get(STEPS_DONE_KEY, start)  # saved mid-step: that step is redone
+        problems.set_state(meta["data"])
+        queue, routing = _restore_queues(
+            meta, arrays or {}, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        saved_stream = (queue, routing)
+        nonfinite_streak = meta["nonfinite_streak"]
+        version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
+        console.note(f"resumed from step {start}")
+    return _Resumed(start, state, saved_stream, nonfinite_streak, version, restored is not None)
+
+
+def _held_out_probe(config: ConfigDict, mesh: jax.sharding.Mesh, graphdef, tokenizer
+                    ) -> Callable[[nnx.State], dict[str, float]]:
+    """params -> each role's decisions on the held-out problems (`sft.probe`), timed."""
+    probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
+                      if config.eval.probe_every else [])
+    probe_settings = run_config.probe_settings(config, config.eval.engine_slots)
+
+    def held_out_probe(params) -> dict[str, float]:
+        t = time.perf_counter()
+        with sharding.use_mesh(mesh):
+            decisions = probe_model(nnx.merge(graphdef, params), tokenizer, probe_problems,
+                                    probe_settings)
+        return {**decisions, "time/probe": time.perf_counter() - t}
+
+    return held_out_probe
+
+
 def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Notice,
            allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
+    """Builds the run (resumed where `workdir_path` has a checkpoint) and trains it."""
     if problem := micro_batch_problem(config.learner.micro_batch_size, jax.process_count()):
         raise ConfigError([problem])
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
-    copied_weights = rollout_mesh is not mesh  # the engine decodes on a copy of the weights
     overlap = config.mesh.rollout.devices > 0 and config.rollout.mode == "pipeline"
     with sharding.use_mesh(mesh):
         model = builders.build_model(config, mesh)
@@ -293,206 +390,240 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
                                 async_save=config.checkpoint.async_save,
                                 config=config_diff.record(config))
     learner = run_config.learner_config(config)
-    start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
-    recorded = _recorded_config(workdir_path)
-    restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
-        name: distributed.host_arrays_target(index)
-        for name, index in distributed.local_process_meta(saved).items()
-        if name in _ARRAYS and index is not None},
-        check_meta=lambda step, saved: config_diff.check_resume(
-            saved.get(CONFIG_KEY) if recorded is None else recorded, config, step=step,
-            allowed=allow_config_change))
-    if jax.process_index() == 0:  # the run's record, once a resume accepted this config
-        config_diff.write_record(workdir_path, config)
+    resumed = _restore(config, workdir_path, checkpointer, state, problems, tokenizer,
+                       allow_config_change)
     model_config = model.config
-    del model  # a restored run must not keep the initial weights alive beside the restored ones
-    if restored is not None:
-        start, state, saved, arrays = restored
-        meta = distributed.local_process_meta(saved)
-        start = meta.get(STEPS_DONE_KEY, start)  # saved mid-step: that step is redone
-        problems.set_state(meta["data"])
-        queue, routing = _restore_queues(
-            meta, arrays or {}, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        saved_stream = (queue, routing)
-        nonfinite_streak = meta["nonfinite_streak"]
-        version = meta.get("policy_version", int(state.step))  # absent in older checkpoints
-        console.note(f"resumed from step {start}")
+    # a restored run must not keep the initial weights alive beside the restored ones
+    del model, state
     # Rollout metrics are this host's; host 0 writes workdir/metrics.jsonl, host i workdir/host{i}/.
     host = jax.process_index()
     host_dir = workdir_path / f"host{host}" if host else workdir_path
-    writer = MetricsWriter(host_dir, resume_step=start if restored is not None else -1)
+    writer = MetricsWriter(host_dir, resume_step=resumed.start if resumed.restored else -1)
     profiler = StepProfiler(config.profile_steps, host_dir / "tensorboard")
     eos = eos_token_ids(tokenizer)
-    metrics: dict[str, float] = {}
     engine = run_config.engine_settings(config, rollout_mesh)
-    _check_resident_memory(config, engine, state, model_config, mesh, rollout_mesh)
-    policy = nnx.merge(graphdef, state.params)
-    if copied_weights:
-        copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
-        policy = weight_sync.rollout_model(graphdef, copy_weights(state.params)[0])
+    _check_resident_memory(config, engine, resumed.state, model_config, mesh, rollout_mesh)
+    publisher = _WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
+    policy = publisher.first_model(resumed.state.params)
     stream = _build_stream(config, engine, rollouts, policy, eos, problems, rollout_mesh, notice)
-    if saved_stream is not None:
-        stream.load_state_dict(*saved_stream)
-    probe_every = config.eval.probe_every
-    probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
-                      if probe_every else [])
-    probe_settings = run_config.probe_settings(config, config.eval.engine_slots)
+    if resumed.stream is not None:
+        stream.load_state_dict(*resumed.stream)
+    held_out_probe = _held_out_probe(config, mesh, graphdef, tokenizer)
+    if config.eval.probe_every and resumed.start == 0:
+        writer.write(0, held_out_probe(resumed.state.params))
+    run = _Run(config=config, notice=notice, mesh=mesh, overlap=overlap, graphdef=graphdef,
+               optimizer=optimizer, update_config=update_config, learner=learner,
+               model_config=model_config, problems=problems, stream=stream,
+               publisher=publisher, checkpointer=checkpointer, writer=writer, profiler=profiler,
+               held_out_probe=held_out_probe, update_stop=_agreed_stop(notice),
+               state=resumed.state, ref_params=ref_params, version=resumed.version,
+               nonfinite_streak=resumed.nonfinite_streak)
+    return run.train(resumed.start)
 
-    def held_out_probe(params) -> dict[str, float]:
-        t = time.perf_counter()
-        with sharding.use_mesh(mesh):
-            decisions = probe_model(nnx.merge(graphdef, params), tokenizer, probe_problems,
-                                    probe_settings)
-        return {**decisions, "time/probe": time.perf_counter() - t}
 
-    if probe_every and start == 0:
-        writer.write(0, held_out_probe(state.params))
-    update_stop = _agreed_stop(notice)
+@dataclasses.dataclass
+class _Run:
+    """A run's steps, each in phases: collect (`_collect`), update (`_update`), publish the
+    weights (`_publish`), checkpoint (`_checkpoint`); and what those phases share."""
 
-    def save(number: int, state, data: dict, queue: dict, routing: dict, *, steps_done=None,
-             must: bool = True) -> bool:
+    config: ConfigDict
+    notice: preemption.Notice
+    mesh: jax.sharding.Mesh
+    overlap: bool            # the update in a thread while the rollout devices decode
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    update_config: UpdateConfig
+    learner: LearnerConfig
+    model_config: Qwen3Config
+    problems: ProblemIterator
+    stream: StreamingRollouts
+    publisher: _WeightPublisher
+    checkpointer: Checkpointer
+    writer: MetricsWriter
+    profiler: StepProfiler
+    held_out_probe: Callable[[nnx.State], dict[str, float]]
+    update_stop: Callable[[], bool]
+    state: TrainState
+    ref_params: nnx.State | None
+    version: int             # the policy version: steps whose update changed the parameters
+    nonfinite_streak: int
+
+    def train(self, start: int) -> dict[str, float]:
+        """Steps `start + 1` to `config.total_steps`; returns the last step's metrics."""
+        config, metrics = self.config, {}
+        bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
+                        total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
+        try:
+            for step in bar:
+                self.profiler.before(step)
+                metrics = self._step(step)
+                self.profiler.after(step)
+                bar.set_postfix(console.postfix(metrics))
+                if self.nonfinite_streak >= config.max_nonfinite_updates:
+                    raise NonFiniteUpdates(f"{self.nonfinite_streak} steps with non-finite "
+                                           f"updates in a row at step {step}; the last good "
+                                           "checkpoint is kept")
+                self._checkpoint(step)
+        finally:
+            self.profiler.close()
+            self.writer.close()
+            bar.close()
+            self.checkpointer.close()  # raises CheckpointSaveError if the last save failed
+        return metrics
+
+    def _step(self, step: int) -> dict[str, float]:
+        """Collect, update, publish; writes and returns the step's metrics."""
+        config = self.config
+        try:
+            groups, metrics = self._collect()
+            t1 = time.perf_counter()
+            history = self._update(step, groups, metrics)
+        except preemption.Stopped as stopped:
+            raise Preempted(self._stopped(step, stopped)) from None
+        if history is not None:
+            update_metrics = summarize_updates(history)
+            metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
+            metrics.update(self._publish(update_metrics["optimizer_steps"] > 0))
+            self._count_nonfinite(step, update_metrics)
+        metrics["update/nonfinite_streak"] = self.nonfinite_streak
+        metrics["time/update"] = time.perf_counter() - t1
+        metrics["policy_version"] = self.version
+        if config.eval.probe_every and step % config.eval.probe_every == 0:
+            metrics.update(self.held_out_probe(self.state.params))
+        self.writer.write(step, metrics)
+        return metrics
+
+    def _collect(self) -> tuple[list[list[Rollout]], dict[str, float]]:
+        """Decodes until an update is due: (the groups to train, the rollout metrics)."""
+        config = self.config
+        if config.learner.offload_optimizer:  # on the host while the engine decodes
+            self.state, self.ref_params = offload.move_update_state(
+                self.state, self.ref_params, "host")
+        batch = self.stream.collect(self.version)
+        metrics = role_metrics(batch.all_groups)
+        metrics.update(_stream_metrics(batch, self.stream))
+        return batch.groups, metrics
+
+    def _update(self, step: int, groups: list[list[Rollout]], metrics: dict[str, float]
+                ) -> list[dict] | None:
+        """Trains on `groups` (in a thread named `UPDATE_THREAD` while the rollout
+        devices decode, with `overlap`); the update's history, None when no host had samples."""
+        config, mesh = self.config, self.mesh
+        if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
+            self.stream.free_kv()  # into the KV cache's room where nothing is lost
+            self.state, self.ref_params = offload.move_update_state(
+                self.state, self.ref_params, "device")
+        samples = training_samples(groups, rules=self.stream.rules,
+                                   normalize_std=config.rollout.normalize_std)
+        metrics["samples/trained"] = len(samples)
+        history, micro_seconds = None, []
+
+        def micro_batch_done(seconds: float) -> None:
+            micro_seconds.append(seconds)
+            self.notice.measured(seconds)  # sizes the watchdog
+
+        if distributed.any_process(bool(samples)):
+            # Built here, not on the update's thread: joining the hosts' batches runs
+            # programs on every device, the rollout ones included (launch/README.md).
+            with sharding.use_mesh(mesh):
+                batches = split_mini_batches(
+                    samples, self.learner, np.random.default_rng([config.seed, step]),
+                    lambda part: _global_batch(part, config, self.model_config, mesh))
+
+            def update(state=self.state, ref_params=self.ref_params):
+                with sharding.use_mesh(mesh):
+                    return train_mini_batches(
+                        state, batches, ref_params=ref_params, graphdef=self.graphdef,
+                        optimizer=self.optimizer, update_config=self.update_config,
+                        learner=self.learner, should_stop=self.update_stop,
+                        micro_batch_seconds=micro_batch_done)
+
+            if self.overlap:  # decode on the rollout devices during the update
+                with concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix=UPDATE_THREAD) as pool:
+                    running = pool.submit(update)
+                    self.stream.decode_while(lambda: not running.done(), self.version)
+                    self.state, history = running.result()
+            else:
+                self.state, history = update()
+        if micro_seconds:
+            metrics["time/micro_batch"] = max(micro_seconds)
+        return history
+
+    def _publish(self, changed: bool) -> dict[str, float]:
+        """The engine takes the updated weights, a new policy version if the update `changed`
+        them; returns the copy's metrics."""
+        if not changed:
+            self.publisher.unchanged(self.stream, self.state.params)
+            return {}
+        self.version += 1
+        return self.publisher.publish(self.stream, self.state.params, self.version)
+
+    def _count_nonfinite(self, step: int, update_metrics: dict[str, float]) -> None:
+        finite = update_metrics["finite"] > 0
+        self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
+        if not finite:
+            logging.warning("step %d: non-finite loss or gradient in %d of %d updates, "
+                            "those skipped (%d such steps in a row)", step,
+                            update_metrics["updates"] - update_metrics["optimizer_steps"],
+                            update_metrics["updates"], self.nonfinite_streak)
+
+    def _checkpoint(self, step: int) -> None:
+        """Saves checkpoint `step` when due (or when any host was asked to stop); after an
+        agreed stop before the last step raises `Preempted`."""
+        config = self.config
+        preempted = distributed.any_process(self.notice())
+        if preempted:
+            self.notice.stop_agreed()
+        saved = False
+        if self.nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
+                                           or step == config.total_steps or preempted):
+            saved = self._save(step, self.state, self.problems.get_state(),
+                               self.stream.state_dict(), self.stream.routing(),
+                               must=step == config.total_steps)
+        if preempted and step < config.total_steps:
+            self.checkpointer.wait()
+            raise Preempted(f"SIGTERM at step {step}; " + (
+                "checkpoint saved" if saved else
+                f"no checkpoint during {self.nonfinite_streak} non-finite updates, the last "
+                "good one is kept" if self.nonfinite_streak else
+                f"checkpoint {step} (from earlier in the step) kept"))
+
+    def _save(self, number: int, state, data: dict, queue: dict, routing: dict, *,
+              steps_done=None, must: bool = True) -> bool:
         """Starts saving checkpoint `number` (a collective); `steps_done` when saved mid-step.
         A checkpoint `number` already there (saved mid-step) is replaced only while another
         exists, or when the save `must` happen; returns whether it saved."""
-        existing = checkpointer.steps()
+        existing = self.checkpointer.steps()
         if number in existing:
             if len(existing) < 2 and not must:
                 return False
-            checkpointer.delete(number)
+            self.checkpointer.delete(number)
         queue_meta, arrays = _queue_meta(queue, routing)
         extra = {} if steps_done is None else {STEPS_DONE_KEY: steps_done}
-        checkpointer.save(number, state, distributed.gather_process_meta({
-            "data": data, **queue_meta, "nonfinite_streak": nonfinite_streak,
-            "policy_version": version, **extra}), arrays=arrays or None)
+        self.checkpointer.save(number, state, distributed.gather_process_meta({
+            "data": data, **queue_meta, "nonfinite_streak": self.nonfinite_streak,
+            "policy_version": self.version, **extra}), arrays=arrays or None)
         return True
 
-    def save_stopped(step: int, state, put_back: bool) -> str:
-        """Saves a checkpoint to redo `step` from (module docstring); returns what happened,
-        for `Preempted`."""
+    def _stopped(self, step: int, stopped: preemption.Stopped) -> str:
+        """After an agreed stop in `step`: saves a checkpoint to redo the step from (module
+        docstring); returns what happened, for `Preempted`."""
+        config = self.config
+        self.notice.stop_agreed()
+        put_back = isinstance(stopped, UpdateStopped)
+        if put_back:
+            self.state = stopped.state
+        elif config.learner.offload_optimizer:
+            self.state, self.ref_params = offload.move_update_state(
+                self.state, self.ref_params, "device")
         what = f"SIGTERM in step {step}"
-        if nonfinite_streak:
-            return (f"{what}; no checkpoint during {nonfinite_streak} non-finite updates, the "
-                    "last good one is kept")
-        queue, routing = stream.state_dict(put_back), stream.routing(put_back)
-        if not save(step, state, problems.get_state(), queue, routing, steps_done=step - 1,
-                    must=False):
+        if self.nonfinite_streak:
+            return (f"{what}; no checkpoint during {self.nonfinite_streak} non-finite updates, "
+                    "the last good one is kept")
+        queue, routing = self.stream.state_dict(put_back), self.stream.routing(put_back)
+        if not self._save(step, self.state, self.problems.get_state(), queue, routing,
+                          steps_done=step - 1, must=False):
             return f"{what}; checkpoint {step} (from earlier in the step) kept"
-        checkpointer.wait()
+        self.checkpointer.wait()
         return f"{what}; checkpoint {step} saved to redo the step from"
-
-    bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
-                    total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
-    try:
-        for step in bar:
-            profiler.before(step)
-            try:
-                if config.learner.offload_optimizer:  # on the host while the engine decodes
-                    state, ref_params = offload.move_update_state(state, ref_params, "host")
-                batch = stream.collect(version)
-                groups = batch.groups
-                metrics = role_metrics(batch.all_groups)
-                metrics.update(_stream_metrics(batch, stream))
-                t1 = time.perf_counter()
-                if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
-                    stream.free_kv()  # into the KV cache's room where nothing is lost
-                    state, ref_params = offload.move_update_state(state, ref_params, "device")
-                samples = training_samples(groups, rules=stream.rules,
-                                           normalize_std=config.rollout.normalize_std)
-                metrics["samples/trained"] = len(samples)
-                history, micro_seconds = None, []
-
-                def micro_batch_done(seconds: float) -> None:
-                    micro_seconds.append(seconds)
-                    notice.measured(seconds)  # sizes the watchdog
-
-                if distributed.any_process(bool(samples)):
-                    # Built here, not on the update's thread: joining the hosts' batches runs
-                    # programs on every device, the rollout ones included (launch/README.md).
-                    with sharding.use_mesh(mesh):
-                        batches = split_mini_batches(
-                            samples, learner, np.random.default_rng([config.seed, step]),
-                            lambda part: _global_batch(part, config, model_config, mesh))
-
-                    def update(state=state, batches=batches):
-                        with sharding.use_mesh(mesh):
-                            return train_mini_batches(
-                                state, batches, ref_params=ref_params, graphdef=graphdef,
-                                optimizer=optimizer, update_config=update_config,
-                                learner=learner, should_stop=update_stop,
-                                micro_batch_seconds=micro_batch_done)
-
-                    if overlap:  # decode on the rollout devices during the update
-                        with concurrent.futures.ThreadPoolExecutor(
-                                1, thread_name_prefix=UPDATE_THREAD) as pool:
-                            running = pool.submit(update)
-                            stream.decode_while(lambda: not running.done(), version)
-                            state, history = running.result()
-                    else:
-                        state, history = update()
-            except preemption.Stopped as stopped:
-                notice.stop_agreed()
-                if isinstance(stopped, UpdateStopped):
-                    state = stopped.state
-                elif config.learner.offload_optimizer:
-                    state, ref_params = offload.move_update_state(state, ref_params, "device")
-                raise Preempted(save_stopped(step, state,
-                                             put_back=isinstance(stopped, UpdateStopped))
-                                ) from None
-            if micro_seconds:
-                metrics["time/micro_batch"] = max(micro_seconds)
-            if history is not None:
-                update_metrics = summarize_updates(history)
-                metrics.update({f"update/{k}": v for k, v in update_metrics.items()})
-                if update_metrics["optimizer_steps"] > 0:
-                    version += 1
-                    if copied_weights:
-                        copied, transfer = copy_weights(state.params)
-                        stream.weights_updated(weight_sync.rollout_model(graphdef, copied),
-                                               version)
-                        metrics.update({"sync/seconds": transfer.seconds,
-                                        "sync/bytes": transfer.bytes,
-                                        "sync/bytes_per_device": transfer.bytes_per_device})
-                    else:
-                        stream.weights_updated(nnx.merge(graphdef, state.params), version)
-                elif not copied_weights:  # the same weights in the arrays the update returned:
-                    # it donated those the engine decodes with
-                    stream.engine.update_weights(nnx.merge(graphdef, state.params))
-                finite = update_metrics["finite"] > 0
-                nonfinite_streak = 0 if finite else nonfinite_streak + 1
-                if not finite:
-                    logging.warning("step %d: non-finite loss or gradient in %d of %d updates, "
-                                    "those skipped (%d such steps in a row)", step,
-                                    update_metrics["updates"] - update_metrics["optimizer_steps"],
-                                    update_metrics["updates"], nonfinite_streak)
-            metrics["update/nonfinite_streak"] = nonfinite_streak
-            metrics["time/update"] = time.perf_counter() - t1
-            metrics["policy_version"] = version
-            if probe_every and step % probe_every == 0:
-                metrics.update(held_out_probe(state.params))
-            writer.write(step, metrics)
-            profiler.after(step)
-            bar.set_postfix(console.postfix(metrics))
-            if nonfinite_streak >= config.max_nonfinite_updates:
-                raise NonFiniteUpdates(f"{nonfinite_streak} steps with non-finite updates in a "
-                                       f"row at step {step}; the last good checkpoint is kept")
-            preempted = distributed.any_process(notice())
-            if preempted:
-                notice.stop_agreed()
-            saved = False
-            if nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
-                                          or step == config.total_steps or preempted):
-                saved = save(step, state, problems.get_state(), stream.state_dict(),
-                             stream.routing(), must=step == config.total_steps)
-            if preempted and step < config.total_steps:
-                checkpointer.wait()
-                raise Preempted(f"SIGTERM at step {step}; " + (
-                    "checkpoint saved" if saved else
-                    f"no checkpoint during {nonfinite_streak} non-finite updates, the last good "
-                    "one is kept" if nonfinite_streak else
-                    f"checkpoint {step} (from earlier in the step) kept"))
-    finally:
-        profiler.close()
-        writer.close()
-        bar.close()
-        checkpointer.close()  # raises CheckpointSaveError if the last save failed
-    return metrics
