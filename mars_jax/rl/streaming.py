@@ -1,64 +1,47 @@
-"""The rollout scheduler: agent-granularity streaming on one engine that runs for the whole job.
+"""The rollout scheduler: agent-granularity streaming on one decode engine for the whole job.
 
-The engine (`mars_jax.sampling.Engine`, continuous batching, or `StaticBatchEngine`, static
-batches on `generate`: any `sampling.DecodeEngine`) runs for the whole job and never drains
-between updates. Each output is graded as soon as it finishes
+The engine (any `sampling.DecodeEngine`: continuous batching, or static batches on `generate`)
+never drains between updates. Each output is graded as soon as it finishes
 (`AgenticRollouts.absorb`); when its group's stage completes, the next stage's requests (chosen by
-the selection policy) are submitted to the running engine at once.
+the selection policy) go to the running engine at once. Trained samples are counted by
+`samples.SampleRules`, the rule the update's batch follows too.
 
 pipeline    New problems are admitted while fewer than `max_inflight_rows` rollouts are in flight
             (submitted, or spawned and about to be). `collect` returns as soon as the complete
-            groups hold `samples_per_update` trained samples, and hands out groups in completion
-            order up to that many (more complete during an overlapped update: the rest wait for
-            the next); decoding of everything else goes on after the update, on the new weights.
-sequential  The barriers of synchronous training on the same engine: `prompts_per_step` problems
-            at a time, a stage's requests enter only when every request of the stage before
-            (of every problem of the batch) has finished, and `collect` returns only when every
-            trajectory of its batches is complete (more batches while the trained samples are
-            fewer than `samples_per_update`). Both modes train on the same update size.
-            A batch stopped mid-way (a preemption, below) is finished before the next starts,
-            its restored requests before the next stage level's.
-
-Trained samples: members of complete groups of the roles trained whose rewards differ (a
-zero-variance group adds no gradient).
+            groups hold `samples_per_update` trained samples and hands out groups in completion
+            order up to that many (the rest wait for the next update); everything else keeps
+            decoding, on the new weights after the update.
+sequential  Synchronous training's barriers on the same engine: `prompts_per_step` problems at a
+            time, a stage's requests entering only when every request of the stage before (of
+            every problem of the batch) has finished; `collect` returns when every trajectory of
+            its batches is complete (more batches while the trained samples are too few). A batch
+            stopped mid-way is finished before the next starts.
 
 Staleness: a rollout's `first_version` is the policy version when it was submitted. An update to
-version v + 1 waits (decoding, admitting nothing new) while a rollout still to be trained (in
-flight, or finished in an incomplete group) started before v + 1 - `staleness_bound`, so no
-trained sample lags its first token by more than `staleness_bound` versions.
+version v + 1 waits (decoding, admitting nothing new) while a rollout still to be trained started
+before v + 1 - `staleness_bound`.
 
-After an update (`weights_updated`), requests holding a slot continue per `resume`:
-'recompute' re-prefills their prompt + tokens so far under the new weights (exactly on-policy KV,
-and a run restored from a checkpoint decodes the same tokens as the uninterrupted run), 'keep'
-goes on from the KV cache the old weights wrote (no prefill; a restored run re-prefills, so it
-matches the uninterrupted one only up to that KV). Outputs are not cut into segments: a long
-output keeps its slot across updates instead of holding one.
+After an update (`weights_updated`) requests in slots continue per `resume`: 'recompute'
+re-prefills prompt + tokens so far under the new weights (on-policy KV: a restored run decodes the
+same tokens as the uninterrupted one), 'keep' goes on from the KV the old weights wrote.
 
-Order: the engine streams the outputs of one decode chunk in submission order and every choice
-here (admission, spawn order, sequence seeds, selection) follows from the order of outputs, so a
-run is reproducible whatever slots the requests landed in.
+Order: every choice (admission, spawn order, sequence seeds, selection) follows the order of the
+outputs, which the engine streams in submission order per chunk, so a run is reproducible whatever
+slots its requests landed in.
 
 Several hosts (`hosts`: a `distributed.HostGroup`): each runs its own engine on its own problems
-(host h of P takes the problems numbered h, h + P, h + 2P, ...: uids 'p{n}' as one host would
-number them) and grades, selects and admits on its own. Pipeline mode decodes in rounds of
-`chunks_per_round` engine chunks (fewer waits for the slowest host, later decisions and stops:
-`benchmarks/sim/exchange.py`); after each round the hosts exchange their complete groups'
-trained-sample counts and their oldest untrained rollout's version, and from those every host
-takes the same decision: the update is due when the global count reaches `samples_per_update`
-and no rollout of any host would lag beyond the bound; the groups handed out are chosen host by
-host in turn, each in completion order. Sequential mode's batches are global
-(`prompts_per_step` problems of consecutive numbers over all hosts) and its stage barriers wait
-for every host. Nothing a host decides alone ever steers another host, so hosts never disagree
-(grading runs against wall-clock timeouts and may differ between hosts, but each host grades
-only its own).
+(host h of P takes problems h, h + P, h + 2P, ...) and grades, selects and admits on its own.
+Pipeline mode decodes in rounds of `chunks_per_round` chunks; after each the hosts exchange their
+complete groups' trained-sample counts and oldest untrained version, from which every host takes
+the same decision (the update due; the groups handed out host by host in turn). Sequential
+batches and barriers span all hosts. Nothing a host decides alone steers another, so hosts never
+disagree.
 
-Preemption (`should_stop`, `mars_jax.preemption`): every round's exchange (pipeline mode's
-`_agree`, sequential mode's per-chunk barrier) carries each host's `should_stop()`; when any host
-says so, every host raises `Stopped` at that round, between two engine chunks. `state_dict` then
-holds the requests in flight as partial outputs, and a restored scheduler decodes what the
-uninterrupted one would have (up to the KV of a re-prefill). After `collect` and before the
-update, `state_dict(put_back=True)` is the state from before the hand-out: the handed-out groups
-are ready again, so a step whose update was stopped is redone from its start.
+Preemption (`should_stop`): each round's exchange carries every host's `should_stop()`; when any
+says so, every host raises `Stopped` there, between two engine chunks. `state_dict` then holds the
+requests in flight as partial outputs; after `collect` and before the update,
+`state_dict(put_back=True)` has the handed-out groups ready again, so a step whose update was
+stopped is redone from its start.
 """
 from __future__ import annotations
 

@@ -1,51 +1,37 @@
 """The MarsRL training loop: rollouts -> agent-specific rewards -> group advantages -> update.
 
-Each step is one `StreamingRollouts.collect` (one decode engine across steps,
-`mars_jax.rl.streaming`, pipeline or sequential mode; `rollout.decode_engine` 'engine' or
-'generate'), then an update on the groups it handed out, metrics, a checkpoint. On one shared
-mesh engine and update share the same parameter arrays; the policy version is the number of steps
-whose update changed the parameters (a step makes `learner.ppo_epochs * learner.mini_batches`
-optimizer updates, `mars_jax.rl.learner`). The config is read through `mars_jax.run_config`.
-With `mesh.rollout.devices > 0` the engine runs on its own
-submesh with its own copy of the weights (`weight_sync`, copied after every update, metrics
-`sync/*`); in pipeline mode it keeps decoding while the update runs in a worker thread on the
-training mesh (`StreamingRollouts.decode_while`), which runs programs on the training devices
-only: its batches are built (and the hosts' joined) on the main thread before it starts.
-With `eval.probe_every` > 0 each role's decisions are sampled on held-out problems
-(`mars_jax.sft.probe`) before step 1 (a step-0 line) and after every `eval.probe_every`-th step.
-Re-running the same command on the same workdir resumes from the newest readable checkpoint.
-The workdir is a local path or a `gs://` URL (`mars_jax.storage`): metrics, TensorBoard logs,
-checkpoints, the run's resolved config (`config.json`, written at start and compared on resume:
-`config_diff`) and a `jax.profiler` trace of `profile_steps` (under `tensorboard/`).
+Each step (`_Run`) runs four phases: collect (`StreamingRollouts.collect`, on one decode engine
+that lives across steps: `rl.streaming`), update (`learner.train_mini_batches` on the samples of
+the groups handed out: `rl.samples`), publish the weights (`_WeightPublisher`: the engine decodes
+the update's own arrays on one shared mesh, or a copy on its own submesh with
+`mesh.rollout.devices > 0`, metrics `sync/*`) and checkpoint. The policy version counts the steps
+whose update changed the parameters. In pipeline mode on a rollout submesh the engine keeps
+decoding while the update runs in a thread named `update`, which runs programs on the training
+devices only: its batches are built, and the hosts' joined, on the main thread first. With
+`eval.probe_every` > 0 each role's decisions are probed on held-out problems (`sft.probe`) before
+step 1 (a step-0 line) and after every `eval.probe_every`-th step.
 
-Preemption (`mars_jax.preemption`): after SIGTERM the loops stop at their next check, agreed by
-every host: between decode rounds (`StreamingRollouts`), between micro-batches of the update
-(`learner.train_mini_batches`; their longest run time in a step is the metric
-`time/micro_batch`, and sizes the watchdog); the loop also checks after each step. A host
-stopped by another's notice arms its own watchdog. Stopped in step s, the run saves checkpoint s
-with `steps_done` = s - 1 in its meta,
-the train state from before step s's update (an update stopped half-way is redone:
-`learner.UpdateStopped` hands back its starting state) and the queues to redo step s from: the
-requests in flight as partial outputs and, once the rollouts are collected, the step's groups put
-back as ready (`StreamingRollouts.state_dict(put_back=True)`), with the data position after them.
-Then it raises `Preempted` (exit 75) within
-`preemption_grace_s` of the signal (or the watchdog exits with 75). A resumed run starts at
-step s. A checkpoint saved mid-step is replaced when its step is saved again (at its end, or
-stopped again) only while another checkpoint exists (or at the last step), so a replacement cut
-short never leaves none; otherwise it stays (a valid point to redo its step from).
+The workdir (a local path or a `gs://` URL: `mars_jax.storage`) holds the metrics, TensorBoard
+logs, checkpoints, the resolved config (`config.json`, compared on resume: `config_diff`) and the
+trace of `profile_steps`. Rerunning the command on it resumes from the newest readable checkpoint.
 
-Several processes (`experiments/run.py --num_processes=...`, or a detected TPU pod / Slurm job)
-run one job on a global training mesh: each host draws its own problems and keeps its own rollout
-queues. Each host decodes on an engine of its own over its own devices (all, or its
-`mesh.rollout.devices`), with its own copy of the weights (`weight_sync.HostCopies`), and the
-hosts agree on the update cadence through `distributed.HostGroup` (`rl/streaming.py`), so a
-model's weights must fit one host's devices. The update
-trains on all hosts' samples joined into one global batch (`distributed.global_train_batch`)
-of `learner.micro_batch_size` rows per micro-batch in all, each host building an equal share;
-checkpoints hold each host's data and queue state (`distributed.gather_process_meta`) and the
-recorded routing of its queued rollouts as arrays (`distributed.host_arrays`). Rollout metrics
-are per host (host 0: `metrics.jsonl`, host i: `host{i}/metrics.jsonl`); update metrics are
-global.
+Preemption (`mars_jax.preemption`): after SIGTERM every host stops at the next check they agree
+on: between decode rounds, between micro-batches of the update (the longest of a step,
+`time/micro_batch`, sizes the watchdog; a host stopped by another's notice arms its own) or after
+a step. Stopped in step s, the run saves checkpoint s with `steps_done` = s - 1: the train state
+from before the update (`UpdateStopped` hands it back) and the queues to redo step s from (the
+requests in flight as partial outputs; once collected, the step's groups put back as ready). It
+then raises `Preempted` (exit 75) within `preemption_grace_s`. A checkpoint saved mid-step is
+replaced only while another exists (or at the last step), so a replacement cut short never leaves
+none.
+
+Several processes run one job on a global training mesh: each host draws its own problems and
+decodes on its own devices with its own copy of the weights (`weight_sync.HostCopies`: a model
+must fit one host), agreeing on the update cadence through `distributed.HostGroup`. The update
+trains on all hosts' samples as one global batch (`distributed.global_train_batch`), each host
+building an equal share of the `learner.micro_batch_size` rows. Checkpoints hold each host's data
+and queue state. Rollout metrics are per host (host 0: `metrics.jsonl`, host i:
+`host{i}/metrics.jsonl`); update metrics are global.
 """
 from __future__ import annotations
 
@@ -100,13 +86,11 @@ class NonFiniteUpdates(RuntimeError):
 
 
 def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
-    """Per role: mean reward and output tokens, the share of outputs cut off by their token
-    budget (`truncated/`) and of groups whose every reward is <= 0 (`groups_all_wrong/`) or >= 1
-    (`groups_all_right/`: with the other, the groups without gradient); the Verifier's accuracy
-    (verdict right), recall (wrong solutions flagged Wrong), specificity, balanced accuracy,
-    precision and pass rate (verdicts Correct: what lets the V-C loop accept), as in
-    `mars_jax.agents.eval_stats`, and the share of its replies without a readable verdict, cut
-    off or not (`verifier/no_verdict`: no reward whatever the solution)."""
+    """Per role: mean reward and output tokens, the share of outputs cut off by their budget
+    (`truncated/`) and of groups without gradient (`groups_all_wrong/`: every reward <= 0,
+    `groups_all_right/`: >= 1); the Verifier's verdict statistics (`agents.eval_stats`: accuracy,
+    recall, specificity, balanced accuracy, precision, pass rate) and the share of its replies
+    without a readable verdict (`verifier/no_verdict`)."""
     samples = [r for g in groups for r in g]
     metrics: dict[str, float] = {}
     share = lambda flags: float(np.mean(flags)) if flags else float("nan")
