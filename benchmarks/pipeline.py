@@ -50,7 +50,7 @@ from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update
 from mars_jax.rl.rollout import RolloutConfig
 from mars_jax.rl.streaming import StreamingRollouts
-from mars_jax.rl.trainer import training_samples
+from mars_jax.rl.samples import training_samples
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sampling import Engine
@@ -120,7 +120,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         began, compiled = time.perf_counter(), COMPILE_SECONDS[0]
         batch = stream.collect(version)
         rolled, compiled_rollout = time.perf_counter(), COMPILE_SECONDS[0]
-        samples = training_samples(batch.groups, drop_zero_variance=False, normalize_std=True)
+        samples = training_samples(batch.groups, rules=stream.rules, normalize_std=True)
         state, _ = ppo_update(state, samples, build_batch=lambda part: make_batch(
             part, micro_batch_size=4, min_length=min_length, min_micro=min_micro,
             by_length=True), ref_params=None,

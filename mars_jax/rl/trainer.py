@@ -350,7 +350,13 @@ def _held_out_probe(config: ConfigDict, mesh: jax.sharding.Mesh, graphdef, token
 
 def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Notice,
            allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
-    """Builds the run (resumed where `workdir_path` has a checkpoint) and trains it."""
+    run, start = _start(config, workdir_path, notice, allow_config_change)
+    return run.train(start)  # nothing of the set-up kept alive but what the run holds
+
+
+def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Notice,
+           allow_config_change: tuple[str, ...]) -> tuple[_Run, int]:
+    """The run, resumed where `workdir_path` has a checkpoint, and the steps it has done."""
     if problem := micro_batch_problem(config.learner.micro_batch_size, jax.process_count()):
         raise ConfigError([problem])
     workdir_path.mkdir(parents=True, exist_ok=True)
@@ -402,7 +408,7 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
                held_out_probe=held_out_probe, update_stop=_agreed_stop(notice),
                state=resumed.state, ref_params=ref_params, version=resumed.version,
                nonfinite_streak=resumed.nonfinite_streak)
-    return run.train(resumed.start)
+    return run, resumed.start
 
 
 @dataclasses.dataclass
