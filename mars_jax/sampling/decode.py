@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from mars_jax.sampling.engine import Engine, EngineOutput
+from mars_jax.sampling.precompile import compile_ahead
 from mars_jax.sampling.static_engine import StaticBatchEngine
 
 ENGINE_KINDS = ("engine", "generate")
@@ -99,5 +100,5 @@ def make_engine(settings: EngineSettings, model, stop_ids: Sequence[int], *, mes
                     max_stop_ids=max(8, len(tuple(stop_ids))), seed=settings.seed % (1 << 32),
                     record_routing=settings.record_routing, mesh=mesh, **settings.options)
     if settings.precompile:
-        engine.precompile(range(1, settings.max_prompt_tokens + 1))
+        compile_ahead(engine, range(1, settings.max_prompt_tokens + 1))
     return engine
