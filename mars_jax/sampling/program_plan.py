@@ -4,8 +4,8 @@ arguments serving passes it, written once for the two callers that compile them 
 arguments for a target topology).
 
 An `Args` makes the arguments that are not engine state: `ServingArgs` as serving makes them
-(scalars and token arrays where the program runs, page tables on the host); aot_compile's as
-abstract arrays placed by logical axis names.
+(scalars and token arrays where the program runs, page tables on the host), `AbstractArgs` as
+abstract arrays on a mesh placed by their logical axis names.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from mars_jax import sharding
 from mars_jax.sampling import engine_programs as programs
 
 # The programs serving runs, by the name their jitted function (and its builder here) has.
@@ -119,3 +121,20 @@ def put_slots(args: Args, full, part) -> Program:
 def deactivate(args: Args, state) -> Program:
     """A preempted row of `state` stopped."""
     return Program(programs.deactivate, (state, args.scalar(jnp.int32)))
+
+
+class AbstractArgs:
+    """Abstract arrays on `mesh` (for lowering without devices), each placed by its logical
+    axis names; scalars replicated."""
+
+    def __init__(self, mesh: jax.sharding.Mesh):
+        self.mesh = mesh
+
+    def scalar(self, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(self.mesh, PartitionSpec()))
+
+    def array(self, shape, dtype, names) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype,
+                                    sharding=sharding.named_sharding(self.mesh, names, shape))
+
+    host = array
