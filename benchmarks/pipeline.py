@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=1)
     parser.add_argument("--fan_out", type=int, default=2)
     parser.add_argument("--precompile", action="store_true",
-                        help="compile the engine's programs ahead (`Engine.precompile`, a "
+                        help="compile the engine's programs ahead (`precompile.compile_ahead`, a "
                              "thread per CPU up to 16) and give every update one shape")
     parser.add_argument("--visible", type=int, default=32,
                         help="characters of an output the next prompt embeds (0: all of it; "

@@ -484,7 +484,7 @@ class Engine(SlotScheduler):
         """Per sequence: its prefill in a batch (`prefill_batches`) under the current weights."""
         return prefill_batches(self.graphdef, self.weights, sequences,
                                prefill_chunk=self.prefill_chunk,
-                               mesh_context=self.mesh_context(), stats=self.stats)
+                               mesh_context=self.mesh_context, stats=self.stats)
 
     def _insert(self, request: _Request, slot: int, prefilled: tuple) -> None:
         cache, logits, experts, row = prefilled

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +21,10 @@ Prefilled = tuple
 
 
 def prefill_batches(graphdef, weights, sequences: list[list[int]], *, prefill_chunk: int,
-                    mesh_context: contextlib.AbstractContextManager,
+                    mesh_context: Callable[[], contextlib.AbstractContextManager],
                     stats: collections.Counter) -> list[Prefilled]:
     """Per sequence: (prompt cache, logits, routing, row) of one prefill call per prompt bucket,
-    run inside `mesh_context`; counts `prefills`, `prefill_calls`, `prefill_tokens` and
+    run inside `mesh_context()`; counts `prefills`, `prefill_calls`, `prefill_tokens` and
     `prefill_seconds` in `stats`."""
     if not sequences:
         return []
@@ -41,7 +42,7 @@ def prefill_batches(graphdef, weights, sequences: list[list[int]], *, prefill_ch
             last[row] = len(sequences[i]) - 1
         piece = min(bucket, prefill_chunk)
         cache = logits = experts = None
-        with mesh_context:
+        with mesh_context():
             for start in range(0, int(last.max()) + 1, piece):
                 cache, logits, experts = programs.prefill(
                     graphdef, weights, cache, logits, experts,
