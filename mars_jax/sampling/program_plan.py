@@ -55,15 +55,11 @@ class ServingArgs:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One call of a jitted program (`fn.__name__` is its name)."""
+    """One call of a jitted program of `engine_programs`."""
 
     fn: Callable
     args: tuple
     kwargs: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.fn.__name__
 
     def lower(self) -> jax.stages.Lowered:
         return self.fn.lower(*self.args, **self.kwargs)
