@@ -54,6 +54,7 @@ from mars_jax.rl.samples import training_samples
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sampling import Engine
+from mars_jax.sampling.precompile import compile_ahead
 
 MAX_PROMPT = 384
 # Micro-batches cut to the shortest of L, 3L/4, L/2, .. L/8 that holds them (L up to 4096 at
@@ -103,7 +104,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         update = threading.Thread(target=compile_update, args=(
             state, graphdef, min_length, min_micro, update_config))
         update.start()
-        count = engine.precompile(range(1, MAX_PROMPT + args.cap + 1))  # (+ tokens: recompute)
+        count = compile_ahead(engine, range(1, MAX_PROMPT + args.cap + 1))  # (+ tokens: recompute)
         update.join()
         print(f"  {mode}: {count} engine programs and the update compiled ahead in "
               f"{time.perf_counter() - began:.1f} s", flush=True)
@@ -172,7 +173,7 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=1)
     parser.add_argument("--fan_out", type=int, default=2)
     parser.add_argument("--precompile", action="store_true",
-                        help="compile the engine's programs ahead (`Engine.precompile`, a "
+                        help="compile the engine's programs ahead (`precompile.compile_ahead`, a "
                              "thread per CPU up to 16) and give every update one shape")
     parser.add_argument("--visible", type=int, default=32,
                         help="characters of an output the next prompt embeds (0: all of it; "

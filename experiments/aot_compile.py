@@ -10,16 +10,18 @@ r"""Ahead-of-time compilation of every program of a MarsRL training step for a T
 
 Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `rl.batching`):
   prefill   with `rollout.decode_engine='generate'`: prefill of a decode batch + its decode
-            (`sampler._prefill_and_decode`)
-  decode    a continued decode of that batch (`sampler._continue_decode`)
+            (`sampler.prefill_and_decode`)
+  decode    a continued decode of that batch (`sampler.continue_decode`)
   engine_prefill  with `rollout.decode_engine='engine'` instead of the two above: one
-            `prefill_chunk` piece of a prefill of every slot's prompt at once (`engine._prefill`)
-  engine_insert   a prefilled row copied into a slot (`engine._insert`)
-  engine_decode   one decode chunk over all slots at the full KV span (`engine._decode_chunk`);
-            the engine's KV bytes per token / per slot / per device are printed with it and
-            written to the JSON report (`kv_bytes`)
+            `prefill_chunk` piece of a prefill of every slot's prompt at once
+  engine_insert   a prefilled row copied into a slot
+  engine_decode   one decode chunk over all slots at the full KV span; the engine's KV bytes
+            per token / per slot / per device are printed with it and written to the JSON
+            report (`kv_bytes`)
   engine_shrink / engine_expand (only when asked) the running half of the slots gathered into
-            a half-size state and written back (`engine._take_slots` / `_put_slots`)
+            a half-size state and written back
+  (the engine's programs as `sampling.program_plan` lowers them: `prefill`, `insert`,
+  `decode_chunk`, `take_slots` / `put_slots` of `sampling.engine_programs`)
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
   update    `rl.update.train_step` over one step's micro-batches
 The micro-batches have `learner.micro_batch_size` rows over the whole training mesh, as the
@@ -82,7 +84,8 @@ from mars_jax.rl.update import (TrainState, opt_state_shardings, token_logprobs,
                                 train_step)
 from mars_jax.types import TrainBatch  # noqa: E402
 from mars_jax.run_config import engine_shape, update_program_config  # noqa: E402
-from mars_jax.sampling import engine, sampler  # noqa: E402
+from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
+from mars_jax.sampling import program_plan as plan  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "configs"))
@@ -91,7 +94,7 @@ import colocated_slots  # noqa: E402
 
 PROGRAMS = ("prefill", "decode", "logprobs", "update")
 ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs", "update")
-# Run when the engine compacts its running slots (`Engine._shrink` / `_expand`); compiled for
+# Run when the engine compacts its running slots (`take_slots` / `put_slots`); compiled for
 # half the slots, where the mesh's batch shards allow it.
 SHRINK_PROGRAMS = ("engine_shrink", "engine_expand")
 ALL_PROGRAMS = PROGRAMS[:2] + ENGINE_PROGRAMS + SHRINK_PROGRAMS
@@ -236,7 +239,7 @@ def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     of `learner.micro_batch_size` rows, each of `mesh`'s hosts building an equal share."""
     r, learner = config.rollout, config.learner
     rows = r.prompts_per_step * r.group_size
-    decode_batch = sampler._batch_bucket(
+    decode_batch = sampler.batch_bucket(
         min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows,
         sharding_multiple(mesh))
     prompt_len = sampler.prompt_bucket(r.max_prompt_tokens)
@@ -303,11 +306,11 @@ class StepPrograms:
                 _sharded(mesh, (b, STOP_IDS), jnp.int32, ("batch", None)),
                 _sharded(mesh, (b,), keys.dtype, ("batch",)),
                 _scalar(mesh, jnp.float32), _scalar(mesh, jnp.int32))
-        return sampler._prefill_and_decode.lower(self.graphdef, self.weights, *args,
-                                                 num_new=s.new_tokens, params=self.sampling)
+        return sampler.prefill_and_decode.lower(self.graphdef, self.weights, *args,
+                                                num_new=s.new_tokens, params=self.sampling)
 
     def decode_state(self) -> sampler.DecodeState:
-        """The abstract state `_continue_decode` resumes, sharded by the logical rules."""
+        """The abstract state `continue_decode` resumes, sharded by the logical rules."""
         s, mesh, cfg = self.shapes, self.mesh, self.cfg
         b, p, n = s.decode_batch, s.prompt_len, s.new_tokens
         layout = cache_layout(b, p + n, cfg.num_key_value_heads, cfg.head_dim)
@@ -330,7 +333,7 @@ class StepPrograms:
             stop_ids=rows(STOP_IDS))
 
     def _decode(self) -> jax.stages.Lowered:
-        return sampler._continue_decode.lower(
+        return sampler.continue_decode.lower(
             self.graphdef, self.weights, self.decode_state(), _scalar(self.mesh, jnp.float32),
             _scalar(self.mesh, jnp.int32), params=self.sampling)
 
@@ -361,7 +364,7 @@ class StepPrograms:
         slots = slots or all_slots
         graphdef, weights = self.engine_weights
         state = jax.eval_shape(functools.partial(
-            engine._init_state, graphdef, num_slots=slots, max_length=length,
+            engine_programs.init_state, graphdef, num_slots=slots, max_length=length,
             max_stops=STOP_IDS, record=self.sampling.record_routing,
             paged=bool(self.pages)), weights)
         cache = ()
@@ -402,13 +405,6 @@ class StepPrograms:
         return KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
                          for _ in range(2)))
 
-    def _page_ids(self, *lead: int, positions: int):
-        """Abstract page ids covering `positions` positions (None with reserved slots)."""
-        if not self.pages:
-            return None
-        pages = -(-positions // self.config.rollout.engine_page_size)
-        return _sharded(self.mesh, (*lead, pages), jnp.int32, (None,) * (len(lead) + 1))
-
     def _engine_prompt(self):
         """Abstract prompt cache, logits and routing of one prefill of every slot's prompt."""
         cfg, mesh = self.cfg, self.mesh
@@ -422,37 +418,35 @@ class StepPrograms:
                                jnp.int32, (None, "batch", None, None))
         return slots, bucket, cache, logits, experts
 
+    @property
+    def args(self) -> plan.AbstractArgs:
+        return plan.AbstractArgs(self.mesh)
+
     def _engine_prefill(self) -> jax.stages.Lowered:
-        slots, bucket, cache, logits, experts = self._engine_prompt()
-        piece = min(bucket, engine.PREFILL_CHUNK)
-        tokens = _sharded(self.mesh, (slots, piece), jnp.int32, ("batch", None))
-        last = _sharded(self.mesh, (slots,), jnp.int32, ("batch",))
-        return engine._prefill.lower(*self.engine_weights, cache, logits, experts, tokens,
-                                     _scalar(self.mesh, jnp.int32), last, bucket=bucket,
-                                     fresh=False)
+        slots, bucket, *prompt = self._engine_prompt()
+        return plan.prefill(self.args, *self.engine_weights, tuple(prompt), rows=slots,
+                            bucket=bucket, width=min(bucket, engine.PREFILL_CHUNK)).lower()
 
     def _engine_insert(self) -> jax.stages.Lowered:
-        _, _, cache, logits, experts = self._engine_prompt()
-        i32, f32 = (_scalar(self.mesh, jnp.int32), _scalar(self.mesh, jnp.float32))
-        u32 = _scalar(self.mesh, jnp.uint32)
-        stops = _sharded(self.mesh, (STOP_IDS,), jnp.int32, (None,))
+        _, _, *prompt = self._engine_prompt()
         _, length = engine_shape(self.config, self.mesh)
-        page_ids = self._page_ids(sharding_multiple(self.mesh),
-                                  positions=min(self.shapes.prompt_len, length))
-        return engine._insert.lower(self.engine_state(), self.engine_pool(), page_ids, i32,
-                                    cache, logits, experts, i32, i32, i32, i32, u32, u32, f32,
-                                    i32, f32, stops)
+        pages = 0
+        if self.pages:
+            pages = -(-min(self.shapes.prompt_len, length) // self.config.rollout.engine_page_size)
+        return plan.insert(self.args, self.engine_state(), self.engine_pool(), tuple(prompt),
+                           pages=pages, shards=sharding_multiple(self.mesh),
+                           max_stop_ids=STOP_IDS).lower()
 
     def _engine_decode(self) -> jax.stages.Lowered:
         """The decode chunk at its largest KV span (all `max_length` positions; paged: in
         whole pages)."""
-        slots, length = engine_shape(self.config, self.mesh)
-        table = self._page_ids(slots, positions=length)
-        span = length if table is None else table.shape[1] * self.config.rollout.engine_page_size
-        return engine._decode_chunk.lower(
-            *self.engine_weights, self.engine_state(), self.engine_pool(), table,
-            _scalar(self.mesh, jnp.int32), steps=self.config.rollout.engine_chunk_steps,
-            span=span, kernel=self.paged_kernel)
+        _, length = engine_shape(self.config, self.mesh)
+        page = self.config.rollout.get("engine_page_size", 0)
+        span = -(-length // page) * page if self.pages else length
+        return plan.decode_chunk(
+            self.args, *self.engine_weights, self.engine_state(), self.engine_pool(),
+            steps=self.config.rollout.engine_chunk_steps, span=span, kernel=self.paged_kernel,
+            page_size=page).lower()
 
     @property
     def paged_kernel(self) -> str:
@@ -464,30 +458,27 @@ class StepPrograms:
         return default_kernel(self.cfg.head_dim, self.config.rollout.engine_page_size,
                               self.mesh.devices.flat[0].platform)
 
-    def _shrink_index(self):
+    def _shrink_rows(self) -> int:
         slots, _ = engine_shape(self.config, self.mesh)
         rows = slots // 2
         if rows % sharding_multiple(self.mesh):
             raise ValueError(f"engine_shrink / engine_expand: {slots} slots cannot be halved "
                              f"on this mesh (batch shards {sharding_multiple(self.mesh)})")
-        return _sharded(self.mesh, (rows,), jnp.int32, (None,)), rows
+        return rows
 
     def _engine_shrink(self) -> jax.stages.Lowered:
         """The running half of the slots gathered into a slot bucket of half the size."""
-        index, rows = self._shrink_index()
-        live = _sharded(self.mesh, (rows,), jnp.bool_, (None,))
-        return engine._take_slots.lower(self.engine_state(), index, live)
+        return plan.take_slots(self.args, self.engine_state(), self._shrink_rows()).lower()
 
     def _engine_expand(self) -> jax.stages.Lowered:
         """Half the slots' rows written back to their slots."""
-        index, rows = self._shrink_index()
-        part = jax.eval_shape(engine._take_slots, self.engine_state(), index,
-                              jax.ShapeDtypeStruct((rows,), jnp.bool_))
+        rows = self._shrink_rows()
+        taken = plan.take_slots(self.args, self.engine_state(), rows)
+        part = jax.eval_shape(taken.fn, *taken.args)
         state = self.engine_state(rows)
         part = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype,
                                                               sharding=s.sharding), part, state)
-        return engine._put_slots.lower(self.engine_state(), part, index, index,
-                                       _scalar(self.mesh, jnp.int32))
+        return plan.put_slots(self.args, self.engine_state(), part).lower()
 
     def kv_bytes(self) -> dict[str, int]:
         """The engine's KV-cache bytes per token and per slot (`Engine.kv_bytes_per_token` /

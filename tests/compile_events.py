@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import jax
 
-ENGINE_PROGRAMS = frozenset({"_decode_chunk", "_prefill", "_insert", "_take_slots", "_put_slots",
-                             "_deactivate"})
+from mars_jax.sampling.program_plan import PROGRAMS
+
+ENGINE_PROGRAMS = frozenset(PROGRAMS)
 
 
 @contextlib.contextmanager

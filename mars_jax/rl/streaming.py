@@ -331,10 +331,12 @@ class StreamingRollouts:
         for _, run in itertools.groupby(enumerate(pending), key=key):
             members = [r for _, r in run]
             first = members[0]
-            generated = ((first.response_ids, first.logprobs) if first.response_ids else None)
+            # A partial output needs a `ContinuingEngine` (`Engine`) to go on from its tokens.
+            continued = (dict(generated=(first.response_ids, first.logprobs))
+                         if first.response_ids else {})
             ids = self.engine.submit(first.prompt_ids, max_new_tokens=budgets[first.role],
                                      seed=first.seed, stop_ids=self.stop_ids, n=len(members),
-                                     generated=generated, **self.sampling)
+                                     **continued, **self.sampling)
             for request_id, r in zip(ids, members):
                 if r.first_version is None:
                     r.first_version = version

@@ -1,5 +1,6 @@
 """What every decode user needs of an engine: the `DecodeEngine` protocol (`Engine`, continuous
-batching, and `StaticBatchEngine`, static batches on `generate`), `EngineSettings` and
+batching, and `StaticBatchEngine`, static batches on `generate`; `ContinuingEngine`, `Engine`'s
+continuation of partial outputs), `EngineSettings` and
 `make_engine` (every engine option, for every user), and `decode_batch`, the one adapter from a
 batch of requests to outputs. The rollout scheduler (`rl.streaming`) drives the protocol
 directly; the in-process policy (`agents.sampler_policy`), hence the probes and the evaluation,
@@ -12,21 +13,23 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from mars_jax.sampling.engine import Engine, EngineOutput
+from mars_jax.sampling.precompile import compile_ahead
 from mars_jax.sampling.static_engine import StaticBatchEngine
 
 ENGINE_KINDS = ("engine", "generate")
 
 
 class DecodeEngine(Protocol):
-    """Requests in, `EngineOutput`s out: `Engine`'s methods. `StaticBatchEngine` has them all
-    but holds nothing in flight between rounds, so it refuses `submit(generated=...)`, any
-    `recompute`, and `partial` of a request that is not queued."""
+    """Requests in, `EngineOutput`s out: what `Engine` and `StaticBatchEngine` both do. A
+    request is in flight between `stream` rounds only on `Engine` (`StaticBatchEngine` decodes
+    each to its end within a round): `partial` is of a queued or decoding request, `recompute`
+    of requests holding a slot (`in_slots`)."""
 
     stats: collections.Counter
 
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, seed: int, stop_ids: Sequence[int], n: int,
-               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]: ...
+               top_p: float, top_k: int, seed: int, stop_ids: Sequence[int], n: int
+               ) -> list[int]: ...
 
     def stream(self, stop: Callable[[], bool] | None = None
                ) -> Iterator[tuple[int, EngineOutput]]: ...
@@ -44,6 +47,15 @@ class DecodeEngine(Protocol):
     def update_weights(self, model) -> None: ...
 
     def free_kv(self) -> None: ...
+
+
+class ContinuingEngine(DecodeEngine, Protocol):
+    """A `DecodeEngine` that also continues a request from the tokens and log-probabilities it
+    already has (`Engine.submit(generated=...)`; a checkpoint's partial outputs)."""
+
+    def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
+               top_p: float, top_k: int, seed: int, stop_ids: Sequence[int], n: int,
+               generated: tuple[Sequence[int], Sequence[float]] | None = None) -> list[int]: ...
 
 
 def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
@@ -99,5 +111,5 @@ def make_engine(settings: EngineSettings, model, stop_ids: Sequence[int], *, mes
                     max_stop_ids=max(8, len(tuple(stop_ids))), seed=settings.seed % (1 << 32),
                     record_routing=settings.record_routing, mesh=mesh, **settings.options)
     if settings.precompile:
-        engine.precompile(range(1, settings.max_prompt_tokens + 1))
+        compile_ahead(engine, range(1, settings.max_prompt_tokens + 1))
     return engine

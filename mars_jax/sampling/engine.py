@@ -11,21 +11,19 @@ as `admit_batch` slots are free, so they are refilled at once.
 
 Rooms: the device programs and the slot state are `engine_programs`; the queue, groups,
 admission and slot buckets `scheduler` (plain Python, also driven by `benchmarks/sim`'s clock);
-the pages of a paged cache `pages`; compiling ahead `precompile`. This module wires them.
+batched prefills `prefill_batches`; the pages of a paged cache `pages`. This module wires them;
+`precompile` compiles its programs ahead (as `program_plan` calls them).
 
 Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
-batch bucket); one slot insert per (prompt bucket, batch bucket); compiled when first met, or
-all ahead on a thread pool by `precompile`. With `scan_layers` (default: the model config's)
-they scan the layers over the engine's own stacked copy of the layer weights, made at each
-`update_weights` (memory: the weights once more while a caller keeps its model's arrays), so
-they compile one layer per run of alike layers instead of all of them. Requests coming and
-going change only array values. When nothing waits, the running requests' rows are gathered into a smaller slot bucket
-(as `generate` compacts): slot buckets num_slots, /2, .. 1. A chunk attends over the first
-`span` cache positions only, `span` = the longest a running request can grow to in the chunk
-plus one, rounded up to the next 2^k or 3 * 2^(k-1) (`buckets.length_bucket`; at least
-`min_span`, at most `max_length`): it copies those positions out of the slot cache once, decodes
-over them, and writes back the rows that decoded. At most 2 * floor(log2(max_length / min_span))
-+ 3 spans (for a power-of-two `min_span`: two per doubling, `min_span` and `max_length`).
+batch bucket); one slot insert per (prompt bucket, batch bucket); compiled when first met.
+With `scan_layers` (default: the model config's) they scan the layers over the engine's own
+stacked copy of the layer weights, made at each `update_weights` (memory: the weights once more
+while a caller keeps its model's arrays), compiling one layer per run of alike layers. Requests
+coming and going change only array values. When nothing waits, the running rows are gathered
+into a smaller slot bucket (as `generate` compacts): num_slots, /2, .. 1. A chunk attends over
+the first `span` cache positions only, `span` = the longest a running request can grow to in
+the chunk plus one, bucketed (`span_bucket`: the next 2^k or 3 * 2^(k-1), at least `min_span`,
+at most `max_length`): at most 2 * floor(log2(max_length / min_span)) + 3 spans.
 
 Exactness: tokens and log-probabilities do not depend on the other slots or on the admission
 time; they match `generate`'s up to float32 rounding (`engine_programs`). (Paged, the other slots
@@ -34,16 +32,13 @@ rounding caveat.)
 
 Order: the outputs finished in one decode chunk are streamed in submission order (not slot
 order), so a caller's choices that follow the output order do not depend on slot placement.
-`submit(generated=...)` continues a request from tokens it already has (prefilled as prompt +
-tokens, PRNG step continuing); `recompute(ids)` re-prefills requests in their slots under the
-current weights; `update_weights` drops group prompt prefills made under the old weights.
 
-A request in a slot keeps the KV its tokens were decoded under until `recompute` re-prefills
-prompt + tokens so far under the engine's current weights (`update_weights`): exactly on-policy
-KV for the cost of a prefill of that many tokens. Recorded routing is a position's from the step
-or prefill of this engine that first computed it (for `submit(generated=...)`, its prefill): a
-re-prefill (`recompute`, a paged preemption) rewrites the KV, not the routing the tokens were
-sampled under.
+Weights: a request in a slot keeps the KV its tokens were decoded under until `recompute`
+re-prefills prompt + tokens so far under the current weights (`update_weights`, which also drops
+group prompt prefills made under the old ones); `submit(generated=...)` continues a request from
+tokens it already has the same way (PRNG step continuing). Recorded routing is a position's from
+the step or prefill of this engine that first computed it: a re-prefill (`recompute`, a paged
+preemption) rewrites the KV, not the routing the tokens were sampled under.
 
 KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
 (`kv_bytes_per_token`), logged at start with the cache's whole size (`kv_bytes`). By default
@@ -74,21 +69,18 @@ import numpy as np
 from flax import nnx
 
 from mars_jax import sharding
-from mars_jax.buckets import pow2_at_least
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.paged_kv import KERNELS, default_kernel
 from mars_jax.models.qwen3 import Qwen3
-from mars_jax.sampling.engine_programs import (MIN_SPAN, SlotState, _decode_chunk, _deactivate,
-                                               _init_pool, _init_state, _insert, _prefill,
-                                               _put_routing, _put_slots, _take_slots,
-                                               span_bucket, stack_weights)
+from mars_jax.sampling import engine_programs as programs
+from mars_jax.sampling.engine_programs import MIN_SPAN, SlotState, span_bucket, stack_weights
 from mars_jax.sampling.kv_memory import (bytes_per_row, device_free_bytes, kv_bytes_per_token,
                                           prefill_parts)
 from mars_jax.sampling.pages import PageTable
-from mars_jax.sampling.precompile import compile_ahead
+from mars_jax.sampling.prefill_batches import Prefilled, prefill_batches
 from mars_jax.sampling.processors import check_sampling
-from mars_jax.sampling.sampler import batch_shards, prompt_bucket
-from mars_jax.sampling.scheduler import Group, SlotScheduler, shrink_plan
+from mars_jax.sampling.sampler import batch_shards
+from mars_jax.sampling.scheduler import Group, SlotScheduler, shrink_plan, slot_buckets
 
 __all__ = ["MIN_SPAN", "PREFILL_CHUNK", "Engine", "EngineOutput", "SlotState",
            "kv_bytes_per_token", "span_bucket"]
@@ -178,23 +170,23 @@ class Engine(SlotScheduler):
         self.kv_pages, self.page_size = kv_pages, page_size
         self.paged_attention = (default_kernel(model.config.head_dim, page_size)
                                 if paged_attention == "auto" else paged_attention)
-        self._multiple = multiple
+        self.batch_shards = multiple
         self.scan_layers = model.config.scan_layers if scan_layers is None else scan_layers
         self.update_weights(model)
-        self._pages = None if kv_pages is None else PageTable(
+        self.page_table = None if kv_pages is None else PageTable(
             num_slots=num_slots, pools=multiple, pages=kv_pages, page_size=page_size,
             max_length=max_length)
-        with self._mesh():
-            self._state = _init_state(self._graphdef, self._weights, num_slots=num_slots,
-                                      max_length=max_length, max_stops=max_stop_ids,
-                                      record=self.record_routing, paged=kv_pages is not None)
-            self._pool = None if kv_pages is None else _init_pool(
-                self._graphdef, self._weights, shards=multiple,
+        with self.mesh_context():
+            self.state = programs.init_state(
+                self.graphdef, self.weights, num_slots=num_slots, max_length=max_length,
+                max_stops=max_stop_ids, record=self.record_routing, paged=kv_pages is not None)
+            self.pool = None if kv_pages is None else programs.init_pool(
+                self.graphdef, self.weights, shards=multiple,
                 pages=kv_pages // multiple + 1, page_size=page_size)
-        if self._committed():  # as the programs' outputs will be: one program per shape
-            self._state, self._pool = jax.device_put(
-                (self._state, self._pool), jax.tree.map(lambda x: x.sharding,
-                                                        (self._state, self._pool)))
+        if self.committed:  # as the programs' outputs will be: one program per shape
+            self.state, self.pool = jax.device_put(
+                (self.state, self.pool), jax.tree.map(lambda x: x.sharding,
+                                                      (self.state, self.pool)))
         self.kv_bytes_per_token = kv_bytes_per_token(model.config)
         self.kv_bytes_per_slot = self.kv_bytes_per_token * max_length
         if kv_pages is None:
@@ -206,22 +198,37 @@ class Engine(SlotScheduler):
             self.kv_bytes = self.kv_bytes_per_token * page_size * (kv_pages + multiple)
             log.info("Engine: %d slots of up to %d positions over %d pools of %d pages x %d "
                      "positions; KV cache %d bytes per token, %d in all", num_slots, max_length,
-                     multiple, self._pages.pool_pages, page_size, self.kv_bytes_per_token,
+                     multiple, self.page_table.pool_pages, page_size, self.kv_bytes_per_token,
                      self.kv_bytes)
-        self._full: SlotState | None = None   # all slots, while `_state` holds just a few
-        self._rows: dict[int, int] = {}       # slot -> row of `_state` while shrunk
+        self._full: SlotState | None = None   # all slots, while `state` holds just a few
+        self._rows: dict[int, int] = {}       # slot -> row of `state` while shrunk
         self.stats = collections.Counter()
 
     def _devices(self) -> list:
         """This process's devices of the slot state."""
-        return list(self._state.length.sharding.addressable_devices)
+        return list(self.state.length.sharding.addressable_devices)
 
-    def _mesh(self):
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        """The engine's mesh as the current one (nothing without a mesh)."""
         return sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def _committed(self) -> bool:
+    @property
+    def committed(self) -> bool:
         """Whether the engine's arrays are committed to their devices (as the weights are)."""
-        return jax.tree.leaves(self._weights)[0].committed
+        return jax.tree.leaves(self.weights)[0].committed
+
+    @property
+    def full_state(self) -> SlotState:
+        """The slot state of every slot (`state` holds just the running rows while shrunk)."""
+        return self.state if self._full is None else self._full
+
+    def slot_buckets(self) -> list[int]:
+        """Every number of rows `state` can have, all slots first (`scheduler.slot_buckets`)."""
+        return slot_buckets(self.num_slots, pools=self._pools(), shards=self.batch_shards)
+
+    def pages_for(self, positions: int) -> int:
+        """Pages holding `positions` cache positions (0 with reserved slots)."""
+        return 0 if self.page_table is None else self.page_table.pages_for(positions)
 
     def update_weights(self, model: Qwen3) -> None:
         """Reads `model`'s current arrays: later steps, prefills and `recompute`s use them (a
@@ -229,12 +236,12 @@ class Engine(SlotScheduler):
         waiting). With `scan_layers` the engine keeps its own copy of the layers' weights
         stacked per run of alike layers (`engine_programs.stack_weights`), which its programs
         scan over."""
-        self._weights = None  # the old stacked copy freed before the new one is made
+        self.weights = None  # the old stacked copy freed before the new one is made
         if self.scan_layers:
-            self._graphdef, self._weights = stack_weights(model)
+            self.graphdef, self.weights = stack_weights(model)
         else:
             graphdef, state = nnx.split(model)
-            self._graphdef, self._weights = graphdef, (state, None)
+            self.graphdef, self.weights = graphdef, (state, None)
         self._drop_prefills()
 
     def free_kv(self) -> None:
@@ -246,13 +253,13 @@ class Engine(SlotScheduler):
         self._expand()
         self._drop_prefills()
         if not self._kv_freed:
-            for array in jax.tree.leaves((self._state.cache, self._pool)):
+            for array in jax.tree.leaves((self.state.cache, self.pool)):
                 array.delete()
 
     @property
     def _kv_freed(self) -> bool:
         """Whether `free_kv` deleted the cache (and nothing has allocated it since)."""
-        return jax.tree.leaves((self._state.cache, self._pool))[0].is_deleted()
+        return jax.tree.leaves((self.state.cache, self.pool))[0].is_deleted()
 
     def _allocate_kv(self) -> bool:
         """Allocates the cache `free_kv` deleted (zeros, same shapes and shardings); whether it
@@ -260,26 +267,10 @@ class Engine(SlotScheduler):
         if not self._kv_freed:
             return False
         zeros = lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding)
-        with self._mesh():
-            self._state = self._state.replace(cache=jax.tree.map(zeros, self._state.cache))
-            self._pool = jax.tree.map(zeros, self._pool)
+        with self.mesh_context():
+            self.state = self.state.replace(cache=jax.tree.map(zeros, self.state.cache))
+            self.pool = jax.tree.map(zeros, self.pool)
         return True
-
-    def precompile(self, prompt_lengths: Sequence[int] = (), *, threads: int | None = None
-                   ) -> int:
-        """Compiles, `threads` at a time (default: one per host CPU, at most 16, as each
-        compile holds its own memory; XLA compiles without the GIL), the programs serving
-        reaches: a decode chunk per slot bucket and KV span, the gathers between slot buckets,
-        with a paged cache a preempted row's deactivation per slot bucket, and for the prompt
-        buckets of `prompt_lengths` (a recomputed request's is prompt + tokens so far) the
-        prefill pieces and slot inserts at every batch bucket of a prefill. Serving then compiles
-        none of these again; what it may still compile is the recorded routing written back
-        into a slot (`record_routing`, one program per request length). Returns the number of
-        programs compiled (`precompile.compile_ahead`)."""
-        prompt_lengths = list(prompt_lengths)
-        if any(n < 1 or n > self.max_length for n in prompt_lengths):
-            raise ValueError(f"prompt_lengths: each must be in [1, max_length={self.max_length}]")
-        return compile_ahead(self, prompt_lengths, threads=threads)
 
     # --- requests ---
 
@@ -302,11 +293,11 @@ class Engine(SlotScheduler):
         if max_new_tokens < 0 or len(prompt) + max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) must fit max_length ({self.max_length})")
-        if self._pages is not None and -(-(len(prompt) + max_new_tokens)
-                                         // self.page_size) > self._pages.pool_pages:
+        if self.page_table is not None and -(-(len(prompt) + max_new_tokens)
+                                         // self.page_size) > self.page_table.pool_pages:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens "
                              f"({max_new_tokens}) must fit kv_pages ({self.kv_pages}) / batch "
-                             f"shards ({self._multiple}) x page_size ({self.page_size})")
+                             f"shards ({self.batch_shards}) x page_size ({self.page_size})")
         check_sampling(temperature, top_p, top_k, self.vocab_size)
         if len(stop_ids) > self.max_stop_ids:
             raise ValueError(f"stop_ids: at most {self.max_stop_ids} (max_stop_ids), got "
@@ -370,16 +361,16 @@ class Engine(SlotScheduler):
         request = self._requests[request_id]
         length = len(request.group.prompt) + len(request.tokens)
         layers = self.num_layers
-        if self._pages is not None:
-            pages, shard = self._pages.owned[request.slot], self._pages.pool(request.slot)
-            pool = sharding.fetch(self._pool)
+        if self.page_table is not None:
+            pages, shard = self.page_table.owned[request.slot], self.page_table.pool(request.slot)
+            pool = sharding.fetch(self.pool)
             block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
             join = lambda x: x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]  # [K, L, D]
             return tuple(KVCache(
                 np.swapaxes(join(np.asarray(pool.k)[shard][:, np.add(pages, l * block)]), 1, 2),
                 join(np.asarray(pool.v)[shard][:, np.add(pages, l * block)]))
                 for l in range(layers))
-        cache, row = sharding.fetch(self._state.cache), self._row(request.slot)
+        cache, row = sharding.fetch(self.state.cache), self._row(request.slot)
         return tuple(KVCache(np.asarray(cache.k[l, row, :, :, :length]),
                              np.asarray(cache.v[l, row, :, :length])) for l in range(layers))
 
@@ -389,7 +380,7 @@ class Engine(SlotScheduler):
         if self._kv_freed:
             self.recompute([])
         self._admit()
-        if self._pages is not None:
+        if self.page_table is not None:
             self._ensure_pages()
         if not self._running:
             self._expand()
@@ -406,7 +397,7 @@ class Engine(SlotScheduler):
 
     def _pools(self) -> int:
         """Blocks of rows a shrunk state keeps apart: one per page pool, else one."""
-        return self._multiple if self._pages is not None else 1
+        return self.batch_shards if self.page_table is not None else 1
 
     def _shrink(self) -> None:
         """Once nothing waits and the running requests fit a slot bucket at most half the
@@ -416,16 +407,16 @@ class Engine(SlotScheduler):
         requests stay in that shard's block of rows."""
         if self._queue:
             return
-        plan = shrink_plan(self._running_slots(), current_rows=self._state.length.shape[0],
-                           row_of=self._row, block_of=lambda s: self._pages.pool(s),
-                           pools=self._pools(), shards=self._multiple)
+        plan = shrink_plan(self._running_slots(), current_rows=self.state.length.shape[0],
+                           row_of=self._row, block_of=lambda s: self.page_table.pool(s),
+                           pools=self._pools(), shards=self.batch_shards)
         if plan is None or not self._room_for(len(plan.index)):
             return
         if self._full is None:
-            self._full = self._state
+            self._full = self.state
         # numpy arguments: placed on the engine's devices by the call, not on the default device
-        self._state = _take_slots(self._state, np.array(plan.index, np.int32),
-                                  np.array(plan.live, bool))
+        self.state = programs.take_slots(self.state, np.array(plan.index, np.int32),
+                                         np.array(plan.live, bool))
         self._rows = plan.rows
         self.stats["shrinks"] += 1
 
@@ -433,7 +424,7 @@ class Engine(SlotScheduler):
         """Whether `rows` gathered rows of the slot state fit beside it in the free memory of
         each of its devices (True where the backend does not report memory, as on CPU)."""
         free = device_free_bytes(self._devices())
-        if free is None or bytes_per_row(self._state, self._state.length.shape[0]) * rows <= free:
+        if free is None or bytes_per_row(self.state, self.state.length.shape[0]) * rows <= free:
             return True
         self.stats["shrinks_skipped"] += 1
         return False
@@ -442,10 +433,11 @@ class Engine(SlotScheduler):
         """Back to all slots (the shrunk rows written to theirs)."""
         if self._full is None:
             return
-        rows, slots = np.zeros((2, self._state.length.shape[0]), np.int32)
+        rows, slots = np.zeros((2, self.state.length.shape[0]), np.int32)
         for i, (slot, row) in enumerate(self._rows.items()):
             rows[i], slots[i] = row, slot
-        self._state = _put_slots(self._full, self._state, rows, slots, np.int32(len(self._rows)))
+        self.state = programs.put_slots(self._full, self.state, rows, slots,
+                                        np.int32(len(self._rows)))
         self._full, self._rows = None, {}
 
     def _place(self, request: _Request) -> int | None:
@@ -454,13 +446,13 @@ class Engine(SlotScheduler):
         running requests take for their next chunk (so admitting it preempts nobody before that
         chunk), with those pages taken; or None."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
-        if self._pages is None:
+        if self.page_table is None:
             return free[0] if free else None
         running = {self._requests[i].slot: self._chunk_positions(self._requests[i])
                    for i in self._running}
-        slot = self._pages.first_fit(free, self._chunk_positions(request), running)
+        slot = self.page_table.first_fit(free, self._chunk_positions(request), running)
         if slot is not None:
-            self._pages.grow(slot, self._chunk_positions(request))
+            self.page_table.grow(slot, self._chunk_positions(request))
         return slot
 
     def _admit(self) -> None:
@@ -488,39 +480,11 @@ class Engine(SlotScheduler):
                 self._seated(request)
             admitted = waiting
 
-    def _prefill(self, sequences: list[list[int]]) -> list[tuple]:
-        """Per sequence: (prompt cache, logits, routing, row) of a batched prefill, sequences
-        right-padded to their prompt bucket and batched by bucket (batch a power of two)."""
-        if not sequences:
-            return []
-        start_time = time.perf_counter()
-        by_bucket: dict[int, list[int]] = {}
-        for i, seq in enumerate(sequences):
-            by_bucket.setdefault(prompt_bucket(len(seq)), []).append(i)
-        out: list[tuple | None] = [None] * len(sequences)
-        for bucket, members in by_bucket.items():
-            rows = pow2_at_least(len(members), 1)
-            padded = np.zeros((rows, bucket), np.int32)
-            last = np.zeros((rows,), np.int32)
-            for row, i in enumerate(members):
-                padded[row, :len(sequences[i])] = sequences[i]
-                last[row] = len(sequences[i]) - 1
-            piece = min(bucket, self.prefill_chunk)
-            cache = logits = experts = None
-            with self._mesh():
-                for start in range(0, int(last.max()) + 1, piece):
-                    cache, logits, experts = _prefill(
-                        self._graphdef, self._weights, cache, logits, experts,
-                        jnp.asarray(padded[:, start:start + piece]), jnp.int32(start),
-                        jnp.asarray(last), bucket=bucket, fresh=start == 0)
-            for row, i in enumerate(members):
-                out[i] = (cache, logits, experts, row)
-            self.stats["prefills"] += len(members)
-            self.stats["prefill_calls"] += 1
-            self.stats["prefill_tokens"] += sum(len(sequences[i]) for i in members)
-        jax.block_until_ready(out[-1][1])
-        self.stats["prefill_seconds"] += time.perf_counter() - start_time
-        return out
+    def _prefill(self, sequences: list[list[int]]) -> list[Prefilled]:
+        """Per sequence: its prefill in a batch (`prefill_batches`) under the current weights."""
+        return prefill_batches(self.graphdef, self.weights, sequences,
+                               prefill_chunk=self.prefill_chunk,
+                               mesh_context=self.mesh_context, stats=self.stats)
 
     def _insert(self, request: _Request, slot: int, prefilled: tuple) -> None:
         cache, logits, experts, row = prefilled
@@ -528,16 +492,12 @@ class Engine(SlotScheduler):
         stops = np.full((self.max_stop_ids,), -1, np.int32)
         stops[:len(request.stop_ids)] = request.stop_ids
         page_ids = None
-        if self._pages is not None:
-            if not self._pages.grow(slot, len(request.group.prompt) + step):
-                raise RuntimeError("kv_pages: no free page for a request's prefill")
-            pages = self._pages.pages_for(cache.v.shape[3])
-            ids = np.zeros((self._multiple, pages), np.int32)  # other pools: their trash page
-            ids[self._pages.pool(slot)] = self._pages.table[slot, :pages]
-            page_ids = jnp.asarray(ids)
-        with self._mesh():
-            self._state, self._pool = _insert(
-                self._state, self._pool, page_ids, jnp.int32(slot), cache, logits, experts,
+        if self.page_table is not None:
+            page_ids = jnp.asarray(self.page_table.insert_ids(
+                slot, len(request.group.prompt) + step, cache.v.shape[3]))
+        with self.mesh_context():
+            self.state, self.pool = programs.insert(
+                self.state, self.pool, page_ids, jnp.int32(slot), cache, logits, experts,
                 jnp.int32(row),
                 jnp.int32(len(request.group.prompt) + step), jnp.int32(step),
                 jnp.int32(request.max_new),
@@ -545,7 +505,7 @@ class Engine(SlotScheduler):
                 jnp.float32(request.temperature), jnp.int32(request.top_k),
                 jnp.float32(request.top_p), jnp.asarray(stops))
             if request.routing is not None:  # positions decoded before: their own routing
-                self._state = _put_routing(self._state, jnp.int32(slot), request.routing)
+                self.state = programs.put_routing(self.state, jnp.int32(slot), request.routing)
         request.routing = None
 
     def _span(self) -> int:
@@ -554,12 +514,12 @@ class Engine(SlotScheduler):
         (`_chunk_span`). The one: a row that stops mid-chunk goes on writing (discarded) keys
         at its length until the chunk ends."""
         needed = max(self._chunk_positions(self._requests[i]) for i in self._running)
-        return self._chunk_span(needed + 1)
+        return self.chunk_span(needed + 1)
 
-    def _chunk_span(self, needed: int) -> int:
+    def chunk_span(self, needed: int) -> int:
         """`needed` positions bucketed (`span_bucket`), in whole pages when paged."""
         span = span_bucket(needed, self.max_length, self.min_span)
-        return span if self._pages is None else self._pages.pages_for(span) * self.page_size
+        return span if self.page_table is None else self.page_table.pages_for(span) * self.page_size
 
     def _chunk_positions(self, request: _Request) -> int:
         """Cache positions `request` fills by the end of the next decode chunk."""
@@ -569,20 +529,17 @@ class Engine(SlotScheduler):
     def _decode(self) -> None:
         start_time = time.perf_counter()
         span, table = self._span(), None
-        if self._pages is not None:
-            # The running rows' first pages (an idle row's writes go to the trash page).
-            pages = span // self.page_size
-            rows = np.zeros((self._state.length.shape[0], pages), np.int32)
-            for slot in self._running_slots():
-                rows[self._row(slot)] = self._pages.table[slot, :pages]
-            table = jnp.asarray(rows)
-        with self._mesh():
-            self._state, self._pool, tokens, logprobs, steps = _decode_chunk(
-                self._graphdef, self._weights, self._state, self._pool, table,
+        if self.page_table is not None:  # an idle row's writes go to the trash page
+            table = jnp.asarray(self.page_table.chunk_table(
+                {self._row(s): s for s in self._running_slots()}, self.state.length.shape[0],
+                span))
+        with self.mesh_context():
+            self.state, self.pool, tokens, logprobs, steps = programs.decode_chunk(
+                self.graphdef, self.weights, self.state, self.pool, table,
                 jnp.int32(self._stop_after()), steps=self.chunk_steps, span=span,
                 kernel=self.paged_attention)
         tokens, logprobs, step, active, steps = sharding.fetch(
-            (tokens, logprobs, self._state.step, self._state.active, steps))
+            (tokens, logprobs, self.state.step, self.state.active, steps))
         self.stats["decode_seconds"] += time.perf_counter() - start_time
         self.stats["decode_steps"] += int(steps)
         self.stats["slot_steps"] += int(steps) * self.num_slots
@@ -606,7 +563,7 @@ class Engine(SlotScheduler):
         if not self.record_routing or request.slot is None:
             return None
         length = len(request.group.prompt) + len(request.tokens)
-        return np.asarray(sharding.fetch(self._state.experts[:, self._row(request.slot), :length]))
+        return np.asarray(sharding.fetch(self.state.experts[:, self._row(request.slot), :length]))
 
     def _finish(self, request: _Request, reason: str) -> None:
         self._finish_request(request, EngineOutput(list(request.tokens), list(request.logprobs),
@@ -615,8 +572,8 @@ class Engine(SlotScheduler):
     def _vacate(self, slot: int) -> None:
         """Frees `slot` and the pages it owns."""
         super()._vacate(slot)
-        if self._pages is not None:
-            self._pages.release(slot)
+        if self.page_table is not None:
+            self.page_table.release(slot)
 
     # --- pages (paged KV only) ---
 
@@ -628,14 +585,14 @@ class Engine(SlotScheduler):
         for request_id in self._running:
             request = self._requests[request_id]
             running[request.slot] = (self._chunk_positions(request), request.order)
-        self._pages.make_room(running, self._preempt)
+        self.page_table.make_room(running, self._preempt)
 
     def _preempt(self, slot: int) -> None:
         """Stops `slot`'s request and frees its slot and pages; it goes back to the front of the
         queue with its tokens, to be re-prefilled (prompt + tokens) when readmitted."""
         request = self._requests[self._slots[slot]]
         request.routing = self._recorded_routing(request)
-        self._state = _deactivate(self._state, np.int32(self._row(slot)))
+        self.state = programs.deactivate(self.state, np.int32(self._row(slot)))
         self._requeue(request)
         request.group = Group(request.group.prompt, waiting=1)
         self.stats["preemptions"] += 1

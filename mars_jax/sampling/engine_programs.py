@@ -2,11 +2,11 @@
 
 `SlotState` holds one row per slot: its KV cache of `max_length` positions (or, paged, none: the
 page pools are separate arrays), next-token logits, position, budget, sampling settings, PRNG key,
-stop ids and recorded routing. `_prefill` prefills right-padded prompts into a prompt cache, a
-piece at a time; `_insert` copies a prefilled row into a slot (or its pages); `_decode_chunk` runs
+stop ids and recorded routing. `prefill` prefills right-padded prompts into a prompt cache, a
+piece at a time; `insert` copies a prefilled row into a slot (or its pages); `decode_chunk` runs
 up to `steps` decode steps over every slot, attending over the first `span` cache positions only;
-`_take_slots` / `_put_slots` gather running rows into a smaller slot bucket and back;
-`_deactivate` stops a preempted row; `_put_routing` restores a re-prefilled row's recorded routing.
+`take_slots` / `put_slots` gather running rows into a smaller slot bucket and back;
+`deactivate` stops a preempted row; `put_routing` restores a re-prefilled row's recorded routing.
 
 Layers: every cache is stacked over the layers (the slot cache and a prompt cache `[L, rows,
 ...]`, a page pool every layer's pages), and each layer writes its keys and values into the
@@ -213,7 +213,7 @@ def stack_weights(model: Qwen3):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "shards", "pages", "page_size"))
-def _init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int) -> KVCache:
+def init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int) -> KVCache:
     """Zeroed page pools of every layer, `shards` of `pages` pages a layer each
     (`paged_kv`'s layouts: layer l's pages are the l-th block of a pool's)."""
     cfg = merged(graphdef, weights)[0].config
@@ -225,8 +225,8 @@ def _init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int) ->
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_slots", "max_length", "max_stops",
                                              "record", "paged"))
-def _init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops: int,
-                record: bool, paged: bool) -> SlotState:
+def init_state(graphdef, weights, *, num_slots: int, max_length: int, max_stops: int,
+               record: bool, paged: bool) -> SlotState:
     model = merged(graphdef, weights)[0]
     cfg = model.config
     zeros = lambda dtype=jnp.int32: jnp.zeros((num_slots,), dtype)
@@ -252,8 +252,8 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "span", "kernel"),
                    donate_argnames=("state", "pool"))
-def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
-                  steps: int, span: int, kernel: str = "gather"):
+def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
+                 steps: int, span: int, kernel: str = "gather"):
     """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
     only (the caller guarantees that every active slot's `length + steps <= span`), the cache
     updated in place (no copy of the span); returns the state, the page pool, the chunk's
@@ -313,8 +313,8 @@ def _decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "fresh"),
                    donate_argnames=("cache", "logits", "experts"))
-def _prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
-             fresh: bool):
+def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
+            fresh: bool):
     """Prefills `tokens [G, T]` (G right-padded prompts) at positions start.. start+T into a
     `[G, bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after
     each row's position `last [G]` (rows whose `last` lies in this piece; the others keep
@@ -365,9 +365,9 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
 
 
 @functools.partial(jax.jit, donate_argnames=("state", "pool"))
-def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
-            budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
-            ) -> tuple[SlotState, KVCache | None]:
+def insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
+           budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
+           ) -> tuple[SlotState, KVCache | None]:
     """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
     `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
     those pages) and the request's settings, active; written in place."""
@@ -399,7 +399,7 @@ def _insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row,
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _put_routing(state: SlotState, slot, routing) -> SlotState:
+def put_routing(state: SlotState, slot, routing) -> SlotState:
     """`state` with `routing` `[L_moe, n, k]` as slot `slot`'s recorded routing of its first n
     positions; written in place."""
     experts = jax.lax.dynamic_update_slice(
@@ -408,13 +408,13 @@ def _put_routing(state: SlotState, slot, routing) -> SlotState:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _deactivate(state: SlotState, slot) -> SlotState:
+def deactivate(state: SlotState, slot) -> SlotState:
     """`state` with slot `slot` idle (a preempted request's row stops decoding); in place."""
     return _pinned(state.replace(active=_set_row(state.active, slot, False)))
 
 
 @jax.jit
-def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
+def take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
     """The state of slots `index` (KV cache included); rows where `live` is False are idle.
     Copied one row at a time into a state sharded like `state` (no gather of all slots)."""
     rows = index.shape[0]
@@ -430,8 +430,8 @@ def _take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotStat
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _put_slots(state: SlotState, part: SlotState, rows: jax.Array, slots: jax.Array,
-               count: jax.Array) -> SlotState:
+def put_slots(state: SlotState, part: SlotState, rows: jax.Array, slots: jax.Array,
+              count: jax.Array) -> SlotState:
     """`state` with `part`'s rows `rows[:count]` written to slots `slots[:count]`, one row at a
     time, in place."""
     def copy(i, state):

@@ -88,3 +88,23 @@ class PageTable:
                 preempt(victim)
                 if victim == slot:
                     break
+
+    def insert_ids(self, slot: int, positions: int, bucket: int) -> np.ndarray:
+        """Grows `slot`'s pages to `positions`; returns the page ids a prefill of a `bucket`-long
+        prompt cache is written to, `[pools, pages]`: `slot`'s in its pool, the trash page in
+        the others."""
+        if not self.grow(slot, positions):
+            raise RuntimeError("kv_pages: no free page for a request's prefill")
+        pages = self.pages_for(bucket)
+        ids = np.zeros((self.pools, pages), np.int32)
+        ids[self.pool(slot)] = self.table[slot, :pages]
+        return ids
+
+    def chunk_table(self, slot_of_row: dict[int, int], rows: int, span: int) -> np.ndarray:
+        """The page table of a decode chunk over `span` positions, `[rows, pages]`: each row's
+        slot's first pages (`slot_of_row`), the trash page for the other rows."""
+        pages = span // self.page_size
+        table = np.zeros((rows, pages), np.int32)
+        for row, slot in slot_of_row.items():
+            table[row] = self.table[slot, :pages]
+        return table

@@ -129,7 +129,7 @@ def _decode_loop(model: Qwen3, state: DecodeState, end_step: jax.Array, temperat
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_new", "params"))
-def _prefill_and_decode(graphdef, weights, prompt_tokens, prompt_mask, max_new, stop_ids, keys,
+def prefill_and_decode(graphdef, weights, prompt_tokens, prompt_mask, max_new, stop_ids, keys,
                         temperature, end_step, *, num_new: int, params: SamplingParams):
     model = nnx.merge(graphdef, weights)
     batch, prompt_len = prompt_tokens.shape
@@ -151,7 +151,7 @@ def _prefill_and_decode(graphdef, weights, prompt_tokens, prompt_mask, max_new, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params"), donate_argnames=("state",))
-def _continue_decode(graphdef, weights, state, temperature, end_step, *, params: SamplingParams):
+def continue_decode(graphdef, weights, state, temperature, end_step, *, params: SamplingParams):
     return _decode_loop(nnx.merge(graphdef, weights), state, end_step, temperature, params)
 
 
@@ -164,7 +164,7 @@ def batch_shards(mesh: jax.sharding.Mesh | None) -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _batch_bucket(rows: int, multiple: int) -> int:
+def batch_bucket(rows: int, multiple: int) -> int:
     """Rows of a decode batch holding `rows` sequences: a power of two, rounded up to `multiple`."""
     return -(-pow2_at_least(rows, 1) // multiple) * multiple
 
@@ -214,7 +214,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise ValueError(f"sequence_seeds: expected {n} entries, got {len(seeds)}")
 
     multiple = batch_shards(mesh)
-    batch = _batch_bucket(n, multiple)
+    batch = batch_bucket(n, multiple)
     prompt_len = prompt_bucket(max(len(p) for p in prompts))
     num_new = new_tokens_bucket(max(max_new))
     tokens = np.zeros((batch, prompt_len), np.int32)
@@ -242,7 +242,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     with _maybe_mesh(mesh):
         if mesh is not None:
             args = tuple(_batch_on_mesh(a, mesh) for a in args)
-        state = _prefill_and_decode(graphdef, weights, *args, temp, jnp.int32(end),
+        state = prefill_and_decode(graphdef, weights, *args, temp, jnp.int32(end),
                                     num_new=num_new, params=params)
         if compacting:
             rows = _compacting_decode(graphdef, weights, state, temp, params, n=n,
@@ -331,7 +331,7 @@ def _compacting_decode(graphdef, weights, state: DecodeState, temperature: jax.A
         live = np.flatnonzero(~done)
         if len(live) == 0 or step >= num_new:
             break
-        target = _batch_bucket(len(live), multiple)
+        target = batch_bucket(len(live), multiple)
         if target <= len(owner) // 2:
             leaving = {int(i): int(owner[i]) for i in np.flatnonzero(done) if owner[i] >= 0}
             finished.update(_host_rows(state, leaving))
@@ -339,7 +339,7 @@ def _compacting_decode(graphdef, weights, state: DecodeState, temperature: jax.A
             keep = np.concatenate([live, filler])
             state = _take_rows(state, jnp.asarray(keep, jnp.int32))
             owner = np.concatenate([owner[live], np.full(len(filler), -1)])
-        state = _continue_decode(graphdef, weights, state, temperature,
+        state = continue_decode(graphdef, weights, state, temperature,
                                  jnp.int32(step + every), params=params)
     finished.update(_host_rows(state, {int(i): int(p) for i, p in enumerate(owner) if p >= 0}))
     return finished

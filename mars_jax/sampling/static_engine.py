@@ -29,8 +29,9 @@ class _Queued:
 
 
 class StaticBatchEngine:
-    """The `DecodeEngine` methods of `Engine` (`rl.streaming`) on `generate`. `stats` counts
-    `tokens` generated and `slot_steps` (a call's rows times its longest output)."""
+    """`decode.DecodeEngine` on `generate` (not `ContinuingEngine`: no partial output to
+    continue). `stats` counts `tokens` generated and `slot_steps` (a call's rows times its
+    longest output)."""
 
     def __init__(self, model, *, seed: int, record_routing: bool = False, mesh=None,
                  max_rows: int = 0):
@@ -48,12 +49,8 @@ class StaticBatchEngine:
 
     def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
-               n: int = 1, generated: tuple[Sequence[int], Sequence[float]] | None = None
-               ) -> list[int]:
+               n: int = 1) -> list[int]:
         """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...)."""
-        if generated is not None:
-            raise ValueError("generated: a static batch cannot continue a partial output "
-                             "(rollout.decode_engine='engine' can)")
         if n < 1:
             raise ValueError(f"n: need n >= 1, got {n}")
         ids = list(range(self._next_id, self._next_id + n))
@@ -98,8 +95,10 @@ class StaticBatchEngine:
         return [], []
 
     def recompute(self, request_ids: Sequence[int]) -> None:
+        """Re-prefills requests holding a slot: none ever does between rounds."""
         if request_ids:
-            raise ValueError("recompute: no request is in flight in a static batch")
+            raise ValueError("recompute: every request must hold a slot (none is in flight "
+                             "between the rounds of a static batch)")
 
     def _decode(self, members: list[_Queued], temperature: float, top_p: float, top_k: int
                 ) -> dict[int, EngineOutput]:

@@ -13,6 +13,7 @@ from mars_jax import sharding
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models import from_pretrained
 from mars_jax.sampling import Engine, engine as engine_module, engine_programs, generate
+from mars_jax.sampling.precompile import compile_ahead
 from tests import hf_fixtures
 from tests.compile_events import ENGINE_PROGRAMS, compiled_programs
 
@@ -183,10 +184,10 @@ def test_a_decode_chunk_holds_no_second_copy_of_the_cache(tmp_path, span, scan):
                                                      num_hidden_layers=layers),
                             attention_impl="flash", attention_block=4)
     engine = Engine(model, num_slots=8, max_length=2048, chunk_steps=4, scan_layers=scan)
-    state = engine._state
+    state = engine.state
     kv_bytes = state.cache.k.nbytes + state.cache.v.nbytes
-    compiled = engine_programs._decode_chunk.lower(
-        engine._graphdef, engine._weights, state, None, None, jnp.int32(0), steps=4,
+    compiled = engine_programs.decode_chunk.lower(
+        engine.graphdef, engine.weights, state, None, None, jnp.int32(0), steps=4,
         span=span).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * kv_bytes / layers
 
@@ -209,8 +210,8 @@ def test_prefill_ahead_prefills_queued_prompts_in_few_calls_with_the_same_tokens
 
 def test_group_prompt_is_prefilled_once(model, monkeypatch):
     calls = []
-    prefill = engine_module._prefill
-    monkeypatch.setattr(engine_module, "_prefill",
+    prefill = engine_programs.prefill
+    monkeypatch.setattr(engine_programs, "prefill",
                         lambda *a, **k: calls.append(k["bucket"]) or prefill(*a, **k))
     prompt = REQUESTS[2]["prompt"]
     grouped = Engine(model, num_slots=3, max_length=48, chunk_steps=4)
@@ -243,11 +244,11 @@ def test_slots_are_reused_without_recompiling(model, monkeypatch):
     """After one warm-up pass, further requests compile no prefill or insert; decode chunks
     exist once per (slot bucket, KV span) pair run (4 slots, and 2 and 1 once the tail is
     compacted; spans 16, 24, 32, 48) and shrinking once per slot bucket."""
-    fixed = (engine_module._prefill, engine_module._insert)
-    decode, take = engine_module._decode_chunk, engine_module._take_slots
+    fixed = (engine_programs.prefill, engine_programs.insert)
+    decode, take = engine_programs.decode_chunk, engine_programs.take_slots
     before = decode._cache_size(), take._cache_size()
     chunks = set()
-    monkeypatch.setattr(engine_module, "_decode_chunk", lambda graphdef, weights, state, *a, **k:
+    monkeypatch.setattr(engine_programs, "decode_chunk", lambda graphdef, weights, state, *a, **k:
                         chunks.add((state.length.shape[0], k["span"]))
                         or decode(graphdef, weights, state, *a, **k))
     rng = np.random.default_rng(1)
@@ -305,13 +306,13 @@ def test_precompile_leaves_serving_nothing_to_compile(model, hf_moe_dir, referen
         mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1, "expert": 2})
         engine = Engine(from_pretrained(hf_moe_dir, mesh=mesh), num_slots=8, max_length=64,
                         chunk_steps=4, min_span=16, mesh=mesh, **paging)
-        engine.precompile(lengths, threads=2)
+        compile_ahead(engine, lengths, threads=2)
     else:
         engine = Engine(model, num_slots=4, max_length=64, chunk_steps=4, min_span=16,
                         prefill_chunk=16, **paging)
-        assert engine.precompile(lengths, threads=2) == 44
+        assert compile_ahead(engine, lengths, threads=2) == 44
         with pytest.raises(ValueError, match=r"prompt_lengths: each must be in \[1, max_le"):
-            engine.precompile([0, 65])
+            compile_ahead(engine, [0, 65])
     with compiled_programs() as compiled:
         outputs = _serve(engine, range(10))
     assert not ENGINE_PROGRAMS.intersection(compiled)
@@ -447,7 +448,7 @@ def test_after_free_kv_the_requests_in_slots_go_on_as_after_a_recompute(model, p
         engine._step()
         held = engine.in_slots()
         if free:
-            cache = jax.tree.leaves((engine._state.cache, engine._pool))
+            cache = jax.tree.leaves((engine.state.cache, engine.pool))
             engine.free_kv()
             assert all(array.is_deleted() for array in cache)
         else:
@@ -490,10 +491,10 @@ def test_a_paged_cache_gives_generates_tokens(model, reference, pages, order, ke
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
         np.testing.assert_array_equal(outputs[i].expert_ids, ref.expert_ids[0])
     assert (engine.stats["preemptions"] > 0) == (pages == 8)
-    assert sorted(engine._pages.free[0]) == list(range(1, pages + 1))
-    assert engine._state.cache == ()
+    assert sorted(engine.page_table.free[0]) == list(range(1, pages + 1))
+    assert engine.state.cache == ()
     assert engine.kv_bytes == engine.kv_bytes_per_token * 8 * (pages + 1) == (
-        engine._pool.k.nbytes + engine._pool.v.nbytes)
+        engine.pool.k.nbytes + engine.pool.v.nbytes)
 
 
 def test_paged_admission_leaves_the_running_requests_their_next_chunk(model):
@@ -530,13 +531,13 @@ def test_a_paged_cache_on_a_mesh(hf_moe_dir, reference, axes, pool_spec, kernel)
     sharded = from_pretrained(hf_moe_dir, mesh=mesh)
     engine = Engine(sharded, num_slots=16, max_length=64, chunk_steps=4, mesh=mesh, min_span=16,
                     kv_pages=64, page_size=8, paged_attention=kernel)
-    assert tuple(engine._pool.k.sharding.spec)[:len(pool_spec)] == pool_spec
+    assert tuple(engine.pool.k.sharding.spec)[:len(pool_spec)] == pool_spec
     outputs = _serve(engine, range(10))
     for i, ref in enumerate(reference):
         assert outputs[i].tokens == ref.tokens[0], i
         np.testing.assert_allclose(outputs[i].logprobs, ref.logprobs[0], atol=1e-5)
     assert engine.stats["shrinks"] > 0
-    if engine._multiple > 1:
+    if engine.batch_shards > 1:
         with pytest.raises(ValueError, match="kv_pages: 60 is not a multiple"):
             Engine(sharded, num_slots=16, max_length=64, mesh=mesh, kv_pages=60)
 
