@@ -60,8 +60,9 @@ def base_config() -> ConfigDict:
         # The rollout scheduler (mars_jax.rl.streaming) decodes on one engine for the whole run:
         # 'engine' (continuous batching over engine_slots slots) | 'generate' (static batches of
         # at most max_decode_rows rows, 0 = all; either way no more than half the free memory
-        # holds, mars_jax.sampling.sampler.static_rows; the exact reference).
-        decode_engine="generate",
+        # holds, mars_jax.sampling.sampler.static_rows; the exact reference the tests compare
+        # the engine against).
+        decode_engine="engine",
         max_decode_rows=0,
         engine_slots=0,             # engine slots; 0 = 16
         engine_chunk_steps=16,      # engine decode steps between admissions
