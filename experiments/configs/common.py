@@ -59,8 +59,10 @@ def base_config() -> ConfigDict:
         max_new_tokens=ConfigDict(dict(solver=256, verifier=256, corrector=256)),
         # The rollout scheduler (mars_jax.rl.streaming) decodes on one engine for the whole run:
         # 'engine' (continuous batching over engine_slots slots) | 'generate' (static batches of
-        # at most max_decode_rows rows, 0 = all; the exact reference).
-        decode_engine="generate",
+        # at most max_decode_rows rows, 0 = all; either way no more than half the free memory
+        # holds, mars_jax.sampling.sampler.static_rows; the exact reference the tests compare
+        # the engine against).
+        decode_engine="engine",
         max_decode_rows=0,
         engine_slots=0,             # engine slots; 0 = 16
         engine_chunk_steps=16,      # engine decode steps between admissions

@@ -85,7 +85,8 @@ class EngineSettings:
     """A decode engine: `kind` 'engine' (continuous batching over `slots` slots of `max_length`
     positions, `options` its other `Engine` keyword settings, compiled ahead for prompts up to
     `max_prompt_tokens` with `precompile`) or 'generate' (`StaticBatchEngine`, calls of at most
-    `max_rows` rows, 0: all). Request keys derive from `seed` and each request's sequence seed."""
+    `max_rows` rows, 0: all, each decoded in programs that fit `sampler.static_rows`). Request
+    keys derive from `seed` and each request's sequence seed."""
 
     kind: str = "generate"
     seed: int = 0

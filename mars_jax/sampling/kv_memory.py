@@ -1,34 +1,17 @@
 """What the engine's KV cache takes and what device memory holds beside it: bytes a token of
-context takes, the devices' free bytes, a batch's bytes per row, and how many prompts one prefill
-may take at once (`prefill_parts`). Arithmetic only; the engine decides with it."""
+context takes and the devices' free bytes (`batch_memory`), a batch's bytes per row, and how many
+prompts one prefill may take at once (`prefill_parts`). Arithmetic only; the engine decides with
+it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from mars_jax.buckets import pow2_at_least
+from mars_jax.sampling.batch_memory import device_free_bytes, kv_bytes_per_token  # noqa: F401 (the engine's)
 from mars_jax.sampling.sampler import prompt_bucket
-
-
-def kv_bytes_per_token(config) -> int:
-    """KV-cache bytes one token of context takes in a slot (keys and values of every layer)."""
-    return (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-            * jnp.dtype(config.compute_dtype).itemsize)
-
-
-def device_free_bytes(devices) -> int | None:
-    """The fewest bytes free on `devices` (limit less in use), None where a device does not
-    report its memory (CPU)."""
-    free = []
-    for device in devices:
-        stats = device.memory_stats()
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free)
 
 
 def bytes_per_row(tree: Any, rows: int) -> float:

@@ -7,6 +7,8 @@ so a sequence's tokens do not depend on the rest of the batch. Rows stop on thei
 or length budget; the loop ends when every row has stopped. Within a fixed-shape batch a finished
 row still costs compute, so a full decode pauses every `COMPACT_EVERY` steps and, once the live
 rows fit a batch bucket half as large, continues with just them (their KV cache gathered).
+A call whose rows would take more than half of the free memory (`static_rows`) decodes them in
+several programs of fewer rows, each at the whole call's P and N.
 
 KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
 bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 98,304 bytes
@@ -31,6 +33,7 @@ from mars_jax.buckets import length_bucket, pow2_at_least
 from mars_jax.layers.attention import KVCache
 from mars_jax.layers.attention_mask import AttentionMask
 from mars_jax.models.qwen3 import Qwen3, positions_from_mask
+from mars_jax.sampling import batch_memory
 from mars_jax.sampling.processors import check_sampling, choose_tokens
 
 MIN_PROMPT_BUCKET = 16
@@ -193,6 +196,7 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     running fit a batch bucket at most half the current one, they (KV cache included) are gathered
     into that smaller batch, so finished rows stop costing compute. Tokens are unchanged by it
     (each row keeps its key and position); `compact_every=None` decodes in one loop.
+    The rows are decoded `static_rows` at a time (all of them where memory allows).
     """
     if compact_every is not None and compact_every < 1:
         raise ValueError(f"compact_every: must be >= 1 or None, got {compact_every}")
@@ -214,9 +218,67 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise ValueError(f"sequence_seeds: expected {n} entries, got {len(seeds)}")
 
     multiple = batch_shards(mesh)
-    batch = batch_bucket(n, multiple)
     prompt_len = prompt_bucket(max(len(p) for p in prompts))
     num_new = new_tokens_bucket(max(max_new))
+    params = SamplingParams(greedy=temperature == 0, top_k=int(top_k), top_p=float(top_p),
+                            record_routing=bool(record_routing) and bool(model.config.num_experts))
+    size = static_rows(model.config, n, prompt_len, num_new, record_routing=params.record_routing,
+                       mesh=mesh, free=_free_bytes(mesh))
+    graphdef, weights = nnx.split(model)
+    rows: dict[int, _Row] = {}
+    for start in range(0, n, size):
+        part = slice(start, start + size)
+        decoded = _decode_batch(graphdef, weights, prompts[part], max_new[part], stops[part],
+                                seeds[part], seed=seed, temperature=temperature,
+                                shape=(prompt_len, num_new), params=params, mesh=mesh,
+                                compact_every=compact_every)
+        rows.update({start + i: row for i, row in decoded.items()})
+    return _assemble(rows)
+
+
+def static_rows(config, n: int, prompt_len: int, num_new: int, *, record_routing: bool,
+                mesh: jax.sharding.Mesh | None, free: int | None) -> int:
+    """Rows of one `generate` program for `n` prompts at `prompt_len` + `num_new` positions: all
+    `n`, or fewer where their batch bucket would take more than half of `free` bytes
+    (`batch_memory.static_row_bytes`, the rows spread over the mesh's batch shards on
+    accelerators, all in the host's RAM on CPU); never fewer than the batch shards. `free`
+    None: not known, all `n`."""
+    if free is None:
+        return n
+    multiple = batch_shards(mesh)
+    on_cpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "cpu"
+    spread = 1 if on_cpu else multiple
+    room = free // 2 - batch_memory.static_fixed_bytes(config, prompt_len)
+    per_row = batch_memory.static_row_bytes(config, prompt_len, num_new,
+                                            record_routing=record_routing)
+    rows = n
+    while rows > multiple and batch_bucket(rows, multiple) * per_row > room * spread:
+        rows = pow2_at_least(rows, 1) // 2
+    return max(rows, min(n, multiple))
+
+
+def _free_bytes(mesh: jax.sharding.Mesh | None) -> int | None:
+    """Bytes free for a decode batch on `mesh` (the default device without one): the devices'
+    reported free memory, the host's available RAM on CPU; None where neither is known or the
+    mesh spans several processes (whose hosts would need to agree on one batch size)."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if any(d.process_index != jax.process_index() for d in devices):
+        return None
+    if devices[0].platform == "cpu":
+        return batch_memory.host_free_bytes()
+    return batch_memory.device_free_bytes(devices)
+
+
+def _decode_batch(graphdef, weights, prompts, max_new: list[int], stops: list[tuple],
+                  seeds: list[int], *, seed: int, temperature: float, shape: tuple[int, int],
+                  params: SamplingParams, mesh: jax.sharding.Mesh | None,
+                  compact_every: int | None) -> dict[int, _Row]:
+    """One program's decode of `prompts` (`shape`: their padded length and new-token slots,
+    the whole call's, so every part of a split call decodes as the whole would): `_Row`s by
+    index in `prompts`."""
+    n, (prompt_len, num_new) = len(prompts), shape
+    multiple = batch_shards(mesh)
+    batch = batch_bucket(n, multiple)
     tokens = np.zeros((batch, prompt_len), np.int32)
     mask = np.zeros((batch, prompt_len), np.int32)
     for i, p in enumerate(prompts):
@@ -232,11 +294,8 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     base = jax.random.key(seed)
     keys = jax.vmap(lambda s: jax.random.fold_in(base, s))(
         jnp.asarray(seeds + [0] * (batch - n), jnp.uint32))
-    params = SamplingParams(greedy=temperature == 0, top_k=int(top_k), top_p=float(top_p),
-                            record_routing=bool(record_routing) and bool(model.config.num_experts))
     compacting = compact_every is not None and batch > multiple
     end = compact_every if compacting else num_new
-    graphdef, weights = nnx.split(model)
     args = (tokens, mask, budget, stop_ids, keys)
     temp = jnp.float32(max(temperature, 1e-6))
     with _maybe_mesh(mesh):
@@ -245,10 +304,9 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         state = prefill_and_decode(graphdef, weights, *args, temp, jnp.int32(end),
                                     num_new=num_new, params=params)
         if compacting:
-            rows = _compacting_decode(graphdef, weights, state, temp, params, n=n,
+            return _compacting_decode(graphdef, weights, state, temp, params, n=n,
                                       every=compact_every, multiple=multiple)
-            return _assemble(rows)
-    return _assemble(_host_rows(state, {i: i for i in range(n)}))
+    return _host_rows(state, {i: i for i in range(n)})
 
 
 def _batch_on_mesh(x, mesh: jax.sharding.Mesh) -> jax.Array:

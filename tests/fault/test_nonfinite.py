@@ -39,7 +39,7 @@ def test_a_non_finite_gradient_leaves_params_and_optimizer_untouched(poison):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheduler", [
-    (), ("--config.rollout.decode_engine=engine",
+    ("--config.rollout.decode_engine=generate",), ("--config.rollout.decode_engine=engine",
          "--config.rollout.engine_slots=4")])
 def test_skipped_updates_are_logged_and_a_streak_stops_the_run_at_the_last_good_checkpoint(
         tmp_path, scheduler):

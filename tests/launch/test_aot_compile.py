@@ -25,12 +25,14 @@ import aot_compile  # noqa: E402
 import marsrl_qwen3_30b_a3b  # noqa: E402
 
 # The bench preset (8 layers, 16 experts) at short lengths.
+# Both on static batches (the step programs, `aot_compile.PROGRAMS`) unless a test names the engine.
 BENCH = ["--config=experiments/configs/smoke.py", "--config.model.preset=bench",
+         "--config.rollout.decode_engine=generate",
          "--config.rollout.max_prompt_tokens=64", "--config.learner.micro_batch_size=8"] + [
     f"--config.rollout.max_new_tokens.{role}=64" for role in ("solver", "verifier", "corrector")]
 # The tiny preset at short lengths: every program compiles in seconds.
-TINY = ["--config=experiments/configs/smoke.py", "--config.rollout.max_prompt_tokens=64",
-        "--config.learner.micro_batch_size=8"] + [
+TINY = ["--config=experiments/configs/smoke.py", "--config.rollout.decode_engine=generate",
+        "--config.rollout.max_prompt_tokens=64", "--config.learner.micro_batch_size=8"] + [
     f"--config.rollout.max_new_tokens.{role}=32" for role in ("solver", "verifier", "corrector")]
 
 

@@ -61,7 +61,8 @@ def _metrics(workdir):
 
 # Static batches' kill runs with the slow tests (its resume path is also the engine's: the
 # checkpoint, the data iterator and the queues; the engine's adds requests in flight).
-@pytest.mark.parametrize("extra", [pytest.param((), marks=pytest.mark.slow), STREAM],
+@pytest.mark.parametrize("extra", [pytest.param(("--config.rollout.decode_engine=generate",),
+                                                marks=pytest.mark.slow), STREAM],
                          ids=["generate", "engine"])
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path, extra):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
