@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from mars_jax.config_validation import ConfigError, Problem
+from mars_jax.errors import ConfigError, Problem
 from mars_jax.sampling.engine import kv_bytes_per_token
 from mars_jax.sharding import Mesh
 

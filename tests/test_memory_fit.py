@@ -7,7 +7,7 @@ from flax import nnx
 
 from experiments.configs import smoke
 from mars_jax import memory_fit, sharding, weight_sync
-from mars_jax.config_validation import ConfigError
+from mars_jax.errors import ConfigError
 from mars_jax.models import create_model, get_preset
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import init_train_state

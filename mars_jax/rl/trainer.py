@@ -5,7 +5,7 @@ Each step is one `StreamingRollouts.collect` (one decode engine across steps,
 'generate'), then an update on the groups it handed out, metrics, a checkpoint. On one shared
 mesh engine and update share the same parameter arrays; the policy version is the number of steps
 whose update changed the parameters (a step makes `learner.ppo_epochs * learner.mini_batches`
-optimizer updates, `mars_jax.rl.learner`). The config is read through `mars_jax.run_config`.
+optimizer updates, `mars_jax.rl.learner`). The config is read through `mars_jax.rl.config`.
 With `mesh.rollout.devices > 0` the engine runs on its own
 submesh with its own copy of the weights (`weight_sync`, copied after every update, metrics
 `sync/*`); in pipeline mode it keeps decoding while the update runs in a worker thread on the
@@ -62,23 +62,27 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from mars_jax import (builders, config_diff, console, distributed, memory_fit, offload,
-                      preemption, run_config, sharding, storage, weight_sync)
+                      preemption, sharding, storage, weight_sync)
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
-from mars_jax.config_validation import ConfigError, micro_batch_problem
+from mars_jax.errors import ConfigError
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
 from mars_jax.profiling import StepProfiler
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
+from mars_jax.rl import config as rl_config
 from mars_jax.rl import queue_arrays
-from mars_jax.rl.learner import (UpdateStopped, split_mini_batches, summarize_updates,
-                                 train_mini_batches)
+from mars_jax.rl.config import micro_batch_problem
+from mars_jax.rl.learner import (LearnerConfig, UpdateStopped, split_mini_batches,
+                                 summarize_updates, train_mini_batches)
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import init_train_state
 from mars_jax.sampling import EngineSettings, batch_shards, make_engine
+from mars_jax.sampling.config import engine_settings
+from mars_jax.sft.config import probe_settings as eval_probe_settings
 from mars_jax.sft.probe import probe_model
 from mars_jax.types import TrainBatch
 
@@ -175,7 +179,7 @@ def _build_stream(config: ConfigDict, engine: EngineSettings, rollouts: AgenticR
     `distributed.HostGroup`."""
     with sharding.use_mesh(mesh):
         engine = make_engine(engine, model, eos, mesh=mesh)
-    return StreamingRollouts(rollouts, engine, problems, **run_config.stream_options(config),
+    return StreamingRollouts(rollouts, engine, problems, rl_config.stream_settings(config),
                              stop_ids=eos, hosts=distributed.HostGroup("stream"),
                              should_stop=should_stop)
 
@@ -193,8 +197,9 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "time/rollout": batch.seconds}
 
 
-def _check_resident_memory(config: ConfigDict, engine: EngineSettings, state, model_config,
-                           mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh) -> None:
+def _check_resident_memory(config: ConfigDict, engine: EngineSettings, learner: LearnerConfig,
+                           state, model_config, mesh: jax.sharding.Mesh,
+                           rollout_mesh: jax.sharding.Mesh) -> None:
     """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
     all stay on a chip (`memory_fit`; where the backend reports its memory). Static batches
     (`engine.kind='generate'`) keep no KV cache between rounds; with the optimizer offloaded,
@@ -205,7 +210,7 @@ def _check_resident_memory(config: ConfigDict, engine: EngineSettings, state, mo
             if rollout_mesh is not mesh else None)
     phases = (memory_fit.offloaded_phases(state, copy, kv, rollout_mesh,
                                           kv_through_update=config.rollout.resume != "recompute")
-              if config.learner.offload_optimizer
+              if learner.offload_optimizer
               else (memory_fit.resident(state, copy, kv, rollout_mesh),))
     for parts in phases:
         memory_fit.check(parts, memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
@@ -305,15 +310,15 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": decay})
     graphdef, _ = nnx.split(model, nnx.Param)
     state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
-    update_config = run_config.update_program_config(config)
+    update_config = rl_config.update_program_config(config)
     ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
                   if update_config.loss.needs_ref_logprobs else None)
-    rollouts = AgenticRollouts(tokenizer, run_config.rollout_config(config), seed=config.seed,
+    rollouts = AgenticRollouts(tokenizer, rl_config.rollout_config(config), seed=config.seed,
                                encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save,
                                 config=config_diff.record(config))
-    learner = run_config.learner_config(config)
+    learner = rl_config.learner_config(config)
     start, nonfinite_streak, version, saved_stream = 0, 0, 0, None
     recorded = _recorded_config(workdir_path)
     restored = checkpointer.restore_latest(state, arrays_target=lambda saved: {
@@ -345,8 +350,8 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     profiler = StepProfiler(config.profile_steps, host_dir / "tensorboard")
     eos = eos_token_ids(tokenizer)
     metrics: dict[str, float] = {}
-    engine = run_config.engine_settings(config, rollout_mesh)
-    _check_resident_memory(config, engine, state, model_config, mesh, rollout_mesh)
+    engine = engine_settings(config, rollout_mesh)
+    _check_resident_memory(config, engine, learner, state, model_config, mesh, rollout_mesh)
     policy = nnx.merge(graphdef, state.params)
     if copied_weights:
         copy_weights = _weight_copier(state.params, mesh, rollout_mesh)
@@ -357,7 +362,7 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     probe_every = config.eval.probe_every
     probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
                       if probe_every else [])
-    probe_settings = run_config.probe_settings(config, config.eval.engine_slots)
+    probe_settings = eval_probe_settings(config, config.eval.engine_slots)
 
     def held_out_probe(params) -> dict[str, float]:
         t = time.perf_counter()
@@ -407,14 +412,14 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
         for step in bar:
             profiler.before(step)
             try:
-                if config.learner.offload_optimizer:  # on the host while the engine decodes
+                if learner.offload_optimizer:  # on the host while the engine decodes
                     state, ref_params = offload.move_update_state(state, ref_params, "host")
                 batch = stream.collect(version)
                 groups = batch.groups
                 metrics = role_metrics(batch.all_groups)
                 metrics.update(_stream_metrics(batch, stream))
                 t1 = time.perf_counter()
-                if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
+                if learner.offload_optimizer:  # back for the update (and the checkpoint)
                     stream.free_kv()  # into the KV cache's room where nothing is lost
                     state, ref_params = offload.move_update_state(state, ref_params, "device")
                 samples = training_samples(
@@ -456,7 +461,7 @@ def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
                 notice.stop_agreed()
                 if isinstance(stopped, UpdateStopped):
                     state = stopped.state
-                elif config.learner.offload_optimizer:
+                elif learner.offload_optimizer:
                     state, ref_params = offload.move_update_state(state, ref_params, "device")
                 raise Preempted(save_stopped(step, state,
                                              put_back=isinstance(stopped, UpdateStopped))

@@ -14,7 +14,7 @@ from flax import nnx
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig
-from mars_jax.rl.streaming import StreamingRollouts
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings
 from mars_jax.sampling import Engine
 
 TOKENIZER = tiny_tokenizer()
@@ -133,12 +133,13 @@ def _rollouts(group_size=4, max_stages=5, seed=0, cls=AgenticRollouts):
 
 
 def _stream(mode, engine, rollouts=None, problems=None, **overrides):
-    kwargs = dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_inflight_rows=48,
-                  staleness_bound=2, resume="recompute", roles_trained="all",
-                  drop_zero_variance=False, sampling=dict(temperature=1.0, top_p=1.0, top_k=0),
-                  stop_ids=(EOS,))
-    kwargs.update(overrides)
-    return StreamingRollouts(rollouts or _rollouts(), engine, problems or _problems(), **kwargs)
+    settings = StreamSettings(**{
+        **dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_inflight_rows=48,
+               staleness_bound=2, resume="recompute", roles_trained="all",
+               drop_zero_variance=False, sampling=dict(temperature=1.0, top_p=1.0, top_k=0)),
+        **overrides})
+    return StreamingRollouts(rollouts or _rollouts(), engine, problems or _problems(), settings,
+                             stop_ids=(EOS,))
 
 
 def _trained_keys(stream, updates):
