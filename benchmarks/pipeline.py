@@ -113,7 +113,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
             mode=mode, prompts_per_step=args.problems, samples_per_update=samples_per_update,
             max_inflight_rows=2 * args.slots, staleness_bound=4, resume="recompute",
             roles_trained="all", drop_zero_variance=False,
-            sampling=dict(temperature=1.0, top_p=1.0, top_k=0)),
+            sampling=dict(temperature=1.0, top_p=1.0, top_k=0), chunks_per_round=1),
         stop_ids=eos_token_ids(tokenizer))
     learner = LearnerConfig(ppo_epochs=1, mini_batches=1, pi_old="sampler")
     rows = []

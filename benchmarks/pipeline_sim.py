@@ -342,7 +342,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
             prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
             max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
             roles_trained="all", drop_zero_variance=workload.drop_zero_variance,
-            sampling=dict(temperature=0.85, top_p=1.0, top_k=0)),
+            sampling=dict(temperature=0.85, top_p=1.0, top_k=0), chunks_per_round=1),
         stop_ids=(tokenizer.eos_token_id,), clock=engine.clock)
     version, train_free = 0, 0.0
     ends, trained, staleness, update_s = [], [], collections.Counter(), []

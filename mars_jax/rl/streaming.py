@@ -138,7 +138,7 @@ class StreamSettings:
     roles_trained: str
     drop_zero_variance: bool
     sampling: Mapping[str, float]
-    chunks_per_round: int = 1
+    chunks_per_round: int
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -65,8 +65,8 @@ from mars_jax import (builders, config_diff, console, distributed, memory_fit, o
                       preemption, sharding, storage, weight_sync)
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
-from mars_jax.errors import ConfigError
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
+from mars_jax.errors import ConfigError
 from mars_jax.metrics import MetricsWriter
 from mars_jax.optimizer import make_optimizer
 from mars_jax.profiling import StepProfiler
@@ -205,7 +205,7 @@ def _check_resident_memory(config: ConfigDict, engine: EngineSettings, learner: 
     (`engine.kind='generate'`) keep no KV cache between rounds; with the optimizer offloaded,
     decoding and the update are checked apart (`memory_fit.offloaded_phases`)."""
     kv = 0 if engine.kind == "generate" else memory_fit.engine_kv_bytes(
-        config, model_config, engine.slots, engine.max_length, batch_shards(rollout_mesh))
+        engine, model_config, batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
             if rollout_mesh is not mesh else None)
     phases = (memory_fit.offloaded_phases(state, copy, kv, rollout_mesh,

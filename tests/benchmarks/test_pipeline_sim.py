@@ -240,7 +240,7 @@ def _schedule(mode):
         rollouts, engine, problems(5), StreamSettings(
             mode=mode, prompts_per_step=3, samples_per_update=60, max_inflight_rows=16,
             staleness_bound=4, resume="keep", roles_trained="all", drop_zero_variance=False,
-            sampling={}), stop_ids=(1,), clock=engine.clock)
+            sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
     keys = []
     for version in range(4):
         batch = scheduler.collect(version)
@@ -407,7 +407,7 @@ def _barrier_log(schedule, mode):
         rollouts, engine, problems(5), StreamSettings(
             mode=mode, prompts_per_step=2, samples_per_update=1, max_inflight_rows=16,
             staleness_bound=1, resume="keep", roles_trained="all", drop_zero_variance=False,
-            sampling={}), stop_ids=(1,), clock=engine.clock)
+            sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
     log, returned = [], []
     submit = scheduler._submit
 
@@ -451,7 +451,8 @@ def test_sync_refuses_pipeline_mode():
                      problems(5), StreamSettings(
                          mode="pipeline", prompts_per_step=1, samples_per_update=1,
                          max_inflight_rows=1, staleness_bound=1, resume="keep",
-                         roles_trained="all", drop_zero_variance=False, sampling={}),
+                         roles_trained="all", drop_zero_variance=False, sampling={},
+                         chunks_per_round=1),
                      stop_ids=(1,))
 
 

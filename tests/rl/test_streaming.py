@@ -133,13 +133,17 @@ def _rollouts(group_size=4, max_stages=5, seed=0, cls=AgenticRollouts):
 
 
 def _stream(mode, engine, rollouts=None, problems=None, **overrides):
+    """A scheduler; `overrides` set `StreamSettings` fields or `StreamingRollouts` keywords."""
+    fields = {f.name for f in dataclasses.fields(StreamSettings)}
     settings = StreamSettings(**{
         **dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_inflight_rows=48,
                staleness_bound=2, resume="recompute", roles_trained="all",
-               drop_zero_variance=False, sampling=dict(temperature=1.0, top_p=1.0, top_k=0)),
-        **overrides})
+               drop_zero_variance=False, sampling=dict(temperature=1.0, top_p=1.0, top_k=0),
+               chunks_per_round=1),
+        **{k: v for k, v in overrides.items() if k in fields}})
+    keywords = {k: v for k, v in overrides.items() if k not in fields}
     return StreamingRollouts(rollouts or _rollouts(), engine, problems or _problems(), settings,
-                             stop_ids=(EOS,))
+                             **{"stop_ids": (EOS,), **keywords})
 
 
 def _trained_keys(stream, updates):
