@@ -1,5 +1,5 @@
-"""The RL job's typed settings from its `ml_collections` config, each field read here once:
-rollouts (`RolloutConfig`), loss (`LossConfig`), update program (`UpdateConfig`), learner
+"""The RL job's typed settings built from its `ml_collections` config: rollouts
+(`RolloutConfig`), loss (`LossConfig`), update program (`UpdateConfig`), learner
 (`LearnerConfig`), the rollout scheduler (`StreamSettings`); and the check of
 `learner.micro_batch_size` against the processes."""
 from __future__ import annotations
