@@ -49,8 +49,8 @@ from mars_jax.buckets import pow2_at_least
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update
 from mars_jax.rl.rollout import RolloutConfig
-from mars_jax.rl.streaming import StreamingRollouts
 from mars_jax.rl.samples import training_samples
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sampling import Engine
@@ -110,11 +110,13 @@ def run(mode: str, args, samples_per_update: int) -> dict:
               f"{time.perf_counter() - began:.1f} s", flush=True)
     stream = StreamingRollouts(
         rollouts, ForcedLengths(engine, LengthModel(args.median, args.sigma, args.cap)),
-        ProblemIterator(datasets.load("arith", "train"), seed=0), mode=mode,
-        prompts_per_step=args.problems, samples_per_update=samples_per_update,
-        max_inflight_rows=2 * args.slots, staleness_bound=4, resume="recompute",
-        roles_trained="all", drop_zero_variance=False,
-        sampling=dict(temperature=1.0, top_p=1.0, top_k=0), stop_ids=eos_token_ids(tokenizer))
+        ProblemIterator(datasets.load("arith", "train"), seed=0), StreamSettings(
+            mode=mode, prompts_per_step=args.problems, samples_per_update=samples_per_update,
+            max_inflight_rows=2 * args.slots, staleness_bound=4, resume="recompute",
+            roles_trained="all", drop_zero_variance=False,
+            mask_truncated=False,
+            sampling=dict(temperature=1.0, top_p=1.0, top_k=0), chunks_per_round=1),
+        stop_ids=eos_token_ids(tokenizer))
     learner = LearnerConfig(ppo_epochs=1, mini_batches=1, pi_old="sampler")
     rows = []
     for version in range(args.warmup + args.updates):

@@ -92,7 +92,7 @@ from benchmarks.sim.sync import SyncRollouts  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
 from mars_jax.buckets import pow2_at_least  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
-from mars_jax.rl.streaming import StreamingRollouts  # noqa: E402
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings  # noqa: E402
 from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
 
 GiB = 1 << 30
@@ -332,12 +332,13 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
     overlap = costs.overlap
     schedule = MemoSync if mode == "sync" else MemoStreaming
     scheduler = schedule(
-        rollouts, engine, problems(workload.problem_words, seed),
-        mode="sequential" if mode == "sync" else mode,
-        prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
-        max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
-        roles_trained="all", drop_zero_variance=workload.drop_zero_variance,
-        sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
+        rollouts, engine, problems(workload.problem_words, seed), StreamSettings(
+            mode="sequential" if mode == "sync" else mode,
+            prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
+            max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
+            roles_trained="all", drop_zero_variance=workload.drop_zero_variance,
+            mask_truncated=False,
+            sampling=dict(temperature=0.85, top_p=1.0, top_k=0), chunks_per_round=1),
         stop_ids=(tokenizer.eos_token_id,), clock=engine.clock)
     version, train_free = 0, 0.0
     ends, trained, staleness, update_s = [], [], collections.Counter(), []

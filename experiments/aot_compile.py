@@ -74,7 +74,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import ConfigDict, config_flags  # noqa: E402
 
 from mars_jax import builders, sharding, weight_sync  # noqa: E402
-from mars_jax.config_validation import ConfigError, micro_batch_problem, validate  # noqa: E402
+from mars_jax.config_validation import validate  # noqa: E402
+from mars_jax.errors import ConfigError  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout, stacked_cache_layout  # noqa: E402
 from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
@@ -83,10 +84,11 @@ from mars_jax.optimizer import make_optimizer  # noqa: E402
 from mars_jax.rl.update import (TrainState, opt_state_shardings, token_logprobs,  # noqa: E402
                                 train_step)
 from mars_jax.types import TrainBatch  # noqa: E402
-from mars_jax.run_config import engine_shape, update_program_config  # noqa: E402
+from mars_jax.rl.config import micro_batch_problem, update_program_config  # noqa: E402
 from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
 from mars_jax.sampling import program_plan as plan  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
+from mars_jax.sampling.config import engine_shape  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "configs"))
 from common import base_config  # noqa: E402

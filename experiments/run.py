@@ -30,7 +30,8 @@ from ml_collections import config_flags
 
 from mars_jax import config_diff, console, distributed, eval_job, preemption, xla_cpu
 from mars_jax.checkpoint import CheckpointMismatch, CheckpointSaveError, CheckpointUnavailable
-from mars_jax.config_validation import ConfigError, Problem, field_problem, field_type, validate
+from mars_jax.config_validation import field_problem, field_type, validate
+from mars_jax.errors import ConfigError, Problem
 from mars_jax.rl import trainer
 from mars_jax.sft import job as sft_job
 from mars_jax.sft import warm_start

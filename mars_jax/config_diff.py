@@ -20,7 +20,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from mars_jax import console, storage
-from mars_jax.config_validation import ConfigError, Problem
+from mars_jax.errors import ConfigError, Problem
 
 RESUME_FIELDS = (
     "job", "seed", "tokenizer",

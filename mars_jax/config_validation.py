@@ -16,8 +16,9 @@ schema (`experiments/configs/common.py`) and raises one `ConfigError` listing ev
                has a server URL and model name, a warm start (`warm_start.sft`) has a cache
                directory and no `model.checkpoint`, the optimizer state is offloaded only on
                one shared mesh, `learner.micro_batch_size` (rows per micro-batch over the
-               whole training mesh) splits evenly over the processes (`micro_batch_problem`),
-               `profile_steps` is () or (first, last) within the run.
+               whole training mesh) splits evenly over the processes
+               (`rl.config.micro_batch_problem`), `profile_steps` is () or (first, last)
+               within the run.
 
 Rules that read a field with a schema or range problem are skipped, so one wrong value yields
 one message. `field_problem` and `field_type` check a `--config.<field>` override's name and
@@ -37,38 +38,17 @@ from ml_collections import ConfigDict, FieldReference
 from mars_jax import sharding
 from mars_jax.agents.prompts import STYLES
 from mars_jax.agents.system import FALLBACKS
+from mars_jax.errors import ConfigError, Problem
 from mars_jax.layers.paged_kv import KERNELS
 from mars_jax.models.config import ATTENTION_IMPLS, DTYPES, MOE_IMPLS
 from mars_jax.models.presets import PRESETS
 from mars_jax.rl.learner import PI_OLD
+from mars_jax.rl.config import micro_batch_problem
 from mars_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mars_jax.rl.rollout import STAGE_ROLES
 from mars_jax.rl.selection import POLICIES
 from mars_jax.rl.streaming import MODES, RESUME_MODES, ROLES_TRAINED
 from mars_jax.sampling.decode import ENGINE_KINDS
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One unusable field: what is wrong and how to fix it."""
-
-    field: str
-    problem: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.problem}; fix: {self.fix}"
-
-
-class ConfigError(ValueError):
-    """The config cannot run; the message names each field with its problem and fix."""
-
-    exit_code = 2  # EX_USAGE-like: nothing was built
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        lines = "\n".join(f"  {p}" for p in problems)
-        super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -485,20 +465,6 @@ def _offload(config: ConfigDict, device_count: int) -> Iterator[Problem]:
                       f"True with mesh.rollout.devices={config.mesh.rollout.devices}: the "
                       "training devices never decode, so offloading frees nothing the engine uses",
                       "set it to False, or mesh.rollout.devices=0 for one shared mesh")
-
-
-def micro_batch_problem(micro_batch_size: int, processes: int) -> Problem | None:
-    """The problem of `learner.micro_batch_size` (rows per micro-batch over the whole training
-    mesh, each of `processes` hosts building an equal share of them) when it does not split
-    evenly over the hosts; None when it does."""
-    if micro_batch_size % processes == 0:
-        return None
-    return Problem("learner.micro_batch_size",
-                   f"{micro_batch_size} rows per micro-batch (over the whole training mesh) do "
-                   f"not split evenly over {processes} processes (hosts), each of which builds "
-                   "an equal share",
-                   f"set it to a multiple of {processes}, e.g. "
-                   f"{max(processes, micro_batch_size // processes * processes)}")
 
 
 @_rule("learner.micro_batch_size")

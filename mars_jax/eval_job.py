@@ -18,12 +18,13 @@ import tqdm
 from ml_collections import ConfigDict
 from tensorboardX import SummaryWriter
 
-from mars_jax import builders, preemption, run_config, sharding
+from mars_jax import builders, preemption, sharding
 from mars_jax.agents.eval import EvalProblem, evaluate
 from mars_jax.agents.http_policy import HttpPolicy
 from mars_jax.agents.policy import Policy, RoutedPolicy
 from mars_jax.agents.sampler_policy import SamplerPolicy
 from mars_jax.agents.system import LoopConfig
+from mars_jax.sampling.config import eval_engine_settings
 
 
 def build_policy(config: ConfigDict) -> Policy:
@@ -35,7 +36,7 @@ def build_policy(config: ConfigDict) -> Policy:
             model = builders.build_model(config, mesh)
         return SamplerPolicy(model, builders.build_tokenizer(config), temperature=e.temperature,
                              top_p=e.top_p, enable_thinking=config.rollout.enable_thinking,
-                             engine=run_config.eval_engine_settings(config, e.engine_slots))
+                             engine=eval_engine_settings(config, e.engine_slots))
     if e.policy == "http":
         api_key = os.environ.get(e.api_key_env) if e.api_key_env else None
         http = lambda url: HttpPolicy(url, e.served_model, api_key=api_key,

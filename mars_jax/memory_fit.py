@@ -13,9 +13,8 @@ import math
 
 import jax
 import numpy as np
-from ml_collections import ConfigDict
-
-from mars_jax.config_validation import ConfigError, Problem
+from mars_jax.errors import ConfigError, Problem
+from mars_jax.sampling.decode import EngineSettings
 from mars_jax.sampling.engine import kv_bytes_per_token
 from mars_jax.sharding import Mesh
 
@@ -47,15 +46,13 @@ def _largest_shard(tree, shardings=None) -> int:
     return max(per_device.values(), default=0)
 
 
-def engine_kv_bytes(config: ConfigDict, model_config, slots: int, max_length: int,
-                    shards: int) -> int:
-    """The engine's whole KV cache as `sampling.Engine` allocates it (`shards` pools when
-    paged, each with a trash page)."""
+def engine_kv_bytes(engine: EngineSettings, model_config, shards: int) -> int:
+    """The KV cache of the `sampling.Engine` that `engine` describes, as it allocates it: its
+    slots' positions, or `shards` page pools, each with a trash page."""
     per_token = kv_bytes_per_token(model_config)
-    r = config.rollout
-    if r.engine_kv_pages:
-        return per_token * r.engine_page_size * (r.engine_kv_pages + shards)
-    return per_token * max_length * slots
+    if engine.options.get("kv_pages"):
+        return per_token * engine.options["page_size"] * (engine.options["kv_pages"] + shards)
+    return per_token * engine.max_length * engine.slots
 
 
 def resident(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: Mesh) -> Resident:

@@ -3,7 +3,7 @@ import pytest
 
 from experiments.configs import smoke
 from mars_jax import config_diff
-from mars_jax.config_validation import ConfigError
+from mars_jax.errors import ConfigError
 
 
 def _saved(**changes):

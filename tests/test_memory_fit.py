@@ -7,10 +7,11 @@ from flax import nnx
 
 from experiments.configs import smoke
 from mars_jax import memory_fit, sharding, weight_sync
-from mars_jax.config_validation import ConfigError
+from mars_jax.errors import ConfigError
 from mars_jax.models import create_model, get_preset
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import init_train_state
+from mars_jax.sampling.config import engine_settings
 
 
 def test_resident_bytes_count_the_state_the_copy_and_the_kv_cache_by_hand():
@@ -24,9 +25,10 @@ def test_resident_bytes_count_the_state_the_copy_and_the_kv_cache_by_hand():
     counters = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)
     config = smoke.get_config()
     config.rollout.engine_kv_pages, config.rollout.engine_page_size = 60, 16
+    config.rollout.engine_slots, config.rollout.decode_engine = 8, "engine"
     cfg = get_preset("tiny")
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-    kv = memory_fit.engine_kv_bytes(config, cfg, slots=8, max_length=128, shards=4)
+    kv = memory_fit.engine_kv_bytes(engine_settings(config), cfg, shards=4)
     assert kv == per_token * 16 * (60 + 4)  # a trash page per pool
     copy = (state.params, weight_sync.rollout_shardings(state.params, rollout))
     parts = memory_fit.resident(state, copy, kv, rollout)

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from mars_jax import offload, sharding
-from mars_jax.config_validation import ConfigError, validate
+from mars_jax.config_validation import validate
+from mars_jax.errors import ConfigError
 from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.optimizer import make_optimizer

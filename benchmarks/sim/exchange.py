@@ -11,7 +11,7 @@ Each host's decode time per chunk is the cost model's times a factor drawn per h
 from a log-normal of sigma `--jitter` (stragglers: host CPU stalls, GC, a slow link); the load
 differs between hosts on its own too (each host's requests, prefills and lengths are its own).
 `--chunks_per_round` k: hosts exchange after every k engine chunks (events of `SimEngine`)
-instead of every one (`StreamingRollouts(chunks_per_round=k)`). Reported per setting: the share
+instead of every one (`StreamSettings(chunks_per_round=k)`). Reported per setting: the share
 of host time spent waiting in the exchange (sum over hosts of the wait / sum of host time, from
 the end of update `--warmup` to the end of the last), the update cadence and the trained
 samples per accelerator-hour.
@@ -43,6 +43,7 @@ from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import LengthModel  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
+from mars_jax.rl.streaming import StreamSettings  # noqa: E402
 
 CHIPS_PER_HOST = {"v5p": 4, "h200": 8}
 
@@ -164,15 +165,17 @@ def simulate(setting: Setting, args) -> dict:
                                encode=sim_encode, correct_rates=dict(workload.correct_rates))
         scheduler = MemoStreaming(
             rollouts, engines[h], problems(workload.problem_words, args.seed * 1000 + h),
-            mode="pipeline", prompts_per_step=workload.prompts_per_step,
-            samples_per_update=args.samples_per_host * setting.hosts,
-            max_inflight_rows=2 * slots,
-            staleness_bound=args.staleness_bound, resume="keep", roles_trained="all",
-            drop_zero_variance=workload.drop_zero_variance,
-            sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
+            StreamSettings(
+                mode="pipeline", prompts_per_step=workload.prompts_per_step,
+                samples_per_update=args.samples_per_host * setting.hosts,
+                max_inflight_rows=2 * slots,
+                staleness_bound=args.staleness_bound, resume="keep", roles_trained="all",
+                drop_zero_variance=workload.drop_zero_variance,
+                mask_truncated=False,
+                sampling=dict(temperature=0.85, top_p=1.0, top_k=0),
+                chunks_per_round=setting.chunks_per_round),
             stop_ids=(tokenizer.eos_token_id,), clock=engines[h].clock,
-            hosts=SimHosts(clocks, h),
-            chunks_per_round=setting.chunks_per_round)
+            hosts=SimHosts(clocks, h))
         version, ends, trained, waited = 0, [], [], []
         for _ in range(args.updates):
             batch = scheduler.collect(version)

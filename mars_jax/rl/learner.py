@@ -57,6 +57,9 @@ class LearnerConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
     pi_old: str = "sampler"
+    # On one shared mesh: the optimizer state (and KL reference) in host memory while the engine
+    # decodes, back for the update (`mars_jax.offload`; the trainer acts on it).
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.ppo_epochs < 1 or self.mini_batches < 1:

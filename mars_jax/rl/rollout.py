@@ -74,18 +74,18 @@ def sequence_seed(seed: int, group_uid: str) -> int:
     return zlib.crc32(f"{seed}:{group_uid}".encode()) >> 1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """How rollouts are grown and cut."""
+    """How rollouts are grown and cut; the budgets have no default here (a run's come from
+    config.rollout, `rl.config.rollout_config`)."""
 
     group_size: int = 8
     fan_out: int = 2
     selection: str = "adaptive"
     verifier_selection: str = ""    # the Verifier stage's policy; "" = `selection`
     max_stages: int = 5
-    max_new_tokens: dict = dataclasses.field(
-        default_factory=lambda: {"solver": 512, "verifier": 512, "corrector": 512})
-    max_prompt_tokens: int = 2048
+    max_new_tokens: dict            # role -> its outputs' token budget
+    max_prompt_tokens: int
     enable_thinking: bool = False
     prompt_style: str = "full"
     truncated_reward: float = 0.0   # reward of a Solver / Corrector output ended by length

@@ -49,7 +49,7 @@ import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from mars_jax.distributed import HostGroup
 from mars_jax.preemption import Stopped
@@ -106,39 +106,60 @@ class _Agreed:
         return sum(size for host in self.ready for size, _ in host)
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamSettings:
+    """`StreamingRollouts`' settings (config.rollout): `samples_per_update` trained samples per
+    update, `max_inflight_rows` this host's cap on rollouts in flight, `sampling` the engine's
+    per-request sampling keywords (temperature, top_p, top_k), `chunks_per_round` engine chunks
+    between two exchanges of the hosts (pipeline mode)."""
+
+    mode: str
+    prompts_per_step: int
+    samples_per_update: int
+    max_inflight_rows: int
+    staleness_bound: int
+    resume: str
+    roles_trained: str
+    drop_zero_variance: bool
+    mask_truncated: bool
+    sampling: Mapping[str, float]
+    chunks_per_round: int
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"rollout.mode: {self.mode!r} is not one of {MODES}")
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"rollout.resume: {self.resume!r} is not one of {RESUME_MODES}")
+        if self.roles_trained not in ROLES_TRAINED:
+            raise ValueError(f"rollout.roles_trained: {self.roles_trained!r} is not one of "
+                             f"{sorted(ROLES_TRAINED)}")
+        if self.chunks_per_round < 1:
+            raise ValueError(f"chunks_per_round: must be >= 1, got {self.chunks_per_round}")
+        if self.samples_per_update < 1 or self.prompts_per_step < 1 or self.max_inflight_rows < 1:
+            raise ValueError("samples_per_update, prompts_per_step and max_inflight_rows must be "
+                             f">= 1; got {self.samples_per_update}, {self.prompts_per_step}, "
+                             f"{self.max_inflight_rows}")
+
+
 class StreamingRollouts:
     """Feeds `rollouts`' requests to `engine` and hands out complete groups per update."""
 
     def __init__(self, rollouts: AgenticRollouts, engine: DecodeEngine, problems: Iterator[dict],
-                 *, mode: str, prompts_per_step: int, samples_per_update: int,
-                 max_inflight_rows: int, staleness_bound: int, resume: str, roles_trained: str,
-                 drop_zero_variance: bool, sampling: dict, stop_ids: Sequence[int],
-                 mask_truncated: bool = False,
+                 settings: StreamSettings, *, stop_ids: Sequence[int],
                  clock: Callable[[], float] = time.perf_counter,
                  hosts: HostGroup | None = None,
-                 should_stop: Callable[[], bool] = lambda: False, chunks_per_round: int = 1):
-        if mode not in MODES:
-            raise ValueError(f"rollout.mode: {mode!r} is not one of {MODES}")
-        if resume not in RESUME_MODES:
-            raise ValueError(f"rollout.resume: {resume!r} is not one of {RESUME_MODES}")
-        if roles_trained not in ROLES_TRAINED:
-            raise ValueError(f"rollout.roles_trained: {roles_trained!r} is not one of "
-                             f"{sorted(ROLES_TRAINED)}")
-        if chunks_per_round < 1:
-            raise ValueError(f"chunks_per_round: must be >= 1, got {chunks_per_round}")
-        if samples_per_update < 1 or prompts_per_step < 1 or max_inflight_rows < 1:
-            raise ValueError("samples_per_update, prompts_per_step and max_inflight_rows must be "
-                             f">= 1; got {samples_per_update}, {prompts_per_step}, "
-                             f"{max_inflight_rows}")
+                 should_stop: Callable[[], bool] = lambda: False):
         self.rollouts, self.engine, self.problems = rollouts, engine, problems
-        self.mode, self.prompts_per_step = mode, prompts_per_step
-        self.samples_per_update, self.max_inflight_rows = samples_per_update, max_inflight_rows
-        self.staleness_bound, self.resume = staleness_bound, resume
-        self.rules = SampleRules(ROLES_TRAINED[roles_trained], drop_zero_variance, mask_truncated)
-        self.sampling, self.stop_ids, self.clock = dict(sampling), tuple(stop_ids), clock
+        self.mode, self.prompts_per_step = settings.mode, settings.prompts_per_step
+        self.samples_per_update = settings.samples_per_update
+        self.max_inflight_rows = settings.max_inflight_rows
+        self.staleness_bound, self.resume = settings.staleness_bound, settings.resume
+        self.rules = SampleRules(ROLES_TRAINED[settings.roles_trained],
+                                 settings.drop_zero_variance, settings.mask_truncated)
+        self.sampling, self.stop_ids, self.clock = dict(settings.sampling), tuple(stop_ids), clock
         self.hosts = hosts or HostGroup("stream")
         self.should_stop = should_stop
-        self.chunks_per_round = chunks_per_round
+        self.chunks_per_round = settings.chunks_per_round
         self.problems_admitted = 0                   # problems this host took so far
         self.batches = 0                             # sequential batches started (all hosts)
         self._inflight: dict[int, Rollout] = {}      # engine request id -> rollout

@@ -51,10 +51,10 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from mars_jax import (builders, config_diff, console, distributed, memory_fit, offload,
-                      preemption, run_config, sharding, storage, weight_sync)
+                      preemption, sharding, storage, weight_sync)
 from mars_jax.agents.eval_stats import confusion
 from mars_jax.checkpoint import CONFIG_KEY, CheckpointMismatch, Checkpointer
-from mars_jax.config_validation import ConfigError, micro_batch_problem
+from mars_jax.errors import ConfigError
 from mars_jax.data.iterator import ProblemIterator
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
@@ -62,7 +62,9 @@ from mars_jax.models.config import Qwen3Config
 from mars_jax.optimizer import make_optimizer
 from mars_jax.profiling import StepProfiler
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
+from mars_jax.rl import config as rl_config
 from mars_jax.rl import queue_arrays
+from mars_jax.rl.config import micro_batch_problem
 from mars_jax.rl.learner import (LearnerConfig, UpdateStopped, split_mini_batches,
                                  summarize_updates, train_mini_batches)
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
@@ -70,6 +72,8 @@ from mars_jax.rl.samples import training_samples
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import TrainState, UpdateConfig, init_train_state
 from mars_jax.sampling import EngineSettings, batch_shards, make_engine
+from mars_jax.sampling.config import engine_settings
+from mars_jax.sft.config import probe_settings as eval_probe_settings
 from mars_jax.sft.probe import probe_model
 from mars_jax.types import TrainBatch
 
@@ -143,7 +147,7 @@ def _build_stream(config: ConfigDict, engine: EngineSettings, rollouts: AgenticR
     `distributed.HostGroup`."""
     with sharding.use_mesh(mesh):
         engine = make_engine(engine, model, eos, mesh=mesh)
-    return StreamingRollouts(rollouts, engine, problems, **run_config.stream_options(config),
+    return StreamingRollouts(rollouts, engine, problems, rl_config.stream_settings(config),
                              stop_ids=eos, hosts=distributed.HostGroup("stream"),
                              should_stop=should_stop)
 
@@ -161,19 +165,20 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "time/rollout": batch.seconds}
 
 
-def _check_resident_memory(config: ConfigDict, engine: EngineSettings, state, model_config,
-                           mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh) -> None:
+def _check_resident_memory(config: ConfigDict, engine: EngineSettings, learner: LearnerConfig,
+                           state, model_config, mesh: jax.sharding.Mesh,
+                           rollout_mesh: jax.sharding.Mesh) -> None:
     """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
     all stay on a chip (`memory_fit`; where the backend reports its memory). Static batches
     (`engine.kind='generate'`) keep no KV cache between rounds; with the optimizer offloaded,
     decoding and the update are checked apart (`memory_fit.offloaded_phases`)."""
     kv = 0 if engine.kind == "generate" else memory_fit.engine_kv_bytes(
-        config, model_config, engine.slots, engine.max_length, batch_shards(rollout_mesh))
+        engine, model_config, batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
             if rollout_mesh is not mesh else None)
     phases = (memory_fit.offloaded_phases(state, copy, kv, rollout_mesh,
                                           kv_through_update=config.rollout.resume != "recompute")
-              if config.learner.offload_optimizer
+              if learner.offload_optimizer
               else (memory_fit.resident(state, copy, kv, rollout_mesh),))
     for parts in phases:
         memory_fit.check(parts, memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
@@ -336,7 +341,7 @@ def _held_out_probe(config: ConfigDict, mesh: jax.sharding.Mesh, graphdef, token
     """params -> each role's decisions on the held-out problems (`sft.probe`), timed."""
     probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
                       if config.eval.probe_every else [])
-    probe_settings = run_config.probe_settings(config, config.eval.engine_slots)
+    probe_settings = eval_probe_settings(config, config.eval.engine_slots)
 
     def held_out_probe(params) -> dict[str, float]:
         t = time.perf_counter()
@@ -371,15 +376,15 @@ def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": decay})
     graphdef, _ = nnx.split(model, nnx.Param)
     state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
-    update_config = run_config.update_program_config(config)
+    update_config = rl_config.update_program_config(config)
     ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
                   if update_config.loss.needs_ref_logprobs else None)
-    rollouts = AgenticRollouts(tokenizer, run_config.rollout_config(config), seed=config.seed,
+    rollouts = AgenticRollouts(tokenizer, rl_config.rollout_config(config), seed=config.seed,
                                encode=encode_chat)
     checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save,
                                 config=config_diff.record(config))
-    learner = run_config.learner_config(config)
+    learner = rl_config.learner_config(config)
     resumed = _restore(config, workdir_path, checkpointer, state, problems, tokenizer,
                        allow_config_change)
     model_config = model.config
@@ -391,8 +396,8 @@ def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     writer = MetricsWriter(host_dir, resume_step=resumed.start if resumed.restored else -1)
     profiler = StepProfiler(config.profile_steps, host_dir / "tensorboard")
     eos = eos_token_ids(tokenizer)
-    engine = run_config.engine_settings(config, rollout_mesh)
-    _check_resident_memory(config, engine, resumed.state, model_config, mesh, rollout_mesh)
+    engine = engine_settings(config, rollout_mesh)
+    _check_resident_memory(config, engine, learner, resumed.state, model_config, mesh, rollout_mesh)
     publisher = _WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
     policy = publisher.first_model(resumed.state.params)
     stream = _build_stream(config, engine, rollouts, policy, eos, problems, rollout_mesh, notice)
@@ -486,7 +491,7 @@ class _Run:
     def _collect(self) -> tuple[list[list[Rollout]], dict[str, float]]:
         """Decodes until an update is due: (the groups to train, the rollout metrics)."""
         config = self.config
-        if config.learner.offload_optimizer:  # on the host while the engine decodes
+        if self.learner.offload_optimizer:  # on the host while the engine decodes
             self.state, self.ref_params = offload.move_update_state(
                 self.state, self.ref_params, "host")
         batch = self.stream.collect(self.version)
@@ -499,7 +504,7 @@ class _Run:
         """Trains on `groups` (in a thread named `UPDATE_THREAD` while the rollout
         devices decode, with `overlap`); the update's history, None when no host had samples."""
         config, mesh = self.config, self.mesh
-        if config.learner.offload_optimizer:  # back for the update (and the checkpoint)
+        if self.learner.offload_optimizer:  # back for the update (and the checkpoint)
             self.stream.free_kv()  # into the KV cache's room where nothing is lost
             self.state, self.ref_params = offload.move_update_state(
                 self.state, self.ref_params, "device")
@@ -604,7 +609,7 @@ class _Run:
         put_back = isinstance(stopped, UpdateStopped)
         if put_back:
             self.state = stopped.state
-        elif config.learner.offload_optimizer:
+        elif self.learner.offload_optimizer:
             self.state, self.ref_params = offload.move_update_state(
                 self.state, self.ref_params, "device")
         what = f"SIGTERM in step {step}"

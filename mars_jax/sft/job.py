@@ -20,10 +20,11 @@ import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders, run_config
+from mars_jax import builders
 from mars_jax.metrics import MetricsWriter
 from mars_jax.models import Qwen3, Qwen3Config, create_model, save_pretrained
 from mars_jax.optimizer import make_optimizer
+from mars_jax.sft.config import probe_settings
 from mars_jax.sft.probe import probe_model
 from mars_jax.sft.train import encoded_examples, example_stream, heldout_loss, pack, sft_step
 
@@ -98,7 +99,7 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
             if s.probe_every and (step % s.probe_every == 0 or step == last):
                 model = nnx.merge(graphdef, params)
                 decisions = probe_model(model, tokenizer, holdout,
-                                        run_config.probe_settings(config, s.probe_slots))
+                                        probe_settings(config, s.probe_slots))
                 save_pretrained(model, out / f"model_step{step}")
                 metrics.update(decisions)
                 summary = {**summary, **decisions}

@@ -17,7 +17,7 @@ from benchmarks.sim.sync import SyncRollouts
 from mars_jax.models import get_preset
 from mars_jax.rewards.text import strip_thinking
 from mars_jax.rl.rollout import RolloutConfig, sequence_seed
-from mars_jax.rl.streaming import StreamingRollouts
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings
 
 
 @dataclasses.dataclass
@@ -237,9 +237,11 @@ def _schedule(mode):
 
     engine.submit = logged
     scheduler = StreamingRollouts(
-        rollouts, engine, problems(5), mode=mode, prompts_per_step=3, samples_per_update=60,
-        max_inflight_rows=16, staleness_bound=4, resume="keep", roles_trained="all",
-        drop_zero_variance=False, sampling={}, stop_ids=(1,), clock=engine.clock)
+        rollouts, engine, problems(5), StreamSettings(
+            mode=mode, prompts_per_step=3, samples_per_update=60, max_inflight_rows=16,
+            staleness_bound=4, resume="keep", roles_trained="all", drop_zero_variance=False,
+            mask_truncated=False,
+            sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
     keys = []
     for version in range(4):
         batch = scheduler.collect(version)
@@ -403,9 +405,11 @@ def _barrier_log(schedule, mode):
     engine = SimEngine(cost, lengths, num_slots=8, max_length=4096, role_of=role_of_prompt,
                        answer_tokens={"solver": 2, "verifier": 2, "corrector": 2})
     scheduler = schedule(
-        rollouts, engine, problems(5), mode=mode, prompts_per_step=2, samples_per_update=1,
-        max_inflight_rows=16, staleness_bound=1, resume="keep", roles_trained="all",
-        drop_zero_variance=False, sampling={}, stop_ids=(1,), clock=engine.clock)
+        rollouts, engine, problems(5), StreamSettings(
+            mode=mode, prompts_per_step=2, samples_per_update=1, max_inflight_rows=16,
+            staleness_bound=1, resume="keep", roles_trained="all", drop_zero_variance=False,
+            mask_truncated=False,
+            sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
     log, returned = [], []
     submit = scheduler._submit
 
@@ -446,9 +450,13 @@ def test_sync_has_one_barrier_per_step_and_none_between_stages():
 def test_sync_refuses_pipeline_mode():
     with pytest.raises(ValueError, match="sequential"):
         SyncRollouts(_rollouts({"solver": 0.5, "verifier": 0.5, "corrector": 0.5}), None,
-                     problems(5), mode="pipeline", prompts_per_step=1, samples_per_update=1,
-                     max_inflight_rows=1, staleness_bound=1, resume="keep", roles_trained="all",
-                     drop_zero_variance=False, sampling={}, stop_ids=(1,))
+                     problems(5), StreamSettings(
+                         mode="pipeline", prompts_per_step=1, samples_per_update=1,
+                         max_inflight_rows=1, staleness_bound=1, resume="keep",
+                         roles_trained="all", drop_zero_variance=False,
+                         mask_truncated=False, sampling={},
+                         chunks_per_round=1),
+                     stop_ids=(1,))
 
 
 def test_every_row_can_be_selected_though_labels_hold_commas():

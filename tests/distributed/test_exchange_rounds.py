@@ -1,4 +1,4 @@
-"""`StreamingRollouts(chunks_per_round=k)` in pipeline mode exchanges with the other hosts once
+"""`StreamSettings(chunks_per_round=k)` in pipeline mode exchanges with the other hosts once
 every k engine chunks (`benchmarks/sim/exchange.py` measures what that saves), and trains the
 groups that exchanging every chunk trains (one host, the scripted engine of test_streaming)."""
 import pytest

@@ -8,7 +8,8 @@ import pytest
 from ml_collections import ConfigDict, FieldReference
 
 from experiments.configs import common, eval_system, quickstart, smoke
-from mars_jax.config_validation import RANGES, RULE_CHECKED, ConfigError, validate
+from mars_jax.config_validation import RANGES, RULE_CHECKED, validate
+from mars_jax.errors import ConfigError
 from tests.fault import harness
 
 

@@ -6,8 +6,8 @@ import pytest
 from experiments.configs import common
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl.rollout import Rollout
+from mars_jax.rl.config import loss_config
 from mars_jax.rl.samples import SampleRules, training_samples
-from mars_jax.run_config import loss_config
 
 
 def test_make_batch_layout_by_hand():

@@ -4,7 +4,7 @@ import math
 from experiments.configs import smoke
 from mars_jax.rl.rollout import Rollout
 from mars_jax.rl.trainer import role_metrics
-from mars_jax.run_config import rollout_config
+from mars_jax.rl.config import rollout_config
 
 CORRECT = "**Final Verdict:** fine.\n**List of Findings:** None\n**Correctness:** Correct"
 WRONG = "**Final Verdict:** bad.\n**List of Findings:** Critical Error\n**Correctness:** Wrong"

@@ -5,7 +5,7 @@ import collections
 from experiments.configs import smoke
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids, tiny_tokenizer
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig
-from mars_jax.run_config import rollout_config
+from mars_jax.rl.config import rollout_config
 from mars_jax.sampling import EngineOutput
 from tests.rl.scripted import decode_all
 

@@ -70,7 +70,7 @@ def test_rewards_follow_the_script():
 
 
 def test_auto_inflight_rows():
-    config = RolloutConfig(group_size=8, fan_out=2, max_stages=5,
+    config = RolloutConfig(group_size=8, fan_out=2, max_stages=5, max_prompt_tokens=2048,
                            max_new_tokens={"solver": 64, "verifier": 32, "corrector": 16})
     # 4 problems x (8 Solver rows + 2 x 8 rows in each of 4 later stages).
     assert auto_inflight_rows(config, 4) == 4 * (8 + 4 * 16)
@@ -146,6 +146,7 @@ RIGHT_THEN_MORE = "\\boxed{2} since 1 + 1 = 2, and more"  # 16 tokens cut it aft
 def test_truncated_solutions_earn_truncated_reward_and_reach_a_verifier_only_if_asked(
         verify_truncated):
     config = RolloutConfig(group_size=2, fan_out=1, selection="random", prompt_style="compact",
+                           max_prompt_tokens=2048,
                            max_stages=2, truncated_reward=-0.5, verify_truncated=verify_truncated,
                            max_new_tokens={"solver": 16, "verifier": 128, "corrector": 64})
     engine = AgenticRollouts(TOKENIZER, config, seed=0, encode=encode_chat)
@@ -167,6 +168,7 @@ def test_truncated_solutions_earn_truncated_reward_and_reach_a_verifier_only_if_
 def test_a_truncated_verifier_report_has_no_verdict_earns_nothing_and_reaches_no_corrector():
     report = SCRIPT["verifier"] + "\nOn reflection, more to say."
     config = RolloutConfig(group_size=2, fan_out=1, selection="random", prompt_style="compact",
+                           max_prompt_tokens=2048,
                            max_stages=3, max_new_tokens={"solver": 64, "verifier": len(
                                SCRIPT["verifier"]) + 2, "corrector": 64})
     engine = AgenticRollouts(TOKENIZER, config, seed=0, encode=encode_chat)
@@ -185,6 +187,7 @@ def test_with_a_template_that_opens_the_thought_only_text_after_think_close_is_r
     from tests.data.test_tokenizer import thinking_2507_tokenizer
     tokenizer = thinking_2507_tokenizer()
     config = RolloutConfig(group_size=2, fan_out=1, selection="random", prompt_style="compact",
+                           max_prompt_tokens=2048,
                            max_stages=1, max_new_tokens={"solver": 64, "verifier": 64,
                                                          "corrector": 64})
     engine = AgenticRollouts(tokenizer, config, seed=0, encode=encode_chat)
@@ -198,6 +201,7 @@ def test_with_a_template_that_opens_the_thought_only_text_after_think_close_is_r
 @pytest.mark.parametrize("verify_truncated", [False, True])
 def test_truncated_corrector_outputs_reach_the_second_verifier_only_if_asked(verify_truncated):
     config = RolloutConfig(group_size=2, fan_out=1, selection="random", prompt_style="compact",
+                           max_prompt_tokens=2048,
                            max_stages=4, verify_truncated=verify_truncated,
                            max_new_tokens={"solver": 64, "verifier": 128, "corrector": 10})
     engine = AgenticRollouts(TOKENIZER, config, seed=0, encode=encode_chat)
@@ -219,7 +223,7 @@ def test_verifier_selection_overrides_the_policy_for_the_verifier_stage_only(
     """A Solver group of 2 right and 2 wrong solutions, fan-out 2, `adaptive` selection: the
     Verifier judges the two wrong ones, or one of each under `verifier_selection='balanced'`;
     the Corrector stage stays adaptive (both its parents rightly flagged a wrong solution)."""
-    config = RolloutConfig(group_size=4, fan_out=2, selection="adaptive",
+    config = RolloutConfig(group_size=4, fan_out=2, selection="adaptive", max_prompt_tokens=2048,
                            verifier_selection=verifier_selection, prompt_style="compact",
                            max_stages=3, max_new_tokens={"solver": 64, "verifier": 128,
                                                          "corrector": 64})

@@ -16,7 +16,7 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.batching import make_batch
 from mars_jax.rl.rollout import AgenticRollouts, RolloutConfig
 from mars_jax.rl.samples import training_samples
-from mars_jax.rl.streaming import StreamingRollouts
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings
 from mars_jax.sampling import Engine
 
 TOKENIZER = tiny_tokenizer()
@@ -135,12 +135,18 @@ def _rollouts(group_size=4, max_stages=5, seed=0, cls=AgenticRollouts):
 
 
 def _stream(mode, engine, rollouts=None, problems=None, **overrides):
-    kwargs = dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_inflight_rows=48,
-                  staleness_bound=2, resume="recompute", roles_trained="all",
-                  drop_zero_variance=False, sampling=dict(temperature=1.0, top_p=1.0, top_k=0),
-                  stop_ids=(EOS,))
-    kwargs.update(overrides)
-    return StreamingRollouts(rollouts or _rollouts(), engine, problems or _problems(), **kwargs)
+    """A scheduler; `overrides` set `StreamSettings` fields or `StreamingRollouts` keywords."""
+    fields = {f.name for f in dataclasses.fields(StreamSettings)}
+    settings = StreamSettings(**{
+        **dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_inflight_rows=48,
+               staleness_bound=2, resume="recompute", roles_trained="all",
+               drop_zero_variance=False, mask_truncated=False,
+               sampling=dict(temperature=1.0, top_p=1.0, top_k=0),
+               chunks_per_round=1),
+        **{k: v for k, v in overrides.items() if k in fields}})
+    keywords = {k: v for k, v in overrides.items() if k not in fields}
+    return StreamingRollouts(rollouts or _rollouts(), engine, problems or _problems(), settings,
+                             **{"stop_ids": (EOS,), **keywords})
 
 
 def _trained_keys(stream, updates):

@@ -1,0 +1,86 @@
+"""The RL job's typed settings built from its `ml_collections` config: rollouts
+(`RolloutConfig`), loss (`LossConfig`), update program (`UpdateConfig`), learner
+(`LearnerConfig`), the rollout scheduler (`StreamSettings`); and the check of
+`learner.micro_batch_size` against the processes."""
+from __future__ import annotations
+
+import jax
+from ml_collections import ConfigDict
+
+from mars_jax.errors import Problem
+from mars_jax.rl.learner import LearnerConfig
+from mars_jax.rl.losses import LossConfig
+from mars_jax.rl.rollout import RolloutConfig
+from mars_jax.rl.streaming import StreamSettings, auto_inflight_rows
+from mars_jax.rl.update import UpdateConfig
+
+
+def rollout_config(config: ConfigDict) -> RolloutConfig:
+    r = config.rollout
+    return RolloutConfig(
+        group_size=r.group_size, fan_out=r.fan_out, selection=r.selection,
+        verifier_selection=r.verifier_selection,
+        max_stages=1 if r.roles_trained == "solver" else r.max_stages,
+        max_new_tokens=dict(r.max_new_tokens), max_prompt_tokens=r.max_prompt_tokens,
+        enable_thinking=r.enable_thinking, prompt_style=r.prompt_style,
+        truncated_reward=r.truncated_reward, verify_truncated=r.verify_truncated)
+
+
+# Fields of config.loss that are not `LossConfig` fields (they act outside the loss function).
+_LOSS_OUTSIDE = ("pi_old", "mask_truncated")
+_OPTIONAL_LOSS = ("clip_c", "behaviour_weight_cap", "mastered_mask_prob", "target_entropy",
+                  "max_response_len")
+
+
+def loss_config(config: ConfigDict) -> LossConfig:
+    """config.loss as a `LossConfig`; 0 (or '') switches an optional term off (None)."""
+    fields = {k: (None if v in ("", 0) and k in _OPTIONAL_LOSS else v)
+              for k, v in config.loss.items() if k not in _LOSS_OUTSIDE}
+    return LossConfig(**fields)
+
+
+def update_program_config(config: ConfigDict) -> UpdateConfig:
+    """The update program's static settings from config.loss, config.learner and the rollout
+    temperature."""
+    return UpdateConfig(loss=loss_config(config), temperature=config.rollout.temperature,
+                        logits_chunk=config.learner.logits_chunk,
+                        routing_replay=config.learner.routing_replay,
+                        length_halvings=config.learner.length_halvings,
+                        fine_cuts=config.learner.fine_cuts)
+
+
+def learner_config(config: ConfigDict) -> LearnerConfig:
+    return LearnerConfig(ppo_epochs=config.learner.ppo_epochs,
+                         mini_batches=config.learner.mini_batches, pi_old=config.loss.pi_old,
+                         offload_optimizer=config.learner.offload_optimizer)
+
+
+def stream_settings(config: ConfigDict) -> StreamSettings:
+    """The rollout scheduler's settings for this process: `samples_per_update` is
+    `rollout.samples_per_update` (0: `prompts_per_step * group_size`), `max_inflight_rows` this
+    host's share of `rollout.max_inflight_rows` (0: `streaming.auto_inflight_rows`)."""
+    r = config.rollout
+    cap = r.max_inflight_rows or auto_inflight_rows(rollout_config(config), r.prompts_per_step)
+    return StreamSettings(
+        mode=r.mode, prompts_per_step=r.prompts_per_step,
+        samples_per_update=r.samples_per_update or r.prompts_per_step * r.group_size,
+        max_inflight_rows=-(-cap // jax.process_count()),
+        staleness_bound=r.staleness_bound, resume=r.resume,
+        roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,
+        mask_truncated=config.loss.mask_truncated,
+        sampling=dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        chunks_per_round=r.exchange_chunks)
+
+
+def micro_batch_problem(micro_batch_size: int, processes: int) -> Problem | None:
+    """The problem of `learner.micro_batch_size` (rows per micro-batch over the whole training
+    mesh, each of `processes` hosts building an equal share of them) when it does not split
+    evenly over the hosts; None when it does."""
+    if micro_batch_size % processes == 0:
+        return None
+    return Problem("learner.micro_batch_size",
+                   f"{micro_batch_size} rows per micro-batch (over the whole training mesh) do "
+                   f"not split evenly over {processes} processes (hosts), each of which builds "
+                   "an equal share",
+                   f"set it to a multiple of {processes}, e.g. "
+                   f"{max(processes, micro_batch_size // processes * processes)}")
