@@ -214,6 +214,7 @@ def test_the_tpu_paged_decode_updates_the_pool_in_place(tmp_path, scan):
     assert decode["temp_bytes"] < kv["per_device"] / 2
 
 
+@pytest.mark.slow  # ~70 s of compiling at load 22 on 2 cores
 @needs_libtpu
 def test_the_scanned_tpu_decode_reads_the_expert_weights_as_stored(tmp_path):
     """Four scanned MoE layers (8 experts of 128 hidden units, bf16), decode on v5p:2x2x1 with
@@ -243,7 +244,8 @@ def test_the_scanned_tpu_decode_reads_the_expert_weights_as_stored(tmp_path):
     [hlo] = dump.glob("*decode_chunk*.after_optimizations.txt")
     # The stacked wi a chip holds: 4 layers x 4 of the 8 experts x (gate, up) x 128 x 256.
     stacked = re.findall(r"= bf16\[4,4,2,128,256\]\S* (\w[\w-]*)\(", hlo.read_text())
-    assert stacked and set(stacked) == {"parameter"}, stacked
+    # Only passed along (as the program's argument, into and out of loops), never copied.
+    assert stacked and set(stacked) <= {"parameter", "get-tuple-element"}, stacked
 
 
 @pytest.mark.slow  # a Qwen3-30B-A3B layer: ~40 s of compiling
