@@ -9,7 +9,8 @@ compile for TPU or GPU from a CPU host gets the target's kernel):
           the out-by-in expert weights first, in a scanned decode once for every layer at once
           (launch/README.md).
   cuda    with `mgpu`: Pallas Mosaic GPU `ragged_dot_mgpu` (Hopper's wgmma) forward and, for the
-          gradients, itself and `transposed_ragged_dot_mgpu` (`mgpu_fits` says which shapes).
+          gradients, itself and `transposed_ragged_dot_mgpu` (`mgpu_fits` says which shapes;
+          not yet run on a GPU).
   others  `jax.lax.ragged_dot_general`.
 Rows past the groups' sum come out unspecified (callers mask them); their gradients likewise.
 """
@@ -111,18 +112,29 @@ def _mgpu_fwd(lhs, rhs, group_sizes, transpose_rhs):
 
 
 def _mgpu_bwd(transpose_rhs, residuals, grad):
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
     lhs, rhs, group_sizes = residuals
     grad_lhs = _mgpu_forward(grad, rhs, group_sizes, not transpose_rhs)
-    # Per group, its rows' lhs^T @ grad ([G, K, N]): the tokens are the contraction; rows past
-    # the groups' sum are in no group.
-    grad_rhs = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+    grad_rhs = _rhs_gradient(lhs, grad, group_sizes)
+    grad_rhs = grad_rhs.swapaxes(1, 2) if transpose_rhs else grad_rhs
+    return grad_lhs, grad_rhs.astype(rhs.dtype), None
+
+
+def _rhs_gradient(lhs, grad, group_sizes):
+    """Per group, its rows' `lhs^T @ grad` (`[G, K, N]`; rows past the groups' sum are in no
+    group): Mosaic GPU's transposed grouped matmul where this process's first device is a GPU
+    (it sizes its grid by that device's SMs), else XLA's (the cuda branch traced elsewhere: on
+    CPU, where it is never lowered, or in a deviceless compile)."""
+    if jax.devices()[0].platform != "gpu":
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[])
+        return jax.lax.ragged_dot_general(lhs, grad, group_sizes, dims)
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
         _pad_rows(lhs, MGPU_BLOCK_K), _pad_rows(grad, MGPU_BLOCK_K), group_sizes=group_sizes,
         block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
         max_concurrent_steps=MGPU_STAGES, grid_block_n=1)
-    grad_rhs = grad_rhs.swapaxes(1, 2) if transpose_rhs else grad_rhs
-    return grad_lhs, grad_rhs.astype(rhs.dtype), None
 
 
 _mgpu.defvjp(_mgpu_fwd, _mgpu_bwd)
