@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec
 # 128 x 64 bf16 operand tiles plus a 128 x 128 output tile, 160 KiB of a Hopper SM's 227 KiB.
 MGPU_BLOCK_M, MGPU_BLOCK_N, MGPU_BLOCK_K, MGPU_STAGES = 128, 128, 64, 4
 MGPU_DTYPES = (jnp.bfloat16, jnp.float16)
-# megablox tiles (rows, contraction, output columns), each cut to the dimension when smaller.
-GMM_TILE = 128
+# megablox tiles (rows, contraction, output columns), each cut to the dimension when smaller
+# (rows to a multiple of 16, a bf16 tile's).
+GMM_TILE, GMM_ROWS = 128, 16
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -73,10 +74,9 @@ def megablox_grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool,
     """`grouped_matmul` through Pallas megablox `gmm` (TPU; `interpret` runs it anywhere)."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas TPU: imported on use
 
-    m = lhs.shape[0]
-    k = lhs.shape[1]
+    m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tm = min(GMM_TILE, -(-m // 8) * 8)
+    tm = min(GMM_TILE, -(-m // GMM_ROWS) * GMM_ROWS)
     tiling = (tm, min(GMM_TILE, k), min(GMM_TILE, n))
     out = gmm(_pad_rows(lhs, tm), rhs, group_sizes, lhs.dtype, tiling, None, None,
               transpose_rhs, interpret)
