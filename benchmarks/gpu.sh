@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # One GPU (H100 / H200 with jax for CUDA installed), from the repository root:
-#   PARTS=pipeline bash benchmarks/gpu.sh   (env: PARTS, PRESET, NUM_LAYERS, SLOTS, REQUESTS,
+#   bash benchmarks/gpu.sh                  (env: PARTS, PRESET, NUM_LAYERS, SLOTS, REQUESTS,
 #                                            WHEELS, OUT)
 # 0. the machine; packages it lacks installed from local wheels in $WHEELS (default .whl; no
 #    network is assumed; the list is in benchmarks/NOTEBOOK.md, "One H100"), e.g. for Python 3.12:
 #      pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 #        manylinux_2_28_x86_64 ... -d .whl grain array_record tensorflow-datasets ...
 #    the machine's own jax, flax and optax are used (flax 0.12.8 fails on jax 0.11);
-# 1. smoke: a tiny model generates on the GPU (exits early if not, so a retry has time);
-# then the PARTS, in the order given (default: all four, which exceeds one 10-minute call; the
-# plan for a 15-minute lease, not yet tried with `--precompile`: `pipeline` in one call and
-# `tests,moe` in another):
+# 1. gpu check: exits 3 at once, saying why, when jax finds no GPU (no CUDA plugin, no driver);
+# 2. smoke: a tiny model generates on the GPU (exits 1 early if not, so a retry has time);
+# then the PARTS, in the order given (default: `lease`, the issue-64 measurements; its limit,
+# 330 s, and the two steps' 60 s each end it within 8 minutes; not yet run on a GPU):
+#   lease     benchmarks/gpu_lease.py: one table at $PRESET shapes with $NUM_LAYERS layers
+#             (default 4), bf16: update (loss + grads + AdamW, 2 x 4,096 tokens) and prefill
+#             MFU with the MoE's `sorted` dispatch and the Mosaic GPU grouped matmul (`mgpu`);
+#             the paged engine's decode tokens/s per GPU, slots held and HBM bandwidth share
+#             ($SLOTS slots, $REQUESTS long-tailed requests); rows print as they finish, a
+#             row that fails says why and the next runs;
 #   tests     the GPU-capable tests: engine exactness and HF parity (torch reference on CPU);
 #   moe       benchmarks/gpu.py moe: one MoE block, forward, per dispatch backend;
 #   pipeline  benchmarks/pipeline.py (issue 16): pipeline vs sequential, its defaults (bench
@@ -40,7 +46,7 @@ NUM_LAYERS=${NUM_LAYERS:-4}
 SLOTS=${SLOTS:-256}
 REQUESTS=${REQUESTS:-512}
 WHEELS=${WHEELS:-.whl}
-PARTS=${PARTS:-tests,moe,pipeline,engine}
+PARTS=${PARTS:-lease}
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 rm -rf /tmp/site
 install() {  # wheels into /tmp/site (first on the path), no dependencies resolved
@@ -69,11 +75,26 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
   install "$WHEELS"/*.whl || echo "installing $WHEELS failed"
 fi
 
+step "gpu check"
+command -v nvidia-smi > /dev/null || echo "no nvidia-smi on this machine"
+timeout 60 python - <<'PY' || { echo "NO GPU: jax finds no CUDA device (see above); install \
+jax[cuda12] (or cuda13) with a driver that matches, or run on a machine with a GPU"; exit 3; }
+import jax
+gpus = [d for d in jax.devices() if d.platform == "gpu"]
+assert gpus, f"jax {jax.__version__} sees only {jax.devices()}"
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: F401  (the mgpu dispatch)
+print("gpus:", gpus)
+PY
+
 step "smoke"
 smoke || { echo "SMOKE FAILED"; exit 1; }
 
 run_part() {
   case "$1" in
+    lease)
+      step "lease: update and prefill MFU per MoE dispatch, paged decode ($PRESET, $NUM_LAYERS)"
+      timeout 330 python benchmarks/gpu_lease.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
+        --slots "$SLOTS" --requests "$REQUESTS" || echo "lease: failed or timed out (rc $?)" ;;
     tests)  # ~160 s on the H100 with its 2 xdist workers
       step "tests (engine exactness, HF parity)"
       # pytest.ini runs 2 xdist workers: each may take 0.4 of the GPU's memory, not 0.92.
@@ -93,7 +114,7 @@ run_part() {
       timeout 240 python benchmarks/gpu.py --preset "$PRESET" --num-layers "$NUM_LAYERS" \
         --parts engine --slots "$SLOTS" --paged-slots $((4 * SLOTS)) --requests "$REQUESTS" \
         --engines engine,paged,generate --repeats 1 || echo "engine: failed or timed out (rc $?)" ;;
-    *) echo "unknown part '$1' in PARTS (tests, moe, pipeline, engine)"; exit 2 ;;
+    *) echo "unknown part '$1' in PARTS (lease, tests, moe, pipeline, engine)"; exit 2 ;;
   esac
 }
 for part in ${PARTS//,/ }; do run_part "$part"; done

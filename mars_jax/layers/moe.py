@@ -15,16 +15,21 @@ Dispatch backends (all compute the same function; `capacity` alone drops tokens)
            (benchmarks/NOTEBOOK.md, "Expert-parallel decode on the `fsdp` mesh").
   sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
            per block, scanned block by block; `auto`'s path off TPU for large token counts.
-  ragged   dropless: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls. `auto`
-           picks it on TPU only (above `dense_max_tokens`), where XLA lowers it to a
-           grouped-matmul kernel; XLA:GPU (jax 0.10) rewrites it to one dense dot over a one-hot
+  ragged   dropless: assignments sorted by expert, grouped matmuls (`grouped_matmul`: on TPU
+           the Pallas megablox kernel, which reads `wi` as stored, elsewhere
+           `jax.lax.ragged_dot`). `auto` picks it on TPU only (above `dense_max_tokens`);
+           XLA:GPU (jax 0.10) rewrites `ragged_dot` to one dense dot over a one-hot
            `[tokens*k, E*H]` operand, E times the grouped FLOPs (benchmarks/NOTEBOOK.md, "One
            H200"), so on GPU `auto` follows the CPU rule (`dense` for few tokens or tiny
            experts, else `sorted`).
+  mgpu     `ragged` with the Pallas Mosaic GPU grouped matmul (Hopper) on GPU; chosen only as
+           `moe_impl='mgpu'`, where `auto` would not pick `dense` and the kernels take the
+           shapes and dtype (`grouped_matmul.mgpu_fits`), else `auto`'s choice. On TPU it is
+           `ragged`, on CPU `jax.lax.ragged_dot`.
   capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
            dropped. Chosen whenever `capacity_factor` is set.
 
-Under a mesh (`_sharded`), `sorted` and `ragged` run on each batch shard's own tokens
+Under a mesh (`_sharded`), `sorted`, `ragged` and `mgpu` run on each batch shard's own tokens
 (`jax.shard_map` over the mesh axes that split the batch, expert weights gathered over them as
 FSDP gathers any weight): a sort over the global token axis could not be partitioned and would
 replicate every token on every chip. Where those axes split the experts themselves and the tokens
@@ -37,6 +42,7 @@ every expert to every chip.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,6 +51,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mars_jax import sharding
+from mars_jax.layers.grouped_matmul import grouped_matmul, mgpu_fits
 from mars_jax.layers.params import normal_param
 
 # 'auto' on CPU computes all experts densely when a layer's experts hold at most this many
@@ -81,14 +88,19 @@ class MoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return logits, expert_ids.astype(jnp.int32), weights.astype(x.dtype)
 
-    def backend(self, num_tokens: int) -> str:
-        """The dispatch backend used for `num_tokens` tokens (static, chosen at trace time)."""
+    def backend(self, num_tokens: int, dtype: jnp.dtype = jnp.bfloat16) -> str:
+        """The dispatch backend used for `num_tokens` tokens computed in `dtype` (static, chosen
+        at trace time)."""
         if self.capacity_factor is not None:
             return "capacity"
-        if self.impl != "auto":
+        if self.impl not in ("auto", "mgpu"):
             return self.impl
         if num_tokens <= self.dense_max_tokens:
             return "dense"
+        _, _, inter, hidden = self.wi.get_value().shape
+        if (self.impl == "mgpu" and mgpu_fits(hidden, 2 * inter, dtype)
+                and mgpu_fits(inter, hidden, dtype)):
+            return "mgpu"
         if jax.default_backend() == "tpu":
             return "ragged"
         small_experts = self.wo.get_value().size * 3 <= SMALL_EXPERT_PARAMS
@@ -100,13 +112,14 @@ class MoE(nnx.Module):
         lead, hidden = x.shape[:-1], x.shape[-1]
         ids_in = None if expert_ids is None else expert_ids.reshape(-1, self.top_k)
         logits, ids, weights = self.route(x.reshape(-1, hidden), ids_in)
-        backend = self.backend(logits.shape[0])
+        backend = self.backend(logits.shape[0], x.dtype)
         fn = {"dense": self._dense, "sorted": self._sorted, "ragged": self._ragged,
+              "mgpu": functools.partial(self._ragged, mgpu=True),
               "capacity": self._capacity}[backend]
         wi, wo = self.wi[...].astype(x.dtype), self.wo[...].astype(x.dtype)
         ids, weights = ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
         weight_axes = tuple(p.get_metadata()["logical_axes"] for p in (self.wi, self.wo))
-        sort_based = backend in ("sorted", "ragged")
+        sort_based = backend in ("sorted", "ragged", "mgpu")
         out = _sharded(fn, x, ids, weights, wi, wo, weight_axes,
                        self.chunk_tokens if sort_based else 0, split_batch=sort_based)
         return out, logits.reshape(*lead, self.num_experts), ids
@@ -152,18 +165,17 @@ class MoE(nnx.Module):
         return jnp.zeros_like(x).at[tokens].add(ys[dest] * sorted_w[:, None])
 
     def _ragged(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,
-                wo: jax.Array) -> jax.Array:
+                wo: jax.Array, mgpu: bool = False) -> jax.Array:
         e, _, inter, hidden = wi.shape
         tokens, sorted_e, sorted_w, _, counts = self._sort(ids, weights, e)
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(((1,), (2,)), ((), ())),
-            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        # Rows past the groups (foreign assignments) are masked: their values and gradients are 0
-        # whatever a grouped-matmul kernel leaves there.
+        # Rows past the groups (foreign assignments) are masked, in and out: their values and
+        # gradients are 0 whatever a grouped-matmul kernel leaves there.
         local = (sorted_e < e)[:, None]
-        h = jax.lax.ragged_dot_general(x[tokens], wi.reshape(e, 2 * inter, hidden), counts, dims)
+        h = grouped_matmul(jnp.where(local, x[tokens], 0), wi.reshape(e, 2 * inter, hidden),
+                           counts, transpose_rhs=True, mgpu=mgpu)
         h = jnp.where(local, h, 0).reshape(-1, 2, inter)
-        ys = jax.lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], wo, counts)
+        ys = grouped_matmul(jax.nn.silu(h[:, 0]) * h[:, 1], wo, counts, transpose_rhs=False,
+                            mgpu=mgpu)
         return jnp.zeros_like(x).at[tokens].add(jnp.where(local, ys, 0) * sorted_w[:, None])
 
     def _capacity(self, x: jax.Array, ids: jax.Array, weights: jax.Array, wi: jax.Array,

@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
-MOE_IMPLS = ("auto", "dense", "sorted", "ragged")
+MOE_IMPLS = ("auto", "dense", "sorted", "ragged", "mgpu")
 ATTENTION_IMPLS = ("auto", "dense", "flash")
 DTYPES = ("float32", "bfloat16", "float16")  # of activations and of parameters
 # transformers' Qwen3Config / Qwen3MoeConfig defaults that depend on the model type (a Qwen3-MoE
@@ -51,7 +51,7 @@ class Qwen3Config:
     # How to run it (not part of the architecture).
     dtype: str = "float32"          # compute dtype of activations
     param_dtype: str = "float32"    # storage dtype of parameters
-    moe_impl: str = "auto"          # 'auto' | 'dense' | 'sorted' | 'ragged'
+    moe_impl: str = "auto"          # 'auto' | 'dense' | 'sorted' | 'ragged' | 'mgpu'
     moe_block_size: int = 128       # rows per expert block in the 'sorted' dispatch
     moe_dense_max_tokens: int = 64  # 'auto': all-experts fused matmuls up to this many tokens
     capacity_factor: float | None = None  # None = dropless; else tokens beyond capacity are dropped

@@ -216,6 +216,40 @@ def test_the_tpu_paged_decode_updates_the_pool_in_place(tmp_path, scan):
     assert decode["temp_bytes"] < kv["per_device"] / 2
 
 
+@pytest.mark.slow  # ~70 s of compiling at load 22 on 2 cores
+@needs_libtpu
+def test_the_scanned_tpu_decode_reads_the_expert_weights_as_stored(tmp_path):
+    """Four scanned MoE layers (8 experts of 128 hidden units, bf16), decode on v5p:2x2x1 with
+    the experts split over 2 chips: the grouped matmul (Pallas megablox) reads `wi` out-by-in as
+    stored, so no copy of the stacked `wi` is made (XLA's `ragged_dot` wanted it in-by-out and
+    re-laid out every layer's at once before the layer loop: 0.375 GiB a layer a chip at the
+    paper's shapes, launch/README.md)."""
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=256,
+        moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=True)))
+    dump = tmp_path / "hlo"
+    result, _ = _aot(tmp_path, "--topology=v5p:2x2x1", *TINY,
+                     f"--config.model.checkpoint={checkpoint}", "--config.model.dtype=bfloat16",
+                     "--config.model.param_dtype=bfloat16", "--config.model.scan_layers=True",
+                     "--config.mesh.rollout.data=-1", "--config.mesh.rollout.expert=2",
+                     "--config.rollout.decode_engine=engine",
+                     "--config.rollout.engine_slots=64", "--config.rollout.engine_kv_pages=256",
+                     "--config.rollout.engine_page_size=64", "--programs=engine_decode",
+                     env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
+                                       "--xla_dump_hlo_module_re=.*decode_chunk.*"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    [hlo] = dump.glob("*decode_chunk*.after_optimizations.txt")
+    # The stacked wi a chip holds: 4 layers x 4 of the 8 experts x (gate, up) x 128 x 256.
+    stacked = re.findall(r"= bf16\[4,4,2,128,256\]\S* (\w[\w-]*)\(", hlo.read_text())
+    # Only passed along (as the program's argument, into and out of loops), never copied.
+    assert stacked and set(stacked) <= {"parameter", "get-tuple-element"}, stacked
+
+
 @pytest.mark.slow  # a Qwen3-30B-A3B layer: ~40 s of compiling
 @needs_libtpu
 def test_paged_decode_compiles_the_tpu_kernel_for_the_30b_attention(tmp_path):
