@@ -1,6 +1,6 @@
 """Orbax checkpoints of a training run: train state (params, optimizer, update count) + JSON meta
-(step, data iterator position, pipeline queues and partial segments, counters) + optional arrays
-(the recorded routing of queued rollouts, `distributed.host_arrays`).
+(step, data iterator position, the scheduler's queue, counters) + optional per-host arrays
+(`distributed.host_arrays`: routing, queued rollouts).
 
 Integrity rules:
   * Saves are asynchronous and atomic: orbax writes to `<step>.orbax-checkpoint-tmp` and renames

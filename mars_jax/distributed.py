@@ -5,22 +5,17 @@
 Slurm, Open MPI); a single-process run starts nothing. It must run before anything touches a JAX
 backend. Every process then executes the same jitted programs on global arrays:
 
-  * `global_train_batch` turns each host's own micro-batched `TrainBatch` into one global batch
-    whose rows are split over the mesh's batch axes (hosts first agree on its padded shape);
-  * `gather_process_meta` / `local_process_meta` keep per-host checkpoint metadata (data iterator
-    position, pipeline queues) in the one JSON item orbax writes from the primary host, while
-    orbax itself saves and restores each host's shards of the train state;
-  * `host_arrays` / `unpack_host_arrays` carry each host's own named arrays (the recorded routing
-    of its queued rollouts) through orbax as one global array with a block per host, so hosts'
-    arrays never collide even where their names do; `host_arrays_target` is its restore target;
-  * `any_process` lets data-dependent loops (sequential rollouts) stop on every host together;
-  * `allgather_json` lets the sampler decode every host's requests in one SPMD program (whose
-    results `sharding.fetch` reads back on every host);
+  * `global_train_batch` joins each host's share of every micro-batch into one global batch
+    split over the mesh's batch axes (hosts first agree on its padded shape);
+  * `gather_process_meta` / `local_process_meta` keep per-host checkpoint metadata in the JSON
+    item orbax writes from process 0; `host_arrays` / `unpack_host_arrays` carry each host's own
+    named arrays (routing, queued rollouts) as one global array with a block per host;
+  * `any_process` and `allgather_json` are collectives over every device: hosts stop loops
+    together, agree on a restore and read process 0's values;
   * `HostGroup` lets the streaming scheduler's per-host engines agree on host-side decisions
-    (update cadence, staleness, barriers) through the coordination service's key-value store,
-    with no device program, so it never waits behind an update running on another thread; a
-    host that does not answer within `--exchange_timeout_s` ends the run (exit 1, named), and
-    one whose heartbeats stop for `--heartbeat_timeout_s` ends every process (jax's service).
+    through the coordination service's key-value store, with no device program; a host that
+    does not answer within `--exchange_timeout_s` ends the run (exit 1, named), and one whose
+    heartbeats stop for `--heartbeat_timeout_s` ends every process (jax's service).
 """
 from __future__ import annotations
 

@@ -1,17 +1,19 @@
-"""The streaming scheduler on two processes (4 fake CPU devices each, one engine per host) run
-through `experiments/run.py` with rewards that vary within groups (`recorded_stream_run.py`), the
-same config as one process runs (`learner.micro_batch_size` counts the rows of all hosts):
+"""The streaming scheduler on two processes (one engine per host) run through `experiments/run.py`
+with rewards that vary within groups (`recorded_stream_run.py`), the same config as one process
+runs (`learner.micro_batch_size` counts the rows of all hosts):
 
-* sequential mode on 2 processes of 4 devices and on 4 of one device trains what one process
-  on 8 devices trains (token ids and rewards per rollout uid), and its parameters after 3
-  updates agree within float32 summation order;
+* sequential mode on 2 processes of 2 devices (and, slow tier, 4 of one device) trains what one
+  process on 8 devices trains (token ids and rewards per rollout uid), its parameters after 3
+  updates agree within float32 summation order, and it saves a checkpoint every step;
 * pipeline mode with a rollout submesh per host (2 of each host's 4 devices) decodes while the
   update runs, keeps every trained sample within the staleness bound, each copy of the weights
   reaches every host's engine equal to the trainer's, and the update's thread launches no
   program on a rollout device;
 * 2 processes of 2 devices each (the smallest pool of XLA:CPU threads, `mars_jax.xla_cpu`) finish
-  in either mode with a checkpoint every step;
-* both processes SIGKILLed mid-run and restarted end with the metrics of an uninterrupted run;
+  in either mode with a checkpoint every step, and so do 4 of one device in pipeline mode (slow
+  tier);
+* in pipeline mode, both processes SIGKILLed mid-run and restarted end with the metrics of the
+  uninterrupted run;
 * in every run, each host runs the same sequence of global device programs, host exchanges and
   checkpoints (`program_recorder.py`), and the engine and the rollout scheduler only run programs
   on their host's own devices (its rollout submesh where it has one).
@@ -108,6 +110,15 @@ def _metrics(workdir: Path) -> list[dict]:
             for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
 
 
+def _check_checkpoints(workdir: Path) -> None:
+    """Both hosts logged steps 1-3, and a checkpoint was saved after every step."""
+    for metrics in (workdir / "metrics.jsonl", workdir / "host1" / "metrics.jsonl"):
+        assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert {p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()} >= {"3"}
+    checkpoints = [e for e in _programs(workdir, 0) if e.get("global", [None])[0] == "checkpoint"]
+    assert [e["global"][1] for e in checkpoints] == ["1", "2", "3"]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     """The workdir of the sequential run on one process of 8 devices."""
@@ -116,8 +127,19 @@ def one_process(tmp_path_factory) -> Path:
     return workdir
 
 
+PIPELINE_2X2 = ("--config.rollout.mode=pipeline", "--config.learner.micro_batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def pipeline_2x2(tmp_path_factory) -> Path:
+    """The workdir of the pipeline run on 2 processes of 2 devices (a hang fails here)."""
+    workdir = tmp_path_factory.mktemp("pipeline_2x2")
+    finish(_start(workdir, 2, *PIPELINE_2X2, devices=2), timeout=900)
+    return workdir
+
+
 @pytest.mark.parametrize("processes, devices", [
-    (2, 4), pytest.param(4, 1, marks=pytest.mark.slow)])  # 4 processes: ~11 min on 2 busy cores
+    (2, 2), pytest.param(4, 1, marks=pytest.mark.slow)])  # 4 processes: ~11 min on 2 busy cores
 def test_hosts_in_sequential_mode_train_what_one_process_trains(one_process, tmp_path,
                                                                 processes, devices):
     finish(_start(tmp_path, processes, *SEQUENTIAL, devices=devices), timeout=900)
@@ -137,6 +159,7 @@ def test_hosts_in_sequential_mode_train_what_one_process_trains(one_process, tmp
     assert step == 3 and version == 3
     for a, b in zip(single, multi, strict=True):  # the same sums in another order
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+    _check_checkpoints(tmp_path)
     _check_programs(tmp_path, processes, engine_devices=devices)
 
 
@@ -163,34 +186,30 @@ def test_two_hosts_in_pipeline_mode_decode_on_their_own_submeshes(tmp_path):
     _check_programs(tmp_path, 2, engine_devices=2)
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "sequential"])
-def test_two_hosts_of_two_devices_finish_with_a_checkpoint_every_step(tmp_path, mode):
-    runs = _start(tmp_path, 2, f"--config.rollout.mode={mode}",
-                  "--config.learner.micro_batch_size=4", devices=2)
-    finish(runs, timeout=900)  # a hang fails here
-    for metrics in (tmp_path / "metrics.jsonl", tmp_path / "host1" / "metrics.jsonl"):
-        assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
-    assert {p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()} >= {"3"}
-    checkpoints = [e for e in _programs(tmp_path, 0) if e.get("global", [None])[0] == "checkpoint"]
-    assert [e["global"][1] for e in checkpoints] == ["1", "2", "3"]
-    _check_programs(tmp_path, 2, engine_devices=2)
+def test_two_hosts_of_two_devices_finish_in_pipeline_mode_with_a_checkpoint_every_step(
+        pipeline_2x2):
+    _check_checkpoints(pipeline_2x2)
+    _check_programs(pipeline_2x2, 2, engine_devices=2)
 
 
-def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path):
-    pipeline = ["--config.rollout.mode=pipeline", "--config.total_steps=4"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    finish(_start(straight, 2, *pipeline), timeout=900)
-    runs = _start(killed, 2, *pipeline)
+@pytest.mark.slow  # ~10 min on 2 busy cores
+def test_four_hosts_of_one_device_finish_in_pipeline_mode_with_a_checkpoint_every_step(tmp_path):
+    finish(_start(tmp_path, 4, "--config.rollout.mode=pipeline", devices=1), timeout=1200)
+    _check_checkpoints(tmp_path)
+    _check_programs(tmp_path, 4, engine_devices=1)
+
+
+def test_both_hosts_killed_and_restarted_end_as_an_uninterrupted_run(tmp_path, pipeline_2x2):
+    runs = _start(tmp_path, 2, *PIPELINE_2X2, devices=2)
+    metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 600
-    while not ((killed / "metrics.jsonl").exists()
-               and len((killed / "metrics.jsonl").read_text().splitlines()) >= 2):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
         assert all(run.poll() is None for run in runs) and time.time() < deadline
         time.sleep(0.2)
     for run in runs:
         run.send_signal(signal.SIGKILL)
         run.wait()
-    assert len((killed / "metrics.jsonl").read_text().splitlines()) < 4
-    finish(_start(killed, 2, *pipeline), timeout=900)
-    assert _metrics(killed) == _metrics(straight)
-    assert _metrics(killed / "host1") == _metrics(straight / "host1")
-    _check_programs(straight, 2, engine_devices=4)
+    assert len(metrics.read_text().splitlines()) < 3
+    finish(_start(tmp_path, 2, *PIPELINE_2X2, devices=2), timeout=900)
+    assert _metrics(tmp_path) == _metrics(pipeline_2x2)
+    assert _metrics(tmp_path / "host1") == _metrics(pipeline_2x2 / "host1")

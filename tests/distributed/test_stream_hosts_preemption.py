@@ -22,8 +22,7 @@ from tests.distributed.test_stream_hosts import OVERRIDES, ROOT, TIMING
 from tests.fault import harness
 
 SCRIPT = ROOT / "tests/fault/slow_step_run.py"
-PIPELINE = ("--config.rollout.mode=pipeline", "--config.total_steps=3",
-            "--config.learner.micro_batch_size=4")
+PIPELINE = ("--config.rollout.mode=pipeline", "--config.total_steps=3")
 TWO_MICRO_BATCHES = "--config.learner.min_micro_batches=2"  # a check between them
 PER_COLLECT = ("stream/problems_admitted", "stream/occupancy", "stream/deferred_seconds")
 
