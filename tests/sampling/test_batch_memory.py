@@ -25,7 +25,7 @@ def test_row_estimate_bounds_the_compiled_program(model):
     args = (np.zeros((rows, prompt_len), np.int32), np.ones((rows, prompt_len), np.int32),
             np.full((rows,), num_new, np.int32), np.full((rows, 1), -1, np.int32),
             jax.random.split(jax.random.key(0), rows))
-    compiled = sampler._prefill_and_decode.lower(
+    compiled = sampler.prefill_and_decode.lower(
         graphdef, weights, *args, jnp.float32(1.0), jnp.int32(num_new), num_new=num_new,
         params=params).compile()
     xla = compiled.memory_analysis()
@@ -61,13 +61,13 @@ def test_a_call_far_over_memory_decodes_in_capped_programs(model, monkeypatch):
                                sampler.new_tokens_bucket(15), record_routing=False)
     monkeypatch.setattr(sampler, "_free_bytes", lambda mesh: 5 * per_row)
     batches = []
-    program = sampler._prefill_and_decode
+    program = sampler.prefill_and_decode
 
     def recorded(graphdef, weights, tokens, *args, **kwargs):
         batches.append(tokens.shape[0])
         return program(graphdef, weights, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(sampler, "_prefill_and_decode", recorded)
+    monkeypatch.setattr(sampler, "prefill_and_decode", recorded)
     capped = decode()
     assert batches == [2] * 8
     assert [o.tokens for o in capped] == [o.tokens for o in whole]
