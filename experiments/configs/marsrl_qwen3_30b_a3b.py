@@ -109,12 +109,12 @@ def get_config(arg: str | None = None):
     # Rollouts.
     c.rollout.decode_engine, c.rollout.mode = "engine", "pipeline"
     c.rollout.resume = "recompute"
-    # Per host: 32 slots over 4,096 pages of 64 positions (2,048 per chip's pool: 131k
-    # positions, 12.9 GB of bf16 KV a chip; a 32k + 64k request fits one pool alone). The
-    # decode chunk's temporaries are ~4x the pool (AOT: 49.0 GiB beside 41.9 of weights and
-    # KV, 90.9 of 95.7 GiB; 12,288 pages needed 138.9 GiB of temporaries).
+    # Per host: 32 slots over 16,384 pages of 64 positions (1,048,576 positions, 8,192 per
+    # chip's pool, ~48 GiB of bf16 KV a chip beside ~30 GiB of weights). The decode writes the
+    # pool in place and reads the expert weights as stored, so its temporaries stay near one
+    # layer's (AOT, 48 layers, 21,504 pages: 1.3 GiB; 94.2 of 95.7 GiB: launch/README.md).
     c.rollout.engine_slots = 32
-    c.rollout.engine_kv_pages, c.rollout.engine_page_size = 4096, 64
+    c.rollout.engine_kv_pages, c.rollout.engine_page_size = 16384, 64
     c.rollout.engine_chunk_steps = 64
     # Hosts exchange every 512 decode steps, not every chunk: at 64 simulated hosts with
     # straggler jitter the lock-step waits for the slowest host fall from 30% to 5% of host
