@@ -27,7 +27,7 @@ removed, MATH-500's id `math500-<unique_id>` with its `subject` and `level`. DSR
 1209-problem subset" of DeepScaleR (One-Shot-RLVR's README) whose seed is not published: its
 problems are named by `dsr_sub_ids.txt`, the first 16 hex digits of the sha256 of each problem's
 whitespace-normalised text, in DSR-sub order; the converter takes, for each, the first DeepScaleR
-row with that text. Every converted row's `source` is `hf://datasets/<repo>@<commit>/<file>`.
+row with that text (DSR-sub holds one problem three times, as DeepScaleR does). Every converted row's `source` is `hf://datasets/<repo>@<commit>/<file>`.
 """
 
 from __future__ import annotations
@@ -59,25 +59,33 @@ class Upstream:
 
 
 def read_rows(path: str) -> Rows:
-    """Rows of a `.jsonl`, `.json` (a list of objects) or `.parquet` file; ValueError names the
-    file and line of a row that is not a JSON object."""
+    """Rows of a `.parquet` file, or of a JSON file: one list of objects (`.json`) or one object a
+    line; ValueError names the file (and line) of what is not a JSON object."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
     with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
-            rows = json.load(f)
-            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            whole = None  # not one JSON value: read as JSON lines
+        if whole is not None:
+            if not isinstance(whole, list) or not all(isinstance(r, dict) for r in whole):
                 raise ValueError(f"{path}: expected a JSON list of objects")
-            return rows
-        rows = []
-        for number, line in enumerate(f, start=1):
-            if line.strip():
+            return whole
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            try:
                 row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{number}: expected a JSON object")
-                rows.append(row)
-        return rows
+            except ValueError as e:
+                raise ValueError(f"{path}:{number}: {e}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object")
+            rows.append(row)
+    return rows
 
 
 def _field(row: dict, names: Sequence[str], where: str) -> str:

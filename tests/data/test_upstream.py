@@ -197,3 +197,13 @@ def test_the_converters_rules_give_the_projects_gsm8k_and_aime_answers_and_ids(p
         converted = convert({file_name: shaped}, {file_name: "x"})[file_name]
         assert [(r["id"], r["answer"], r.get("answer_as_in_source")) for r in converted] == [
             (r["id"], r["answer"], r.get("answer_as_in_source")) for r in local]
+
+
+def test_read_rows_takes_a_json_list_or_json_lines_and_names_a_bad_line(tmp_path):
+    listed, lines = tmp_path / "a.json", tmp_path / "b.json"
+    listed.write_text(json.dumps(DEEPSCALER))
+    lines.write_text(_jsonl(DEEPSCALER).decode())
+    assert upstream.read_rows(str(listed)) == upstream.read_rows(str(lines)) == DEEPSCALER
+    lines.write_text('{"problem": "a"}\n{"problem": \n')
+    with pytest.raises(ValueError, match=f"{lines}:2: "):
+        upstream.read_rows(str(lines))
