@@ -22,6 +22,7 @@ setuptools.setup(
         "safetensors>=0.6",
         "tokenizers>=0.22",
         "huggingface-hub>=1.0",  # data/fetch.py (hf_hub_download)
+        "pyarrow>=15",  # data/upstream.py: GSM8K's Hub files are parquet
         "tensorflow-datasets>=4.9.10",
         "array-record>=0.8.1",
         "grain>=0.2.12",

@@ -2,23 +2,23 @@
 
 Writes `workdir/eval/records.jsonl` (every candidate, verdict, chosen answer, correctness, tokens
 per agent; appended as pairs finish, so a rerun resumes), `workdir/eval/summary.json` and
-TensorBoard scalars under `workdir/eval/tensorboard`. After SIGTERM it stops before the next
-V–C round and raises `preemption.Preempted` (exit 75) within `preemption_grace_s`: the recorded
-pairs are kept, a rerun evaluates the rest. With `eval.policy='http'` the servers get the key in
+TensorBoard scalars under `workdir/eval/tensorboard`; `workdir` may be a local path or a `gs://`
+URL (`storage`). After SIGTERM it stops before the next V–C round and raises
+`preemption.Preempted` (exit 75) within `preemption_grace_s`: the recorded pairs are kept, a
+rerun evaluates the rest. With `eval.policy='http'` the servers get the key in
 the environment variable `eval.api_key_env` (`OPENAI_API_KEY` by default) as a Bearer token.
 """
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import jax
 import tqdm
 from ml_collections import ConfigDict
 from tensorboardX import SummaryWriter
 
-from mars_jax import builders, preemption, sharding
+from mars_jax import builders, preemption, sharding, storage
 from mars_jax.agents.eval import EvalProblem, evaluate
 from mars_jax.agents.http_policy import HttpPolicy
 from mars_jax.agents.policy import Policy, RoutedPolicy
@@ -59,7 +59,7 @@ def run(config: ConfigDict, workdir: str) -> dict:
     if jax.process_count() > 1:
         raise ValueError(f"eval_system runs on one process, not {jax.process_count()}: for a "
                          "model larger than one host, serve it and set eval.policy='http'")
-    out = Path(workdir) / "eval"
+    out = storage.path(workdir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     problems = load_eval_problems(config)
     e = config.eval
@@ -76,16 +76,20 @@ def run(config: ConfigDict, workdir: str) -> dict:
     with preemption.catch_sigterm(config.preemption_grace_s) as notice:
         try:
             records, summary = evaluate(problems, build_policy(config), num_samples=e.num_samples,
-                                        config=loop, records_path=str(out / "records.jsonl"),
+                                        config=loop, records_path=os.fspath(out / "records.jsonl"),
                                         on_round=on_round, should_stop=notice)
         except preemption.Stopped as stopped:
             raise preemption.Preempted(f"SIGTERM: {stopped}; the finished pairs are recorded in "
                                        f"{out / 'records.jsonl'}") from None
         finally:
             bar.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    with SummaryWriter(str(out / "tensorboard")) as writer:
+    storage.write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
+    # Written locally and copied up: tensorboardX's own gs:// writer uploads its file again
+    # whenever it is garbage-collected, at exit too.
+    tensorboard = storage.LocalStaging(out / "tensorboard")
+    with SummaryWriter(os.fspath(tensorboard.local)) as writer:
         for key, value in summary.items():
             if isinstance(value, (int, float)):
                 writer.add_scalar(f"eval/{key}", value, 0)
+    tensorboard.publish()
     return summary

@@ -42,21 +42,39 @@ def hf_moe_dir(tmp_path_factory):
     return hf_fixtures.save_tiny_hf(tmp_path_factory.mktemp("hf_moe"), moe=True)
 
 
-@pytest.fixture(scope="session")
-def problem_data_dir() -> str:
-    """The data dir the loaders read by default; skips the test, naming the command that writes
-    it, when it lacks any file `python -m mars_jax.data.fetch` writes."""
-    from mars_jax.data import fetch
-    from mars_jax.data.paths import MANUAL_DIR_ENV, default_manual_dir
-    hint = f"run `python -m mars_jax.data.fetch` (writes ../shared/data, or ${MANUAL_DIR_ENV})"
+def _data_dir_with(file_names, hint: str) -> str:
+    """The data dir the loaders read by default; skips the test, naming `hint`, when it lacks
+    any of `file_names`."""
+    from mars_jax.data.paths import default_manual_dir
     try:
         directory = default_manual_dir()
     except FileNotFoundError:
         pytest.skip(f"no problem data dir: {hint}")
-    missing = [name for name in fetch.FILES if not os.path.isfile(os.path.join(directory, name))]
+    missing = [name for name in file_names if not os.path.isfile(os.path.join(directory, name))]
     if missing:
         pytest.skip(f"{directory} has no {', '.join(missing)}: {hint}")
     return directory
+
+
+@pytest.fixture(scope="session")
+def problem_data_dir() -> str:
+    """The data dir the loaders read by default; skips the test, naming the command that writes
+    it, when it lacks any problem set's file."""
+    from mars_jax.data import fetch
+    from mars_jax.data.paths import MANUAL_DIR_ENV
+    problem_files = [f for name, files in fetch.dataset_files().items() if name != fetch.GRADER_CASES
+                     for f in files]
+    return _data_dir_with(problem_files, f"run `python -m mars_jax.data.fetch` (writes ../shared/data, "
+                                         f"or ${MANUAL_DIR_ENV})")
+
+
+@pytest.fixture(scope="session")
+def data_mirror(problem_data_dir) -> str:
+    """The data dir, when it holds every file of the project's data dir (grader_cases.jsonl
+    too, which only `fetch --source` writes); else skips the test, naming that command."""
+    from mars_jax.data import fetch
+    return _data_dir_with(fetch.FILES, "copy the project's data dir with "
+                                       "`python -m mars_jax.data.fetch --source=DIR`")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,20 +7,22 @@ without the system; the system score grades the loop's chosen candidate (no
 answer when the loop failed). avg@k is the mean over problems of the mean over
 the k samples.
 
-Records (one JSON object per pair) are appended to `records_path` as pairs
-finish; rerunning with the same path skips the pairs already recorded (the loop
-config is not checked, so resume with the same settings).
+Records (one JSON object per pair) are appended to `records_path` (a local path
+or a `gs://` URL, `storage`) as pairs finish: locally each at once; on an object
+store, which cannot append, at the end of each V-C round (each append rewrites
+the object). Rerunning with the same path skips the pairs already recorded (the
+loop config is not checked, so resume with the same settings).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import os
+import re
 from typing import Any, Callable, Sequence
 
+from mars_jax import storage
 from mars_jax.agents import prompts, stages
 from mars_jax.agents.policy import Policy
 from mars_jax.agents.system import ACCEPTED, FAILED, FALLBACK, LoopConfig, RoundInfo, SystemResult, run_system
@@ -72,18 +74,32 @@ def evaluate(
     todo = [(p, s) for p, s in wanted if (p.id, s) not in done]
     if len(todo) < len(wanted):
         log.info("resuming: %d of %d pairs already recorded", len(wanted) - len(todo), len(wanted))
-    with open(records_path, "a", encoding="utf-8") if records_path else contextlib.nullcontext() as out:
+    pending: list[str] = []  # recorded lines not yet in records_path
+    append_each = records_path is not None and not storage.is_remote(records_path)
 
-        def on_result(index: int, result: SystemResult) -> None:
-            problem, sample = todo[index]
-            record = make_record(problem, sample, result)
-            done[(problem.id, sample)] = record
-            if out is not None:
-                out.write(json.dumps(record) + "\n")
-                out.flush()
+    def write_pending() -> None:
+        if records_path and pending:
+            storage.append_text(records_path, "".join(pending))
+            pending.clear()
 
+    def on_result(index: int, result: SystemResult) -> None:
+        problem, sample = todo[index]
+        record = make_record(problem, sample, result)
+        done[(problem.id, sample)] = record
+        pending.append(json.dumps(record) + "\n")
+        if append_each:
+            write_pending()
+
+    def round_done(info: RoundInfo) -> None:
+        write_pending()
+        if on_round is not None:
+            on_round(info)
+
+    try:
         run_system([p.problem for p, _ in todo], policy, config, max_in_flight=max_in_flight,
-                   on_round=on_round, on_result=on_result, should_stop=should_stop)
+                   on_round=round_done, on_result=on_result, should_stop=should_stop)
+    finally:
+        write_pending()
     records = [done[(p.id, s)] for p, s in wanted]
     return records, summarize(records)
 
@@ -161,29 +177,26 @@ def _load_records(path: str) -> dict[tuple[str, int], Record]:
 
     Lines that do not decode (a write cut short by a crash) are dropped and the
     file is rewritten without them (and with a final newline), so that appending
-    continues cleanly; the rewrite goes through a temporary file and a rename, so
-    a crash during it loses no record.
+    continues cleanly; the rewrite is atomic (`storage.write_text`), so a crash
+    during it loses no record.
     """
-    if not os.path.exists(path):
+    if not storage.path(path).exists():
         return {}
     records: dict[tuple[str, int], Record] = {}
     good, bad, rewrite = [], 0, False
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-                key = (record["problem_id"], record["sample"])
-            except (ValueError, KeyError, TypeError):
-                bad += 1
-                continue
-            records[key] = record
-            if not line.endswith("\n"):
-                line, rewrite = line + "\n", True
-            good.append(line)
+    for line in re.findall(r"[^\n]*\n|[^\n]+$", storage.path(path).read_text()):
+        try:
+            record = json.loads(line)
+            key = (record["problem_id"], record["sample"])
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+            continue
+        records[key] = record
+        if not line.endswith("\n"):
+            line, rewrite = line + "\n", True
+        good.append(line)
     if bad:
         log.warning("dropping %d unreadable line(s) from %s", bad, path)
     if bad or rewrite:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(good)
-        os.replace(path + ".tmp", path)
+        storage.write_text(path, "".join(good))
     return records

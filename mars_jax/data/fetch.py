@@ -1,15 +1,23 @@
-r"""Write every problem set the loaders know, plus the grader's test cases, into a data dir.
+r"""Write every problem set the loaders know into a data dir, from its public source on the HF Hub
+or from a local mirror.
 
-  python -m mars_jax.data.fetch [--out=DIR]          # from the HF Hub (DATA_REPO)
-  python -m mars_jax.data.fetch --source=MIRROR --out=DIR   # from a local copy of the files
+  python -m mars_jax.data.fetch [--out=DIR] [--datasets=a,b]   # each problem set from the HF Hub
+  python -m mars_jax.data.fetch --source=MIRROR [--out=DIR]    # a local copy of the files
 
 `--out` defaults to the directory the loaders read by default (`$MARS_JAX_DATA_DIR`, else
 `<repo root>/../shared/data`); with another `--out`, point `$MARS_JAX_DATA_DIR` (or
-`data.manual_dir`) at it. The files are the JSONL files of `builder.CONFIGS` (the layout
-`datasets.load` reads) and `grader_cases.jsonl`, byte for byte: each is checked against the
-sha256 recorded in `FILES` before it is written, and `<dataset>.manifest.json` records, per
-dataset, its files' sha256, sizes and row counts, its licence, its upstream source and where
-the files were fetched from. A file whose sha256 differs stops the fetch (exit 1), naming it.
+`data.manual_dir`) at it. The files are the JSONL files of `builder.CONFIGS`, in the layout
+`datasets.load` reads, each read back with `jsonl.read_problems` before it is written.
+
+From the Hub, each problem set's upstream files (`upstream.UPSTREAMS`: repository, revision,
+licence) are downloaded at the commit the revision names and converted by its converter;
+`<dataset>.manifest.json` records the licence, the commit, and the sha256, size (and for the
+written files, row count) of every upstream and written file. `grader_cases.jsonl` (answer-
+equivalence cases compiled from grader test suites, not on the Hub) comes only with `--source`.
+
+From a mirror, the files (`grader_cases.jsonl` too) are copied byte for byte, each checked
+against the sha256 recorded in `FILES`; a file whose sha256 differs stops the fetch (exit 1),
+naming it. Either way a failing dataset leaves neither its files nor its manifest in `--out`.
 """
 
 from __future__ import annotations
@@ -23,16 +31,11 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
-from mars_jax.data import builder
+from mars_jax.data import builder, upstream
+from mars_jax.data.jsonl import read_problems
 from mars_jax.data.paths import MANUAL_DIR_ENV, SHARED_DATA
 
-# The HF Hub dataset repository that publishes the files below as they are in the project's own
-# data dir (shared/data; published with `hf upload --repo-type=dataset DATA_REPO <that dir>`).
-# `--repo` / `--revision` read another copy of it, `--source` a local directory.
-DATA_REPO = "mars-jax/mars-jax-data"
-DATA_REVISION = "main"
-
-# sha256 of every file the tests and loaders were checked against.
+# sha256 of every file of the project's data dir (shared/data), which `--source` copies.
 FILES: Mapping[str, str] = {
     "aime2025.jsonl": "76c53bca1440ce4fac295bdded1c107cfb4801e413040717f8dbccba016a2d56",
     "beyond_aime.jsonl": "8d8a2910ca779a98b331b52366ef4bd1cd9e5ac1f2d603659f974dde5172232c",
@@ -43,8 +46,8 @@ FILES: Mapping[str, str] = {
     "grader_cases.jsonl": "9c81fc26424fab49d87cec56482f5ecea4f471b06751d9410d9c7ddc10d74549",
 }
 
-# Per dataset: licence and upstream (owner/repo@commit:path the rows were taken from; the edits
-# made are listed in shared/data/SOURCES.md).
+# Per dataset of the project's data dir: licence and upstream (owner/repo@commit:path the rows
+# were taken from; the edits made are listed in shared/data/SOURCES.md).
 PROVENANCE: Mapping[str, Mapping[str, str]] = {
     "aime2025": {
         "license": "eval-only: problems (c) MAA, widely redistributed for evaluation; the upstream "
@@ -83,18 +86,36 @@ PROVENANCE: Mapping[str, Mapping[str, str]] = {
 }
 
 
+GRADER_CASES = "grader_cases"
+
+
 def dataset_files() -> dict[str, tuple[str, ...]]:
     """Dataset name -> its files: every TFDS problem set's JSONL files, then grader_cases."""
     files = {config.name: tuple(config.split_files.values()) for config in builder.CONFIGS}
-    return files | {"grader_cases": ("grader_cases.jsonl",)}
+    return files | {GRADER_CASES: ("grader_cases.jsonl",)}
 
 
-def download_from_hub(file_name: str, dest_dir: str, repo: str = DATA_REPO,
-                      revision: str = DATA_REVISION) -> str:
-    """Downloads one file of the HF Hub dataset `repo` into `dest_dir`; returns its path."""
-    from huggingface_hub import hf_hub_download
-    return hf_hub_download(repo, file_name, repo_type="dataset", revision=revision,
-                           local_dir=dest_dir)
+def _check_names(names: Sequence[str] | None, valid: Sequence[str]) -> list[str]:
+    unknown = sorted(set(names or ()) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown dataset(s) {unknown}; valid: {sorted(valid)}")
+    return list(names or valid)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_manifest(out: str, name: str, manifest: dict) -> str:
+    path = os.path.join(out, f"{name}.manifest.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def _file_entry(path: str, name: str, key: str = "file") -> dict:
+    return {key: name, "sha256": builder.sha256_of(path), "bytes": os.path.getsize(path)}
 
 
 def copy_from_mirror(mirror: str) -> Callable[[str, str], str]:
@@ -119,50 +140,101 @@ def fetch_all(out: str, fetch: Callable[[str, str], str], origin: str,
 
     Raises ValueError naming the file when a checksum differs (that file is not written)."""
     every = dataset_files()
-    unknown = sorted(set(names or ()) - set(every))
-    if unknown:
-        raise ValueError(f"unknown dataset(s) {unknown}; valid: {sorted(every)}")
     os.makedirs(out, exist_ok=True)
     manifests = []
-    for name in names or every:
+    for name in _check_names(names, list(every)):
         entries = []
         for file_name in every[name]:
             with tempfile.TemporaryDirectory(dir=out) as staging:
                 fetched = fetch(file_name, staging)
-                digest = builder.sha256_of(fetched)
-                if digest != FILES[file_name]:
-                    raise ValueError(f"{file_name} from {origin}: sha256 {digest}, expected "
+                entry = _file_entry(fetched, file_name) | {"rows": _rows(fetched)}
+                if entry["sha256"] != FILES[file_name]:
+                    raise ValueError(f"{file_name} from {origin}: sha256 {entry['sha256']}, expected "
                                      f"{FILES[file_name]}; not written")
-                entries.append({"file": file_name, "sha256": digest, "bytes": os.path.getsize(fetched),
-                                "rows": _rows(fetched)})
+                entries.append(entry)
                 os.replace(fetched, os.path.join(out, file_name))
-        manifest = dict(dataset=name, files=entries, **PROVENANCE[name], fetched_from=origin,
-                        fetched_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-        path = os.path.join(out, f"{name}.manifest.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.write("\n")
-        manifests.append(path)
+        manifests.append(_write_manifest(out, name, dict(
+            dataset=name, files=entries, **PROVENANCE[name], fetched_from=origin, fetched_at=_now())))
     return manifests
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class HubReader:
+    """Reads HF Hub dataset repositories through huggingface_hub."""
+
+    def resolve(self, repo: str, revision: str) -> str:
+        """The commit `revision` (branch, tag or commit) of dataset `repo` names."""
+        from huggingface_hub import HfApi
+        try:
+            return HfApi().dataset_info(repo, revision=revision).sha
+        except Exception as e:  # huggingface_hub's own errors and its HTTP client's
+            raise OSError(f"HF Hub dataset {repo}@{revision}: {type(e).__name__}: {e}") from e
+
+    def download(self, repo: str, path: str, commit: str, dest_dir: str) -> str:
+        """Downloads file `path` of dataset `repo` at `commit` under `dest_dir`; returns its path."""
+        from huggingface_hub import hf_hub_download
+        try:
+            return hf_hub_download(repo, path, repo_type="dataset", revision=commit, local_dir=dest_dir)
+        except Exception as e:  # huggingface_hub's own errors and its HTTP client's
+            raise OSError(f"HF Hub dataset {repo}@{commit}, file {path}: {type(e).__name__}: {e}") from e
+
+
+def _write_jsonl(path: str, rows: Sequence[dict]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def convert_from_hub(out: str, hub: HubReader, names: Sequence[str] | None = None) -> list[str]:
+    """Converts the problem sets `names` (default: all) from their HF Hub sources into `out`,
+    with `<name>.manifest.json` each; returns the manifests' paths.
+
+    Raises ValueError naming the upstream file and row that a converter cannot read, or the written
+    file and line the loaders would refuse; that dataset's files are then not written."""
+    if GRADER_CASES in (names or ()):
+        raise ValueError(f"{GRADER_CASES} has no Hub source (it is compiled from grader test "
+                         "suites): copy it from a mirror with --source")
+    configs = {config.name: config for config in builder.CONFIGS}
+    os.makedirs(out, exist_ok=True)
+    manifests = []
+    for name in _check_names(names, list(upstream.UPSTREAMS)):
+        source = upstream.UPSTREAMS[name]
+        commit = hub.resolve(source.repo, source.revision)
+        with tempfile.TemporaryDirectory(dir=out) as staging:
+            rows, labels, upstream_entries = {}, {}, []
+            for file_name, hub_path in source.files.items():
+                fetched = hub.download(source.repo, hub_path, commit, os.path.join(staging, "upstream"))
+                upstream_entries.append(_file_entry(fetched, hub_path, key="path"))
+                labels[file_name] = f"hf://datasets/{source.repo}@{commit}/{hub_path}"
+                rows[file_name] = upstream.read_rows(fetched)
+            converted = source.convert(rows, labels)
+            entries = []
+            for file_name, problem_rows in converted.items():
+                written = os.path.join(staging, file_name)
+                _write_jsonl(written, problem_rows)
+                read_problems(written, extra_fields=dict(configs[name].extra_fields))
+                entries.append(_file_entry(written, file_name) | {"rows": len(problem_rows)})
+            for file_name in converted:
+                os.replace(os.path.join(staging, file_name), os.path.join(out, file_name))
+        manifests.append(_write_manifest(out, name, dict(
+            dataset=name, files=entries, license=source.license,
+            upstream=dict(repo=source.repo, revision=source.revision, commit=commit, files=upstream_entries),
+            fetched_from=f"hf://datasets/{source.repo}@{commit}", fetched_at=_now())))
+    return manifests
+
+
+def main(argv: Sequence[str] | None = None, hub: HubReader | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mars_jax.data.fetch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get(MANUAL_DIR_ENV) or SHARED_DATA,
                         help=f"data dir to write (default: ${MANUAL_DIR_ENV}, else {SHARED_DATA})")
-    parser.add_argument("--source", help="read the files from this local directory instead of the Hub")
-    parser.add_argument("--repo", default=DATA_REPO, help="HF Hub dataset repository")
-    parser.add_argument("--revision", default=DATA_REVISION, help="its branch, tag or commit")
+    parser.add_argument("--source", help="copy the files from this local directory instead of converting "
+                                         "them from the HF Hub")
     parser.add_argument("--datasets", default="", help=f"comma-separated subset of {sorted(dataset_files())}")
     args = parser.parse_args(argv)
-    if args.source:
-        fetch, origin = copy_from_mirror(args.source), os.path.abspath(args.source)
-    else:
-        def fetch(file_name: str, dest_dir: str) -> str:
-            return download_from_hub(file_name, dest_dir, args.repo, args.revision)
-        origin = f"hf://datasets/{args.repo}@{args.revision}"
+    names = [n for n in args.datasets.split(",") if n] or None
     try:
-        manifests = fetch_all(args.out, fetch, origin, [n for n in args.datasets.split(",") if n] or None)
+        if args.source:
+            manifests = fetch_all(args.out, copy_from_mirror(args.source), os.path.abspath(args.source), names)
+        else:
+            manifests = convert_from_hub(args.out, hub or HubReader(), names)
     except (OSError, ValueError) as e:
         print(f"fetch: {e}", file=sys.stderr)
         return 1

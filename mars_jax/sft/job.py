@@ -7,20 +7,21 @@ Held-out examples come from the last `sft.holdout_problems` train problems, neve
 roles, whatever `sft.keep` keeps for training). Every `sft.probe_every` steps (0: never) and at the
 end, `probe.probe` samples each role's decisions on those problems at the evaluation's sampling
 settings (`probe/*` metrics) and the model is saved to `workdir/model_step<N>/`, so a warm start
-can be taken from any probed step. The job does not resume: rerunning it starts over.
+can be taken from any probed step. The job does not resume: rerunning it starts over. `workdir`
+may be a local path or a `gs://` URL (`storage`).
 """
 from __future__ import annotations
 
 import json
+import os
 import random
-from pathlib import Path
 
 import jax
 import tqdm
 from flax import nnx
 from ml_collections import ConfigDict
 
-from mars_jax import builders
+from mars_jax import builders, storage
 from mars_jax.metrics import MetricsWriter
 from mars_jax.models import Qwen3, Qwen3Config, create_model, save_pretrained
 from mars_jax.optimizer import make_optimizer
@@ -60,10 +61,18 @@ def build_model(config: ConfigDict) -> Qwen3:
     return builders.build_model(config, mesh=None)
 
 
+def _save_model(model: Qwen3, target: str | os.PathLike) -> None:
+    """`save_pretrained` to `target`, a local path or `gs://` URL (there: written to a local
+    directory, then copied up)."""
+    staging = storage.LocalStaging(target)
+    save_pretrained(model, staging.local)
+    staging.publish()
+
+
 def run(config: ConfigDict, workdir: str) -> dict[str, float]:
     """Trains `sft.steps` steps (`sft.stop_at` when set) and returns the final held-out losses
     (also in `summary.json`)."""
-    s, out = config.sft, Path(workdir)
+    s, out = config.sft, storage.path(workdir)
     last = s.stop_at or s.steps
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = builders.build_tokenizer(config)
@@ -100,12 +109,12 @@ def run(config: ConfigDict, workdir: str) -> dict[str, float]:
                 model = nnx.merge(graphdef, params)
                 decisions = probe_model(model, tokenizer, holdout,
                                         probe_settings(config, s.probe_slots))
-                save_pretrained(model, out / f"model_step{step}")
+                _save_model(model, out / f"model_step{step}")
                 metrics.update(decisions)
                 summary = {**summary, **decisions}
             writer.write(step, metrics)
     finally:
         writer.close()
-    save_pretrained(nnx.merge(graphdef, params), out / "model")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    _save_model(nnx.merge(graphdef, params), out / "model")
+    storage.write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
     return summary

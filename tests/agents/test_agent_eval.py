@@ -5,9 +5,11 @@ import re
 
 import pytest
 
+from mars_jax import storage
 from mars_jax.agents.eval import EvalProblem, evaluate
 from mars_jax.agents.policy import Completion
 from mars_jax.agents.system import LoopConfig
+from tests import fake_gcs
 
 GOLD = {"Problem-A": "2", "Problem-B": "7"}
 CONFIG = LoopConfig(max_new_tokens={"solver": 64, "verifier": 32, "corrector": 64})
@@ -106,3 +108,29 @@ def test_a_truncated_first_solver_output_is_not_graded_even_when_it_holds_the_bo
 def test_duplicate_ids_are_rejected():
     with pytest.raises(ValueError):
         evaluate([PROBLEMS[0], PROBLEMS[0]], OraclePolicy(), num_samples=1, config=CONFIG)
+
+
+@pytest.fixture
+def gcs(monkeypatch):
+    with fake_gcs.bucket(monkeypatch) as root:
+        yield root
+
+
+def test_records_on_gcs_are_uploaded_once_a_round_and_resumed(gcs, monkeypatch):
+    """An object cannot be appended to (each append rewrites it): the pairs that finish in one
+    V-C round are uploaded together."""
+    path, appended = f"{gcs}/run/eval/records.jsonl", []
+    append_text = storage.append_text
+    monkeypatch.setattr(storage, "append_text", lambda target, text: (
+        appended.append([json.loads(line)["problem_id"] for line in text.splitlines()]),
+        append_text(target, text)))
+    first, _ = evaluate(PROBLEMS, OraclePolicy(), num_samples=2, config=CONFIG, records_path=path)
+    assert appended == [["a", "a"], ["b", "b"]]  # A's pairs end in round 5, B's in round 7
+    assert [json.loads(line) for line in storage.path(path).read_text().splitlines()] == first
+    append_text(path, '{"problem_id": "a", "sam')  # a write cut short
+    policy = OraclePolicy()
+    records, _ = evaluate(PROBLEMS, policy, num_samples=3, config=CONFIG, records_path=path)
+    assert policy.calls[0] == ["solver", "solver"]  # only sample 2 of each problem
+    assert records[:2] == first[:2] and records[3:5] == first[2:]
+    assert [(r["problem_id"], r["sample"]) for r in map(json.loads, storage.path(path).read_text().splitlines())
+            ] == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2), ("b", 2)]

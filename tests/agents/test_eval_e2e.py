@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from experiments.configs import eval_system
-from mars_jax import eval_job
+from mars_jax import eval_job, storage
 from mars_jax.agents.policy import ChatRequest, Completion
+from tests import fake_gcs
 
 K_ACCEPT, MAX_ITERATIONS, MAX_RETRIES = 2, 2, 1  # so at most 3 verifications per problem
 
@@ -175,3 +176,25 @@ def test_eval_job_on_tiny_model_with_the_real_sampler(tmp_path):
     assert summary["system_avg_at_k"] == np.mean(
         [np.mean([r["correct"] for r in rs]) for rs in by_problem.values()])
     assert summary["failed_rate"] == np.mean([r["status"] == "failed" for r in records])
+
+
+def test_eval_job_on_a_gcs_workdir_writes_and_resumes_there(monkeypatch):
+    """The scripted run of the first test with `--workdir=gs://...` (a local fake GCS server):
+    records, summary and TensorBoard scalars land in the bucket; a rerun finds every pair
+    recorded there and asks no agent anything."""
+    with fake_gcs.bucket(monkeypatch) as gcs:
+        config = _config("most_passed")
+        agents = ScriptedAgents(eval_job.load_eval_problems(config))
+        monkeypatch.setattr(eval_job, "build_policy", lambda _: agents)
+        summary = eval_job.run(config, f"{gcs}/run")
+        written = storage.files(f"{gcs}/run/eval")
+        assert {"records.jsonl", "summary.json"} <= set(written)
+        assert any(name.startswith("tensorboard/events.out.tfevents") for name in written), written
+        assert json.loads(storage.path(f"{gcs}/run/eval/summary.json").read_text()) == summary
+        records = storage.path(f"{gcs}/run/eval/records.jsonl").read_text().splitlines()
+        assert len(records) == len(SCENARIOS)
+        assert summary["system_avg_at_k"] == pytest.approx(4 / 6)  # as the first test computed
+
+        again = ScriptedAgents(eval_job.load_eval_problems(config))
+        monkeypatch.setattr(eval_job, "build_policy", lambda _: again)
+        assert eval_job.run(config, f"{gcs}/run") == summary and again.calls == 0

@@ -4,8 +4,11 @@ config.json and a profiler trace all land in the bucket; a run SIGKILLed mid-way
 the bucket ends with an uninterrupted run's metrics and parameters; two processes train one job
 on one gs:// workdir and resume from it."""
 import json
+import os
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -114,3 +117,28 @@ def test_checkpoints_on_gcs_drop_a_save_cut_short_and_set_a_damaged_step_aside(g
     np.testing.assert_array_equal(state["w"], np.arange(4.0))
     assert "2/_CHECKPOINT_METADATA" in storage.files(f"{gcs}/run/checkpoints.unreadable")
     assert {name.split("/")[0] for name in storage.files(directory)} == {"1"}
+
+
+@pytest.mark.slow
+def test_the_sft_job_writes_its_metrics_and_models_to_gcs(gcs):
+    """The README's warm start as the `sft` job, two steps, on a `gs://` workdir: metrics,
+    TensorBoard events, the probed step's and the final HF model, and the summary land in the
+    bucket, and the final model loads back from there."""
+    from mars_jax.models import from_pretrained
+    workdir = f"{gcs}/sft"
+    done = subprocess.run(
+        [sys.executable, str(harness.RUN), "--config=" + str(harness.REPO / "experiments/configs/quickstart.py"),
+         f"--workdir={workdir}", "--config.job=sft", "--config.sft.steps=2", "--config.sft.eval_every=1",
+         "--config.sft.probe_every=2", f"--config.jax_cache_dir={os.environ['JAX_COMPILATION_CACHE_DIR']}"],
+        env=harness.env(), cwd=harness.REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = storage.files(workdir)
+    assert {"metrics.jsonl", "summary.json", "model/config.json", "model/model.safetensors",
+            "model_step2/config.json", "model_step2/model.safetensors"} <= set(written), written
+    assert any(name.startswith("tensorboard/events.out.tfevents") for name in written)
+    assert [row["step"] for row in harness.metrics(workdir)] == [0, 1, 2]
+    summary = json.loads(storage.path(f"{workdir}/summary.json").read_text())
+    assert summary["loss"] == harness.metrics(workdir)[-1]["heldout/loss"]
+    with tempfile.TemporaryDirectory() as local:
+        storage.copy_tree(f"{workdir}/model", local)
+        assert from_pretrained(local).config.num_hidden_layers == 2  # sft.arch 'mini'

@@ -31,8 +31,8 @@ TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def cases(problem_data_dir) -> list[dict]:
-    path = os.path.join(problem_data_dir, "grader_cases.jsonl")
+def cases(data_mirror) -> list[dict]:
+    path = os.path.join(data_mirror, "grader_cases.jsonl")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
