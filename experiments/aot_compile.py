@@ -21,11 +21,17 @@ Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `
   engine_shrink / engine_expand (only when asked) the running half of the slots gathered into
             a half-size state and written back (`engine._take_slots` / `_put_slots`)
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
-  update    `rl.update.train_step` over one step's micro-batches
+  update    the two programs of an optimizer update, as `rl.learner.train_mini_batches` runs
+            them on one mini-batch: `micro_batch_gradients` (one micro-batch's gradient added to
+            the donated sum; its row `beside` counts the optimizer state the trainer holds on
+            the device meanwhile) and `apply_gradients` (AdamW on the summed gradient; beside
+            it: the reference parameters, when the loss has a KL term)
 The micro-batches have `learner.micro_batch_size` rows over the whole training mesh, as the
 trainer builds them on any number of hosts: each host an equal share (`host_micro_batch` in
 the printed shapes; a size the target's hosts cannot share evenly exits 2).
-By default the programs the config's decode path runs (`step_programs`).
+By default the programs the config's decode path runs (`step_programs`). `--json` writes the
+report (with the config); with `--merge_json` the file's results of programs not compiled now
+are kept, so one topology's report can be built one program per command.
 With `mesh.rollout.devices` > 0 the devices are split (`builders.build_meshes`): the decode
 programs compile on the rollout submesh, logprobs and update on the training submesh, and it
 prints the bytes one weight copy from the training to the rollout submesh writes

@@ -294,6 +294,25 @@ def test_oversized_configuration_does_not_fit(tmp_path):
     assert "does not fit: prefill" in result.stdout
 
 
+def test_a_merged_report_keeps_the_programs_compiled_before_and_refuses_another_target():
+    shapes = aot_compile.Shapes(decode_batch=8, prompt_len=64, new_tokens=32, micro_batch=8,
+                                host_micro_batch=4, num_micro=2, train_len=128)
+
+    def report(target, *programs, kv=None):
+        results = [aot_compile.Result(p, True, temp_bytes=i) for i, p in enumerate(programs)]
+        return aot_compile.Report(target, {"data": 4}, "tiny", 2, shapes, 16, results, kv)
+
+    earlier = report("v5e:2x2", "engine_decode", "micro_batch_gradients",
+                     kv={"per_token": 3}).to_dict()
+    merged = aot_compile.merged_report(earlier, report("v5e:2x2", "micro_batch_gradients",
+                                                       "apply_gradients"))
+    assert [(r["program"], r["temp_bytes"]) for r in merged["results"]] == [
+        ("engine_decode", 0), ("micro_batch_gradients", 0), ("apply_gradients", 1)]
+    assert merged["kv_bytes"] == {"per_token": 3}
+    with pytest.raises(ValueError, match=r"differs in \['target'\]"):
+        aot_compile.merged_report(earlier, report("v5p:2x2x1", "apply_gradients"))
+
+
 @needs_libtpu
 def test_multislice_mesh_keeps_slices_together():
     target = aot_compile.make_target("v5e:2x2", num_slices=2)
