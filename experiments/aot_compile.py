@@ -212,6 +212,7 @@ def gpu_target(topology: str) -> Target:
         "cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 "
         "registers_per_block_limit: 65536 } "
         f'platform_name: "CUDA" device_description_str: "{spec["name"]}"')
+    jax.devices()  # initialises the backends, which registers the CUDA plugin's topologies
     devices = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                            topology=f"1x{hosts or 1}x{per_host}").devices
     return Target(list(devices), spec["memory"], f"{topology}: {len(devices)} x {spec['name']}")
