@@ -23,11 +23,17 @@ Programs, at the shapes the configured lengths bucket to (`mars_jax.sampling`, `
   (the engine's programs as `sampling.program_plan` lowers them: `prefill`, `insert`,
   `decode_chunk`, `take_slots` / `put_slots` of `sampling.engine_programs`)
   logprobs  forward-only token log-probabilities of one micro-batch (reference / old policy)
-  update    `rl.update.train_step` over one step's micro-batches
+  update    the two programs of an optimizer update, as `rl.learner.train_mini_batches` runs
+            them on one mini-batch: `micro_batch_gradients` (one micro-batch's gradient added to
+            the donated sum; its row `beside` counts the optimizer state the trainer holds on
+            the device meanwhile) and `apply_gradients` (AdamW on the summed gradient; beside
+            it: the reference parameters, when the loss has a KL term)
 The micro-batches have `learner.micro_batch_size` rows over the whole training mesh, as the
 trainer builds them on any number of hosts: each host an equal share (`host_micro_batch` in
 the printed shapes; a size the target's hosts cannot share evenly exits 2).
-By default the programs the config's decode path runs (`step_programs`).
+By default the programs the config's decode path runs (`step_programs`). `--json` writes the
+report (with the config); with `--merge_json` the file's results of programs not compiled now
+are kept, so one topology's report can be built one program per command.
 With `mesh.rollout.devices` > 0 the devices are split (`builders.build_meshes`): the decode
 programs compile on the rollout submesh, logprobs and update on the training submesh, and it
 prints the bytes one weight copy from the training to the rollout submesh writes
@@ -81,8 +87,9 @@ from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
 from mars_jax.buckets import pow2_at_least  # noqa: E402
 from mars_jax.optimizer import make_optimizer  # noqa: E402
-from mars_jax.rl.update import (TrainState, opt_state_shardings, token_logprobs,  # noqa: E402
-                                train_step)
+from mars_jax.rl.learner import UPDATE_PROGRAMS  # noqa: E402
+from mars_jax.rl.update import (TrainState, apply_gradients,  # noqa: E402
+                                micro_batch_gradients, opt_state_shardings, token_logprobs)
 from mars_jax.types import TrainBatch  # noqa: E402
 from mars_jax.rl.config import micro_batch_problem, update_program_config  # noqa: E402
 from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
@@ -100,7 +107,10 @@ ENGINE_PROGRAMS = ("engine_prefill", "engine_insert", "engine_decode", "logprobs
 # half the slots, where the mesh's batch shards allow it.
 SHRINK_PROGRAMS = ("engine_shrink", "engine_expand")
 ALL_PROGRAMS = PROGRAMS[:2] + ENGINE_PROGRAMS + SHRINK_PROGRAMS
-TRAIN_PROGRAMS = ("logprobs", "update")  # on the training submesh; the rest on the rollout one
+# `update` names the two programs an optimizer update runs (`rl.learner.UPDATE_PROGRAMS`):
+# `micro_batch_gradients` once per micro-batch, then `apply_gradients`; each compiled and reported.
+TRAIN_PROGRAMS = ("logprobs", "update") + UPDATE_PROGRAMS  # on the training submesh; the rest on
+# the rollout one
 GiB = 1 << 30
 # HBM per device by `device_kind` (TPU compile-only devices do not report it).
 TPU_HBM = {"TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB, "TPU v5": int(95.74 * GiB),
@@ -119,10 +129,14 @@ _TOPOLOGY = flags.DEFINE_string(
     "topology", None, "TPU 'v5p:4x4x4', 'v5e:2x2', ... (libtpu) or GPU 'h100:8', 'h200:2x8' "
     "(hosts x GPUs per host; CUDA plugin).")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice over DCN).")
-_PROGRAMS = flags.DEFINE_list("programs", [], f"Subset of {ALL_PROGRAMS} (default: "
-                              "`step_programs` of the config).")
+_PROGRAMS = flags.DEFINE_list("programs", [], f"Subset of {ALL_PROGRAMS + UPDATE_PROGRAMS} "
+                              "(default: `step_programs` of the config; `update`: both of "
+                              f"{UPDATE_PROGRAMS}).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "Compile this many layers (0: the config's).")
 _JSON = flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
+_MERGE_JSON = flags.DEFINE_bool(
+    "merge_json", False, "Keep the --json file's results of programs not compiled now, where it "
+    "reports the same target, model, layers, meshes and shapes (one program per command).")
 _COLOCATED = flags.DEFINE_bool(
     "colocated_slots", False, "Also print the engine slots one shared mesh fits before / after "
     "offloading the update's state (experiments/colocated_slots.py; needs engine_decode, update).")
@@ -163,6 +177,9 @@ class Result:
     alias_bytes: int = 0
     temp_bytes: int = 0
     code_bytes: int = 0
+    # Held on the device while it runs without being its argument: the optimizer state during
+    # `micro_batch_gradients`, the reference parameters during `apply_gradients`.
+    resident_bytes: int = 0
     flops: float | None = None  # None: the backend gives no cost analysis (deviceless GPU)
     bytes_accessed: float | None = None  # XLA's estimate of the bytes the program's ops move
     compile_s: float = 0.0
@@ -171,7 +188,7 @@ class Result:
     @property
     def total_bytes(self) -> int:
         return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-                + self.code_bytes)
+                + self.code_bytes + self.resident_bytes)
 
 
 def tpu_target(topology: str, num_slices: int = 1) -> Target:
@@ -200,6 +217,7 @@ def gpu_target(topology: str) -> Target:
         "cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 "
         "registers_per_block_limit: 65536 } "
         f'platform_name: "CUDA" device_description_str: "{spec["name"]}"')
+    jax.devices()  # initialises the backends, which registers the CUDA plugin's topologies
     devices = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                            topology=f"1x{hosts or 1}x{per_host}").devices
     return Target(list(devices), spec["memory"], f"{topology}: {len(devices)} x {spec['name']}")
@@ -253,6 +271,12 @@ def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
                                           learner.min_micro_batches),
                   train_len=pow2_at_least(r.max_prompt_tokens + max(r.max_new_tokens.values()),
                                           learner.min_length))
+
+
+def expand_programs(programs: Sequence[str]) -> tuple[str, ...]:
+    """`programs` with `update` replaced by `UPDATE_PROGRAMS`, each once, in order."""
+    return tuple(dict.fromkeys(q for p in programs
+                               for q in (UPDATE_PROGRAMS if p == "update" else (p,))))
 
 
 def step_programs(config: ConfigDict) -> tuple[str, ...]:
@@ -530,10 +554,13 @@ class StepPrograms:
 
         return logprobs.lower(self.weights, self._train_rows(), self._train_rows())
 
-    def _update(self) -> jax.stages.Lowered:
+    @functools.cached_property
+    def update_inputs(self) -> tuple[TrainState, TrainBatch, Any]:
+        """The abstract train state, one mini-batch of `num_micro` micro-batches of the global
+        `micro_batch` rows (as `trainer._global_batch` builds it on any number of hosts) and the
+        reference parameters (None without a KL term), as an optimizer update reads them."""
         s, mesh = self.shapes, self.mesh
-        optimizer = self.optimizer
-        opt_shapes = jax.eval_shape(optimizer.init, self.weights)
+        opt_shapes = jax.eval_shape(self.optimizer.init, self.weights)
         state = TrainState(params=self.weights,
                            opt_state=_abstract(opt_shapes, self.opt_shardings),
                            step=_scalar(mesh, jnp.int32))
@@ -554,17 +581,46 @@ class StepPrograms:
             old_logprobs=(self._train_rows(m, dtype=jnp.float32)
                           if self.config.loss.pi_old == "recompute" else None))
         ref = self.weights if self.update_config.loss.needs_ref_logprobs else None
-        return train_step.lower(state, batch, ref, graphdef=self.train_graphdef,
-                                optimizer=optimizer, config=self.update_config)
+        return state, batch, ref
+
+    def _micro_batch_gradients(self) -> jax.stages.Lowered:
+        """One micro-batch's gradient added to the running sum (donated; shaped and sharded as
+        the parameters, as `train_mini_batches` starts it)."""
+        state, batch, ref = self.update_inputs
+        return micro_batch_gradients.lower(self.weights, state.params, batch,
+                                           _scalar(self.mesh, jnp.int32), ref,
+                                           graphdef=self.train_graphdef, config=self.update_config)
+
+    def _apply_gradients(self) -> jax.stages.Lowered:
+        """The optimizer update from the summed gradient and the micro-batches' metrics."""
+        state, batch, ref = self.update_inputs
+        _, metrics = jax.eval_shape(functools.partial(
+            micro_batch_gradients, graphdef=self.train_graphdef, config=self.update_config),
+            self.weights, state.params, batch, jax.ShapeDtypeStruct((), jnp.int32), ref)
+        metrics = [{k: _scalar(self.mesh, v.dtype) for k, v in metrics.items()}
+                   for _ in range(self.shapes.num_micro)]
+        return apply_gradients.lower(state, self.weights, metrics, batch,
+                                     optimizer=self.optimizer)
+
+    def resident_bytes(self, program: str) -> int:
+        """Bytes per device the trainer holds beside `program` that are not its arguments: the
+        optimizer state (and step) beside `micro_batch_gradients`, the reference parameters
+        beside `apply_gradients`; 0 for the other programs."""
+        if program not in UPDATE_PROGRAMS:
+            return 0
+        state, _, ref = self.update_inputs
+        beside = ((state.opt_state, state.step) if program == "micro_batch_gradients" else ref)
+        return colocated_slots.bytes_per_device(beside)
 
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
 
 
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int,
-                    mesh: str = "shared") -> Result:
-    """Compiles one program. A compile error counts as 'does not fit': on TPU, XLA rejects a
-    program that overflows HBM; on GPU, shapes far beyond the chip can fail to compile at all."""
+                    mesh: str = "shared", resident_bytes: int = 0) -> Result:
+    """Compiles one program; it fits when its bytes and `resident_bytes` (held beside it) fit
+    `hbm_bytes`. A compile error counts as 'does not fit': on TPU, XLA rejects a program that
+    overflows HBM; on GPU, shapes far beyond the chip can fail to compile at all."""
     start = time.perf_counter()
     lowered = lower()
     try:
@@ -573,15 +629,15 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
         summary = " ".join(line.strip() for line in str(e).splitlines()[:3])
         if not _OOM.search(summary):
             summary = f"compile error: {summary}"
-        return Result(name, fits=False, mesh=mesh, compile_s=time.perf_counter() - start,
-                      error=summary[:400])
+        return Result(name, fits=False, mesh=mesh, resident_bytes=resident_bytes,
+                      compile_s=time.perf_counter() - start, error=summary[:400])
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     result = Result(name, fits=True, mesh=mesh, argument_bytes=memory.argument_size_in_bytes,
                     output_bytes=memory.output_size_in_bytes,
                     alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
                     code_bytes=memory.generated_code_size_in_bytes,
-                    flops=(cost or {}).get("flops"),
+                    resident_bytes=resident_bytes, flops=(cost or {}).get("flops"),
                     bytes_accessed=(cost or {}).get("bytes accessed"),
                     compile_s=time.perf_counter() - start)
     result.fits = result.total_bytes <= hbm_bytes
@@ -589,21 +645,23 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
 
 
 def format_table(results: Sequence[Result], hbm_bytes: int) -> str:
+    """One line per program; `beside`: bytes held beside it (`Result.resident_bytes`)."""
     gib = lambda n: f"{n / GiB:8.2f}"
-    lines = [f"{'program':14} {'mesh':7} {'args':>8} {'outputs':>8} {'alias':>8} {'temps':>8} "
-             f"{'total':>8} {'HBM':>8} {'TFLOPs':>9} {'GB acc.':>8} {'fits':>4} {'compile':>8}   "
-             "(GiB per device)"]
+    columns = ("args", "outputs", "alias", "temps", "beside", "total", "HBM")
+    lines = [f"{'program':21} {'mesh':7} " + " ".join(f"{c:>8}" for c in columns)
+             + f" {'TFLOPs':>9} {'GB acc.':>8} {'fits':>4} {'compile':>8}   (GiB per device)"]
     for r in results:
         if r.error:
-            lines.append(f"{r.program:14} {r.mesh:7} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
-                         f"{gib(hbm_bytes)} {'-':>9} {'-':>8} {'no':>4} {r.compile_s:7.0f}s   {r.error}")
+            lines.append(f"{r.program:21} {r.mesh:7} " + " ".join(f"{'-':>8}" for _ in columns[:-1])
+                         + f" {gib(hbm_bytes)} {'-':>9} {'-':>8} {'no':>4} {r.compile_s:7.0f}s   "
+                         f"{r.error}")
             continue
         tflops = "-" if r.flops is None else f"{r.flops / 1e12:.3f}"
         accessed = "-" if r.bytes_accessed is None else f"{r.bytes_accessed / 1e9:.2f}"
-        lines.append(f"{r.program:14} {r.mesh:7} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
-                     f"{gib(r.alias_bytes)} {gib(r.temp_bytes)} {gib(r.total_bytes)} "
-                     f"{gib(hbm_bytes)} {tflops:>9} {accessed:>8} {'yes' if r.fits else 'no':>4} "
-                     f"{r.compile_s:7.0f}s")
+        lines.append(f"{r.program:21} {r.mesh:7} {gib(r.argument_bytes)} {gib(r.output_bytes)} "
+                     f"{gib(r.alias_bytes)} {gib(r.temp_bytes)} {gib(r.resident_bytes)} "
+                     f"{gib(r.total_bytes)} {gib(hbm_bytes)} {tflops:>9} {accessed:>8} "
+                     f"{'yes' if r.fits else 'no':>4} {r.compile_s:7.0f}s")
     return "\n".join(lines)
 
 
@@ -625,21 +683,44 @@ class Report:
     weight_copy_bytes: int = 0
     weight_copy_bytes_per_device: int = 0
     colocated: colocated_slots.SlotBudget | None = None  # with --colocated_slots
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's config
 
-    def to_json(self) -> str:
+    def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         fields["results"] = [dict(dataclasses.asdict(r), total_bytes=r.total_bytes)
                              for r in self.results]
-        return json.dumps(fields, indent=2)
+        return fields
+
+
+# What must agree for two reports' results to be one report's (`merged_report`).
+_SAME_COMPILE = ("target", "mesh", "rollout_mesh", "model", "layers", "shapes", "hbm_bytes")
+
+
+def merged_report(earlier: dict[str, Any], report: Report) -> dict[str, Any]:
+    """`report` as a JSON dict, after `earlier`'s results (a `Report.to_dict`) of the programs
+    it did not compile, in their order; `earlier`'s engine KV bytes kept when `report` has none.
+    Raises ValueError naming the fields where the two compiled something else."""
+    new = report.to_dict()
+    differ = [k for k in _SAME_COMPILE if earlier.get(k) != new[k]]
+    if differ:
+        raise ValueError(f"--merge_json: the existing report differs in {differ}")
+    compiled = {r["program"] for r in new["results"]}
+    new["results"] = [r for r in earlier["results"] if r["program"] not in compiled] + new[
+        "results"]
+    new["kv_bytes"] = new["kv_bytes"] or earlier.get("kv_bytes")
+    return new
 
 
 def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
         programs: Sequence[str] = (), num_layers: int = 0, colocated: bool = False) -> Report:
-    """Compiles `programs` (default: `step_programs(config)`) of `config` for `topology`."""
+    """Compiles `programs` (default: `step_programs(config)`; `update` stands for
+    `UPDATE_PROGRAMS`) of `config` for `topology`."""
     programs = tuple(programs) or step_programs(config)
-    unknown = set(programs) - set(ALL_PROGRAMS)
+    unknown = set(programs) - set(ALL_PROGRAMS + UPDATE_PROGRAMS)
     if unknown:
-        raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from {ALL_PROGRAMS}")
+        raise ValueError(f"--programs: unknown {sorted(unknown)}; choose from "
+                         f"{ALL_PROGRAMS + UPDATE_PROGRAMS}")
+    programs = expand_programs(programs)
     target = make_target(topology, num_slices)
     validate(config, base_config(), device_count=len(target.devices))
     train_mesh, rollout_mesh = sharding.make_meshes(config.mesh.to_dict(), target.devices)
@@ -659,7 +740,8 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
     for p in programs:
         steps, where = (train, "train") if p in TRAIN_PROGRAMS else (rollout, "rollout")
         results.append(compile_program(p, lambda p=p, steps=steps: steps.lower(p),
-                                       target.hbm_bytes, where if split else "shared"))
+                                       target.hbm_bytes, where if split else "shared",
+                                       resident_bytes=steps.resident_bytes(p)))
     budget = None
     if colocated:
         engine_devices = set(rollout_mesh.devices.flat)
@@ -676,7 +758,8 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
                   config.model.checkpoint or config.model.preset, cfg.num_hidden_layers,
                   train.shapes, target.hbm_bytes, results, kv_bytes,
                   rollout_mesh=dict(rollout_mesh.shape), weight_copy_bytes=copy_bytes[0],
-                  weight_copy_bytes_per_device=copy_bytes[1], colocated=budget)
+                  weight_copy_bytes_per_device=copy_bytes[1], colocated=budget,
+                  config=config.to_dict())
 
 
 def main(argv):
@@ -699,7 +782,14 @@ def main(argv):
     if report.colocated:
         print(report.colocated.lines())
     if _JSON.value:
-        Path(_JSON.value).write_text(report.to_json())
+        path = Path(_JSON.value)
+        fields = report.to_dict()
+        if _MERGE_JSON.value and path.exists():
+            try:
+                fields = merged_report(json.loads(path.read_text()), report)
+            except ValueError as e:
+                sys.exit(f"{path}: {e}")
+        path.write_text(json.dumps(fields, indent=2, default=str))
     if not all(r.fits for r in report.results):
         print("does not fit: " + ", ".join(r.program for r in report.results if not r.fits))
         sys.exit(1)

@@ -1,15 +1,16 @@
 r"""Engine slots a colocated run (rollout and update on one mesh) fits per device, before and
 after the update's state leaves device memory while the engine decodes (`mars_jax.offload`),
 from the programs `aot_compile.py` compiled (`--colocated_slots`; needs `engine_decode` and
-`update`):
+the update's two programs, `micro_batch_gradients` and `apply_gradients`: `update`):
 
   python experiments/aot_compile.py --config=experiments/configs/marsrl_qwen3_30b_a3b.py \
       --topology=v5p:4x4x4 --config.rollout.decode_engine=engine \
       --config.rollout.engine_slots=512 --config.learner.micro_batch_size=64 \
       --programs=engine_decode,update --colocated_slots
 
-Per device, from the compiled programs' memory (arguments + outputs - donated + temporaries,
-`aot_compile.Result.total_bytes`) and the engine's KV bytes (`StepPrograms.kv_bytes`):
+Per device, from the compiled programs' memory (arguments + outputs - donated + temporaries +
+what the trainer holds beside them, `aot_compile.Result.total_bytes`; the update program is the
+larger of its two) and the engine's KV bytes (`StepPrograms.kv_bytes`):
   before  the run as it is: the optimizer state stays on the device and the engine's slot cache
           stays allocated through the update (the rollout engine keeps
           it), so KV + max(update program, decode program without its KV + optimizer state)
@@ -39,6 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from mars_jax.rl.learner import UPDATE_PROGRAMS
+
 GiB = 1 << 30
 
 
@@ -48,7 +51,8 @@ class SlotBudget:
 
     hbm: int
     optimizer: int          # the optimizer state
-    update: int             # the update program (parameters, optimizer state, batch, temps)
+    update: int             # the larger update program (parameters, optimizer state, batch,
+    # temps)
     decode_without_kv: int  # the decode program less its slots' KV cache
     engine_copy: int        # the engine's own weights, beside the update (0: the same arrays)
     trainer_copy: int       # the trainer's parameters, beside the decode (0: the same arrays)
@@ -93,21 +97,22 @@ def budget(optimizer_state: Any, results: Sequence, kv: dict[str, int], shards: 
            hbm: int, *, copies: tuple[Any, Any] | None = None, engines: int = 1
            ) -> SlotBudget | None:
     """The slot budget from `optimizer_state` (abstract, sharded), the compiled `results` of
-    `engine_decode` and `update`, the engine's `kv` bytes (`StepPrograms.kv_bytes`) and its
+    `engine_decode` and the `UPDATE_PROGRAMS`, the engine's `kv` bytes (`StepPrograms.kv_bytes`) and its
     mesh's batch `shards`; `copies` = (trainer's parameters, engine's weights), abstract and
     sharded, when the engine decodes a copy of its own (module docstring). None when either
     program failed to compile."""
     by_name = {r.program: r for r in results}
-    missing = {"engine_decode", "update"} - set(by_name)
+    needed = ("engine_decode",) + UPDATE_PROGRAMS
+    missing = set(needed) - set(by_name)
     if missing or kv is None:
         raise ValueError(f"--colocated_slots: needs engine_decode and update compiled; "
                          f"missing {sorted(missing) or ['the engine KV bytes']}")
-    if any(by_name[p].error for p in ("engine_decode", "update")):
+    if any(by_name[p].error for p in needed):
         return None  # a compile error: the table shows it
     # A device holds per_device of the cache's total bytes: a slot's positions cost it that share.
     slot = kv["per_device"] * kv["positions"] * kv["per_token"] / kv["total"]
     trainer, engine = (bytes_per_device(c) for c in copies) if copies else (0, 0)
-    update = by_name["update"].total_bytes
+    update = max(by_name[p].total_bytes for p in UPDATE_PROGRAMS)
     decode = by_name["engine_decode"].total_bytes - kv["per_device"]
     optimizer = bytes_per_device(optimizer_state)
     room_before = hbm - max(update + engine, decode + trainer + optimizer)

@@ -46,7 +46,7 @@ Memory arithmetic (Qwen3-30B-A3B: 30.5B parameters, 48 layers, 4 KV heads x 128,
                                   plus ~6 GB of decode-loop temporaries (AOT below): ~15.7 GB
     128 x 8 = 1,024 rows          16 TB: more than a v5p-128 (64 chips x 95 GiB = 6.5 TB) holds;
                                   a v5p-512 (256 chips) holds it at 4 rows per chip (4 x 15.7
-                                  GB = 58.5 GiB; 60.6 GiB compiled, launch/README.md)
+                                  GB = 58.5 GiB; 60.6 GiB compiled, launch/NOTEBOOK.md)
   attention: blockwise (flash), never a [T, S] score array; one 512 x 512 tile per kv head
     group, f32: 4 rows x 4 x 8 x 512 x 512 x 4 B = 134 MB live at a time in prefill
   update, one 131,072-token row per chip: layer inputs kept for the backward (remat)

@@ -95,6 +95,9 @@ def mini_batch_indices(num_samples: int, mini_batches: int, rng: np.random.Gener
 _MICRO_BATCH = CompiledTogether(micro_batch_gradients, "micro_batch_gradients")
 _APPLY = CompiledTogether(apply_gradients, "apply_gradients")
 _POLICY_LOGPROBS = CompiledTogether(policy_logprobs, "policy_logprobs")
+# The programs of one optimizer update, in order (`train_mini_batches`; compiled ahead of time by
+# experiments/aot_compile.py under these names).
+UPDATE_PROGRAMS = (_MICRO_BATCH.name, _APPLY.name)
 
 
 def split_mini_batches(samples: Sequence[TrainSample], learner: LearnerConfig,

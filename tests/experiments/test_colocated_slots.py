@@ -17,12 +17,14 @@ GiB = 1 << 30
 
 
 def test_slots_before_and_after_by_hand():
-    # Per device (GiB): HBM 100; the update 60 (parameters, optimizer state, batch,
-    # temporaries); the decode chunk 30, 8 of it the KV of its 16 slots over 8 batch shards
+    # Per device (GiB): HBM 100; the update 60, its larger program (a micro-batch's gradient:
+    # parameters, gradient, batch, temporaries, the optimizer state beside it); the decode chunk 30, 8 of it the KV of its 16 slots over 8 batch shards
     # (0.5 a slot); the optimizer state, mu and nu of 5 each split 8 ways, 1.25.
     # Before: 100 - max(60, 22 + 1.25) = 40 -> 80 slots (a multiple of 8).
     # After: 100 - 22 = 78 -> 156 -> 152 slots; the update alone fits.
-    results = [Result("update", True, argument_bytes=20 * GiB, temp_bytes=40 * GiB),
+    results = [Result("micro_batch_gradients", True, argument_bytes=15 * GiB, temp_bytes=40 * GiB,
+                      resident_bytes=5 * GiB),
+               Result("apply_gradients", True, argument_bytes=25 * GiB, temp_bytes=5 * GiB),
                Result("engine_decode", True, argument_bytes=30 * GiB, output_bytes=8 * GiB,
                       alias_bytes=8 * GiB)]
     kv = dict(slots=16, positions=1024, per_token=4 * 2**20, total=64 * GiB,
@@ -55,13 +57,19 @@ def test_slots_before_and_after_by_hand():
     assert (hosts.before, hosts.after) == (72, 152)
     assert "72 slots per engine, x 16 engines" in hosts.lines()
     # An update that does not fit the HBM leaves no slot after (it must run alone).
-    big = [Result("update", True, temp_bytes=101 * GiB), results[1]]
+    big = [Result("micro_batch_gradients", True), Result("apply_gradients", True,
+                                                          temp_bytes=101 * GiB), results[2]]
     assert colocated_slots.budget(optimizer, big, kv, shards=8, hbm=100 * GiB).after == 0
 
 
 def test_the_budget_needs_both_programs_compiled():
     kv = dict(slots=16, positions=1024, per_token=4 * 2**20, total=64 * GiB, per_device=8 * GiB)
     with pytest.raises(ValueError, match="engine_decode"):
-        colocated_slots.budget({}, [Result("update", True)], kv, shards=8, hbm=GiB)
-    failed = [Result("update", True), Result("engine_decode", False, error="compile error")]
+        colocated_slots.budget({}, [Result("micro_batch_gradients", True),
+                                    Result("apply_gradients", True)], kv, shards=8, hbm=GiB)
+    with pytest.raises(ValueError, match="apply_gradients"):
+        colocated_slots.budget({}, [Result("micro_batch_gradients", True),
+                                    Result("engine_decode", True)], kv, shards=8, hbm=GiB)
+    failed = [Result("micro_batch_gradients", True), Result("apply_gradients", True),
+              Result("engine_decode", False, error="compile error")]
     assert colocated_slots.budget({}, failed, kv, shards=8, hbm=GiB) is None

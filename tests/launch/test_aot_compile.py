@@ -111,16 +111,24 @@ def test_tiny_step_programs_compile_for_a_small_tpu_slice(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert report["target"].startswith("v5e:2x2") and report["mesh"]["data"] == 4
     results = {r["program"]: r for r in report["results"]}
-    assert list(results) == list(aot_compile.PROGRAMS)
+    assert list(results) == ["prefill", "decode", "logprobs", "micro_batch_gradients",
+                             "apply_gradients"]
     for r in results.values():
         assert r["fits"] and not r["error"] and r["argument_bytes"] > 0 and r["flops"] > 0, r
         assert r["total_bytes"] <= report["hbm_bytes"]
-    # Replicated over data=4: the update's arguments are the parameters and Adam's two moments
-    # (3 x the forward's, which hold the parameters and one micro-batch of tokens), and its
-    # backward pass costs at least twice the forward.
-    forward, update = results["logprobs"], results["update"]
-    assert update["argument_bytes"] == pytest.approx(3 * forward["argument_bytes"], rel=0.01)
-    assert update["flops"] >= 3 * forward["flops"]
+    # Replicated over data=4. Beside a micro-batch's gradient the trainer holds Adam's two
+    # moments (2 x the parameters); the gradient sum is updated in place, and applying it
+    # rewrites the donated parameters and both moments in place (3 x the gradient sum, in the
+    # chip's padded layouts).
+    shapes = jax.eval_shape(lambda: nnx.state(Qwen3(get_preset("tiny"), rngs=nnx.Rngs(0))))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    forward = results["logprobs"]
+    gradients, apply = results["micro_batch_gradients"], results["apply_gradients"]
+    assert gradients["resident_bytes"] == pytest.approx(2 * param_bytes, rel=0.01)
+    assert apply["resident_bytes"] == 0  # no KL term: no reference parameters
+    assert apply["alias_bytes"] == pytest.approx(3 * gradients["alias_bytes"], rel=0.01)
+    # One micro-batch's backward pass costs at least twice its forward.
+    assert gradients["flops"] >= 3 * forward["flops"]
 
 
 @needs_libtpu
@@ -302,7 +310,8 @@ def test_30b_decode_on_fsdp_gathers_tokens_not_experts(tmp_path):
 def test_bench_step_programs_compile(tmp_path, topology):
     result, report = _aot(tmp_path, f"--topology={topology}", *BENCH)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert [r["program"] for r in report["results"]] == list(aot_compile.PROGRAMS)
+    assert [r["program"] for r in report["results"]] == list(
+        aot_compile.expand_programs(aot_compile.PROGRAMS))
     for r in report["results"]:
         assert r["fits"] and r["argument_bytes"] > 0 and r["flops"] > 0, r
         assert r["total_bytes"] <= report["hbm_bytes"]
@@ -319,6 +328,25 @@ def test_oversized_configuration_does_not_fit(tmp_path):
     [prefill] = report["results"]
     assert not prefill["fits"]
     assert "does not fit: prefill" in result.stdout
+
+
+def test_a_merged_report_keeps_the_programs_compiled_before_and_refuses_another_target():
+    shapes = aot_compile.Shapes(decode_batch=8, prompt_len=64, new_tokens=32, micro_batch=8,
+                                host_micro_batch=4, num_micro=2, train_len=128)
+
+    def report(target, *programs, kv=None):
+        results = [aot_compile.Result(p, True, temp_bytes=i) for i, p in enumerate(programs)]
+        return aot_compile.Report(target, {"data": 4}, "tiny", 2, shapes, 16, results, kv)
+
+    earlier = report("v5e:2x2", "engine_decode", "micro_batch_gradients",
+                     kv={"per_token": 3}).to_dict()
+    merged = aot_compile.merged_report(earlier, report("v5e:2x2", "micro_batch_gradients",
+                                                       "apply_gradients"))
+    assert [(r["program"], r["temp_bytes"]) for r in merged["results"]] == [
+        ("engine_decode", 0), ("micro_batch_gradients", 0), ("apply_gradients", 1)]
+    assert merged["kv_bytes"] == {"per_token": 3}
+    with pytest.raises(ValueError, match=r"differs in \['target'\]"):
+        aot_compile.merged_report(earlier, report("v5p:2x2x1", "apply_gradients"))
 
 
 @needs_libtpu
@@ -342,7 +370,8 @@ def test_tiny_split_compiles_the_engine_on_the_rollout_submesh_and_the_update_on
     assert report["mesh"]["data"] == 2 and report["rollout_mesh"]["data"] == 2
     meshes = {r["program"]: r["mesh"] for r in report["results"]}
     assert meshes == {"engine_prefill": "rollout", "engine_insert": "rollout",
-                      "engine_decode": "rollout", "logprobs": "train", "update": "train"}
+                      "engine_decode": "rollout", "logprobs": "train",
+                      "micro_batch_gradients": "train", "apply_gradients": "train"}
     for r in report["results"]:
         assert r["fits"] and not r["error"] and r["argument_bytes"] > 0, r
     shapes = jax.eval_shape(lambda: nnx.state(Qwen3(get_preset("tiny"), rngs=nnx.Rngs(0))))
