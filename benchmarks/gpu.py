@@ -94,10 +94,10 @@ def bench_forward(args) -> None:
     report("forward", ids.size, seconds, bench_utils.forward_flops(model.config, *ids.shape), args)
 
 
-def bench_train(args) -> None:
-    model = build(args, remat=True)
+def adamw_step_seconds(model, ids: jax.Array, repeats: int) -> float:
+    """Seconds of one jitted AdamW step (next-token cross-entropy on `ids`), the median of
+    `repeats` timed calls after a warm-up."""
     graphdef, params = nnx.split(model)
-    ids = jnp.asarray(np.random.default_rng(0).integers(1, model.config.vocab_size, (4, 1024)))
     tx = optax.adamw(1e-5)
 
     def loss_fn(p):
@@ -117,7 +117,13 @@ def bench_train(args) -> None:
         state["p"], state["opt"], loss = step(state["p"], state["opt"])
         float(loss)
 
-    seconds = timed(run, args.repeats)
+    return timed(run, repeats)
+
+
+def bench_train(args) -> None:
+    model = build(args, remat=True)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, model.config.vocab_size, (4, 1024)))
+    seconds = adamw_step_seconds(model, ids, args.repeats)
     report("train", ids.size, seconds, 3 * bench_utils.forward_flops(model.config, *ids.shape),
            args)
 

@@ -28,12 +28,11 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import bench_utils
 import engine as engine_bench
-from gpu import build, timed, weight_bytes
+from gpu import adamw_step_seconds, build, timed, weight_bytes
 
 DISPATCHES = ("sorted", "mgpu")
 COLUMNS = ("measure", "moe", "tokens/s", "ms", "MFU", "HBM share", "notes")
@@ -59,28 +58,8 @@ def _tokens(config, rows: int, length: int) -> jax.Array:
 
 def update_row(args, moe_impl: str) -> dict:
     model = build(args, remat=True, moe_impl=moe_impl)
-    graphdef, params = nnx.split(model)
     ids = _tokens(model.config, args.train_rows, args.train_len)
-    tx = optax.adamw(1e-5)
-
-    def loss_fn(p):
-        logits = nnx.merge(graphdef, p)(ids)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits[:, :-1].astype(jnp.float32), ids[:, 1:]).mean()
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(p, opt):
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        updates, opt = tx.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, loss
-
-    state = {"p": params, "opt": jax.jit(tx.init)(params)}
-
-    def run():
-        state["p"], state["opt"], loss = step(state["p"], state["opt"])
-        float(loss)
-
-    seconds = timed(run, args.repeats)
+    seconds = adamw_step_seconds(model, ids, args.repeats)
     flops = 3 * bench_utils.forward_flops(model.config, *ids.shape)
     return dict(tokens=ids.size, seconds=seconds, flops=flops,
                 notes=f"{args.train_rows} x {args.train_len} tokens, remat, AdamW")
