@@ -169,9 +169,7 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
         names = [None] * len(shape)
         names[batch_axis] = "batch"
         target = sharding.named_sharding(mesh, names, shape)
-        split = np.prod([mesh.shape[a] for a in sharding.spec_axes(target.spec[batch_axis])],
-                        dtype=int)
-        if split % procs:
+        if batch_split(shape[batch_axis], mesh) % procs:  # refused at start-up (rl/config.py)
             raise ValueError(f"learner.micro_batch_size: {shape[batch_axis]} rows per micro-batch "
                              f"cannot be split over the mesh's batch axes across {procs} processes")
         return jax.make_array_from_process_local_data(target, x, tuple(shape))
@@ -184,6 +182,14 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
                       expert_ids=None if local.expert_ids is None
                       else to_global(local.expert_ids, 2),
                       segments=None if local.segments is None else to_global(local.segments, 1))
+
+
+def batch_split(rows: int, mesh: jax.sharding.Mesh) -> int:
+    """Into how many parts the current rules' `batch` axes of `mesh` split a micro-batch of
+    `rows` rows (the product of those axes that divide it, as `global_train_batch` places it);
+    each process's rows land on its own devices only when the processes divide this."""
+    spec = sharding.fitted_spec(["batch"], [rows], mesh)
+    return int(np.prod([mesh.shape[a] for a in sharding.spec_axes(spec[0])], dtype=int))
 
 
 def allgather_json(value) -> list:
