@@ -132,7 +132,11 @@ def exit_process(code: int, within_s: float | None = None) -> NoReturn:
         timer.daemon = True
         timer.start()
     if jax.distributed.is_initialized():
-        jax.distributed.shutdown()
+        try:
+            jax.distributed.shutdown()
+        except Exception as e:  # noqa: BLE001 - a lost peer: this host's work is done anyway
+            logging.error("leaving jax.distributed failed (%s); exiting with %d", e, code)
+            _flush()
     os._exit(code)
 
 
