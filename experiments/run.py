@@ -17,7 +17,8 @@ values out of range, a resume that changes such fields or does not fit the check
 many steps with non-finite updates in a row, 74 a checkpoint could not be saved, or checkpoints
 exist but none could be read (storage unavailable, or all damaged and set aside): rerun to
 resume, 75 preempted (SIGTERM) after a final checkpoint (eval_system: after the records of the
-pairs finished so far).
+pairs finished so far). A job that ended, with any of these codes or 0, exits as soon as its
+outputs are written (`distributed.exit_process`: the hosts leave together, with no teardown).
 """
 import os
 import re
@@ -73,13 +74,15 @@ def main(argv):
             config.model.checkpoint = str(warm_start.ensure(config))
         try:
             trainer.train(config, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
-        except ConfigError as e:  # config_diff.ConfigChanged
+        except ConfigError as e:  # config_diff.ConfigChanged, a micro-batch the mesh cannot split
             print(e, file=sys.stderr)
-            sys.exit(e.exit_code)
-        except (trainer.Preempted, trainer.NonFiniteUpdates, CheckpointSaveError,
-                CheckpointUnavailable, CheckpointMismatch) as e:
+            distributed.exit_process(e.exit_code)
+        except trainer.Preempted as e:
+            _preempted(e)
+        except (trainer.NonFiniteUpdates, CheckpointSaveError, CheckpointUnavailable,
+                CheckpointMismatch) as e:
             logging.error("%s: %s", type(e).__name__, e)
-            sys.exit(e.exit_code)
+            distributed.exit_process(e.exit_code)
         if jax.process_index() == 0:
             console.note(console.summary(_WORKDIR.value, ["python", *sys.argv],
                                          time.perf_counter() - started))
@@ -87,12 +90,19 @@ def main(argv):
         try:
             eval_job.run(config, _WORKDIR.value)
         except preemption.Preempted as e:
-            logging.error("%s: %s", type(e).__name__, e)
-            sys.exit(e.exit_code)
+            _preempted(e)
     elif config.job == "sft":
         sft_job.run(config, _WORKDIR.value)
     else:
         raise app.UsageError(f"config.job: {config.job!r} is not 'train', 'eval_system' or 'sft'")
+    distributed.exit_process(0)  # everything is written: no teardown (its docstring)
+
+
+def _preempted(e: preemption.Preempted) -> None:
+    """Exits 75 after SIGTERM, what can be resumed from saved: within `preemption.LEAVE_S`
+    even if another host never reaches the exit (the job's watchdog ended with the job)."""
+    logging.error("%s: %s", type(e).__name__, e)
+    distributed.exit_process(e.exit_code, within_s=preemption.LEAVE_S)
 
 
 def _as_validated(config):

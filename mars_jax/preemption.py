@@ -34,6 +34,10 @@ import time
 from collections.abc import Iterator
 
 EXIT_CODE = 75  # EX_TEMPFAIL: rerun the same command to resume
+# Seconds a process that stopped and saved after a notice waits for every host to leave
+# jax.distributed (they stopped in the same round, so they arrive within moments) before it
+# exits all the same: the watchdog ends with the job, this bounds the exit after it.
+LEAVE_S = 5.0
 
 
 class Stopped(Exception):

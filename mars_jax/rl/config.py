@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 from ml_collections import ConfigDict
 
+from mars_jax import distributed
 from mars_jax.errors import Problem
 from mars_jax.rl.learner import LearnerConfig
 from mars_jax.rl.losses import LossConfig
@@ -84,3 +85,25 @@ def micro_batch_problem(micro_batch_size: int, processes: int) -> Problem | None
                    "an equal share",
                    f"set it to a multiple of {processes}, e.g. "
                    f"{max(processes, micro_batch_size // processes * processes)}")
+
+
+def micro_batch_split_problem(micro_batch_size: int, mesh: jax.sharding.Mesh,
+                              processes: int) -> Problem | None:
+    """The problem of `learner.micro_batch_size` when the training `mesh`'s batch axes (the
+    current rules') cannot place each of `processes` hosts' equal share of its rows on that
+    host's own devices (`distributed.batch_split`); None when they can. Checked once the meshes
+    exist, before anything is collected."""
+    split = distributed.batch_split(micro_batch_size, mesh)
+    if split % processes == 0:
+        return None
+    fits = [rows for rows in range(processes, micro_batch_size + 2 * mesh.size + 1, processes)
+            if distributed.batch_split(rows, mesh) % processes == 0]
+    fix = (f"set it to a size the batch axes split over the hosts, e.g. "
+           f"{min(fits, key=lambda rows: (abs(rows - micro_batch_size), rows))}" if fits else
+           "lay the training mesh's batch axes (mesh.data, mesh.fsdp, mesh.expert) over the "
+           "hosts")
+    return Problem("learner.micro_batch_size",
+                   f"{micro_batch_size} rows per micro-batch are split over {split} of the "
+                   f"training mesh's {mesh.size} devices (the batch axes of {dict(mesh.shape)} "
+                   f"that divide it), which does not give each of {processes} processes its own "
+                   "rows", fix)

@@ -367,7 +367,10 @@ def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
     overlap = config.mesh.rollout.devices > 0 and config.rollout.mode == "pipeline"
-    with sharding.use_mesh(mesh):
+    with sharding.use_mesh(mesh):  # the rules the update's batches are placed with
+        if problem := rl_config.micro_batch_split_problem(config.learner.micro_batch_size, mesh,
+                                                          jax.process_count()):
+            raise ConfigError([problem])
         model = builders.build_model(config, mesh)
     tokenizer = builders.build_tokenizer(config)
     problems = builders.build_problem_iterator(config)

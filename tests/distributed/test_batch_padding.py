@@ -1,9 +1,12 @@
 """`global_train_batch`'s padding, in one process: hosts holding different numbers and lengths of
-micro-batches agree on one shape, and every host's real data stays where it was."""
+micro-batches agree on one shape, and every host's real data stays where it was; a global
+micro-batch the batch axes cannot split over the hosts is a config problem at start-up."""
 import numpy as np
 import pytest
 
+from mars_jax import sharding
 from mars_jax.distributed import agreed_batch_shape, pad_train_batch
+from mars_jax.rl.config import micro_batch_split_problem
 from mars_jax.types import TrainBatch
 
 ROWS, LAYERS, TOP_K = 2, 3, 2
@@ -62,3 +65,25 @@ def test_a_host_without_routing_and_equal_shapes_pass_through():
 def test_different_rows_per_micro_batch_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"learner.micro_batch_size: .* sizes \[2, 4\]"):
         agreed_batch_shape(np.asarray([[1, 2, 16], [1, 4, 16]]))
+
+
+@pytest.mark.parametrize("mesh_shape, rows, fix", [
+    # data=8: 6 rows are not split (8 does not divide 6), so 2 hosts cannot each own 3 of them;
+    # 8 rows are the nearest that split.
+    (dict(data=8), 6, "e.g. 8"),
+    (dict(data=8), 16, None),
+    # data=2 x fsdp=4: 4 rows are split over data only (2 parts), one per host.
+    (dict(data=2, fsdp=4), 4, None),
+    # tensor=8: no batch axis at all, every device holds every row, whatever their number.
+    (dict(data=1, tensor=8), 8, "lay the training mesh's batch axes"),
+])
+def test_a_micro_batch_the_batch_axes_cannot_split_over_two_hosts_is_refused(
+        mesh_shape, rows, fix):
+    mesh = sharding.make_mesh(mesh_shape)  # the session's 8 CPU devices
+    with sharding.use_mesh(mesh):
+        problem = micro_batch_split_problem(rows, mesh, processes=2)
+    if fix is None:
+        assert problem is None
+    else:
+        assert problem.field == "learner.micro_batch_size" and f"{rows} rows" in problem.problem
+        assert fix in problem.fix, problem
