@@ -4,7 +4,7 @@
 
 Per platform, chosen when the program is lowered (`jax.lax.platform_dependent`, so an AOT
 compile for TPU or GPU from a CPU host gets the target's kernel):
-  tpu     Pallas megablox `gmm`, which reads an out-by-in `rhs` as it is stored
+  tpu     Pallas megablox `gmm` where `megablox_fits`, which reads an out-by-in `rhs` as stored
           (`transpose_rhs`): XLA's own `ragged_dot` lowering wants `[G, K, N]` and re-lays out
           the out-by-in expert weights first, in a scanned decode once for every layer at once
           (launch/README.md).
@@ -37,7 +37,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     `transpose_rhs`); the platform's kernel as the module says (`mgpu`: Mosaic GPU on cuda)."""
     args = (lhs, rhs, group_sizes.astype(jnp.int32))
     xla = functools.partial(xla_grouped_matmul, transpose_rhs=transpose_rhs)
-    tpu = _manual(functools.partial(megablox_grouped_matmul, transpose_rhs=transpose_rhs))
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tpu = (_manual(functools.partial(megablox_grouped_matmul, transpose_rhs=transpose_rhs))
+           if megablox_fits(lhs.shape[1], n) else xla)
     if mgpu:
         cuda = _manual(functools.partial(mgpu_grouped_matmul, transpose_rhs=transpose_rhs))
         return jax.lax.platform_dependent(*args, tpu=tpu, cuda=cuda, default=xla)
@@ -67,6 +69,12 @@ def xla_grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool) -> jax.Arr
 
 def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
     return jnp.pad(x, ((0, -x.shape[0] % multiple), (0, 0)))
+
+
+def megablox_fits(k: int, n: int) -> bool:
+    """Whether megablox's TPU lowering takes a contraction of `k` and `n` output columns: its
+    blocks (and its backward's) must span whole 128-lane tiles; other shapes take XLA's."""
+    return k % GMM_TILE == 0 and n % GMM_TILE == 0
 
 
 def megablox_grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool,
