@@ -2,7 +2,7 @@
 
 Each step (`_Run`) runs four phases: collect (`StreamingRollouts.collect`, on one decode engine
 that lives across steps: `rl.streaming`), update (`learner.train_mini_batches` on the samples of
-the groups handed out: `rl.samples`), publish the weights (`_WeightPublisher`: the engine decodes
+the groups handed out: `rl.samples`), publish the weights (`rl.publisher`: the engine decodes
 the update's own arrays on one shared mesh, or a copy on its own submesh with
 `mesh.rollout.devices > 0`, metrics `sync/*`) and checkpoint. The policy version counts the steps
 whose update changed the parameters. In pipeline mode on a rollout submesh the engine keeps
@@ -68,6 +68,7 @@ from mars_jax.rl.config import micro_batch_problem
 from mars_jax.rl.learner import (LearnerConfig, UpdateStopped, split_mini_batches,
                                  summarize_updates, train_mini_batches)
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
+from mars_jax.rl.publisher import WeightPublisher
 from mars_jax.rl.samples import training_samples
 from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
 from mars_jax.rl.update import TrainState, UpdateConfig, init_train_state
@@ -184,15 +185,6 @@ def _check_resident_memory(config: ConfigDict, engine: EngineSettings, learner: 
         memory_fit.check(parts, memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
 
 
-def _weight_copier(params, mesh: jax.sharding.Mesh, rollout_mesh: jax.sharding.Mesh):
-    """params -> (this host's engine copy, `weight_sync.Transfer`): on one process a
-    `device_put` to the rollout mesh's shardings, on several `weight_sync.HostCopies`."""
-    if jax.process_count() > 1:
-        return weight_sync.HostCopies(params, mesh, rollout_mesh).copy
-    shardings = weight_sync.rollout_shardings(params, rollout_mesh)
-    return lambda current: weight_sync.copy_weights(current, shardings)
-
-
 def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
     """`should_stop` for the update: whether any host's `notice` came, through a
     `distributed.HostGroup` (no device program: safe beside a decode on another thread)."""
@@ -259,41 +251,6 @@ def _recorded_config(workdir_path: epath.Path) -> dict | None:
     """Process 0's `config_diff.read_record` of the workdir, the same on every host."""
     recorded = config_diff.read_record(workdir_path) if jax.process_index() == 0 else None
     return recorded if jax.process_count() == 1 else distributed.allgather_json(recorded)[0]
-
-
-class _WeightPublisher:
-    """The one path from the train state's parameters to the engine's weights: the update's own
-    arrays on one shared mesh, else a copy on the rollout mesh (`weight_sync`, metrics
-    `sync/*`)."""
-
-    def __init__(self, graphdef, params, mesh: jax.sharding.Mesh,
-                 rollout_mesh: jax.sharding.Mesh):
-        self.graphdef = graphdef
-        self.copy = (_weight_copier(params, mesh, rollout_mesh) if rollout_mesh is not mesh
-                     else None)
-
-    def first_model(self, params):
-        """The model the engine starts with."""
-        if self.copy is None:
-            return nnx.merge(self.graphdef, params)
-        return weight_sync.rollout_model(self.graphdef, self.copy(params)[0])
-
-    def publish(self, stream: StreamingRollouts, params, version: int) -> dict[str, float]:
-        """`stream` decodes `params`, policy `version`, from now on; returns the copy's
-        metrics."""
-        if self.copy is None:
-            stream.weights_updated(nnx.merge(self.graphdef, params), version)
-            return {}
-        copied, transfer = self.copy(params)
-        stream.weights_updated(weight_sync.rollout_model(self.graphdef, copied), version)
-        return {"sync/seconds": transfer.seconds, "sync/bytes": transfer.bytes,
-                "sync/bytes_per_device": transfer.bytes_per_device}
-
-    def unchanged(self, stream: StreamingRollouts, params) -> None:
-        """After an update that changed nothing: on a shared mesh the update donated the arrays
-        the engine decodes with, so it takes the same weights in `params`' arrays."""
-        if self.copy is None:
-            stream.weights_moved(nnx.merge(self.graphdef, params))
 
 
 class _Resumed(NamedTuple):
@@ -401,7 +358,7 @@ def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     eos = eos_token_ids(tokenizer)
     engine = engine_settings(config, rollout_mesh)
     _check_resident_memory(config, engine, learner, resumed.state, model_config, mesh, rollout_mesh)
-    publisher = _WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
+    publisher = WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
     policy = publisher.first_model(resumed.state.params)
     stream = _build_stream(config, engine, rollouts, policy, eos, problems, rollout_mesh, notice)
     if resumed.stream is not None:
@@ -435,7 +392,7 @@ class _Run:
     model_config: Qwen3Config
     problems: ProblemIterator
     stream: StreamingRollouts
-    publisher: _WeightPublisher
+    publisher: WeightPublisher
     checkpointer: Checkpointer
     writer: MetricsWriter
     profiler: StepProfiler
