@@ -1,5 +1,6 @@
 """Records what each host of a run of experiments/run.py runs on devices and agrees with the
-other hosts, as lines of `{workdir}/programs{process}.jsonl` written when the run ends:
+other hosts, as lines of `{workdir}/programs{process}.jsonl` written when the run ends
+(`distributed.exit_process` or an interpreter exit):
 
   {"global": [kind, name]}   in the order this host made them: a device program whose devices
                              span several processes (kind "program"), a host exchange round
@@ -112,8 +113,19 @@ def install(on_launch: Launch | None = None) -> None:
         recorder.checkpoint(step)
         return save(self, step, *args, **kwargs)
 
+    workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+
+    def write() -> None:
+        recorder.write(Path(workdir) / f"programs{recorder.process}.jsonl")
+
+    exit_process = distributed.exit_process
+
+    def recorded_exit(code, within_s=None):  # os._exit skips atexit
+        write()
+        exit_process(code, within_s)
+
     pxla.UnloadedMeshExecutable.build_unsafe_call = recorded_build
     distributed.HostGroup.gather = recorded_gather
     Checkpointer.save = recorded_save
-    workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
-    atexit.register(lambda: recorder.write(Path(workdir) / f"programs{recorder.process}.jsonl"))
+    distributed.exit_process = recorded_exit
+    atexit.register(write)
