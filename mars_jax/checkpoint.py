@@ -1,45 +1,22 @@
-"""Orbax checkpoints of a training run: train state (params, optimizer, update count) + JSON meta
-(step, data iterator position, the scheduler's queue, counters) + optional per-host arrays
-(`distributed.host_arrays`: routing, queued rollouts).
+"""Orbax checkpoints of a training run: train state + JSON meta (step, data position, the
+scheduler's queue, counters) + optional per-host arrays (`distributed.host_arrays`).
 
 Integrity rules:
-  * Saves are asynchronous and atomic: orbax writes to `<step>.orbax-checkpoint-tmp` and renames
-    it on commit, so a save killed midway leaves a temporary directory that restore ignores (and
-    the next manager removes), never a damaged earlier checkpoint.
-  * A save that fails (disk full, I/O error) raises `CheckpointSaveError` at the next `save`,
-    `wait` or `close`, naming the step that failed and the previous intact one; the manager is
-    re-read from disk, so it never points at the failed step.
-  * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
-    position-weighted sum of the bits of every array, computed on device), and one of its JSON
-    meta (a digest of its canonical text, the other fingerprints included).
-  * Only proof of damage sets a checkpoint aside: a step directory without orbax's commit marker
-    (`commit_success.txt`), bytes that do not decode (JSON, UTF-8, tensorstore's decoding
-    errors and damage status codes, `is_damage`), a file missing from a committed step, or a
-    fingerprint mismatch. Restore walks back from the newest step and moves each damaged one to
-    `<directory>.unreadable/` (so that the resumed run can save that step again). Any other
-    read error (storage unavailable, permissions, an unrecognised error) is tried
-    1 + len(`READ_RETRY_WAITS`) times and then raises `CheckpointUnavailable`, setting nothing
-    aside: rerun when the storage is back. A fingerprint mismatch is not retried.
-  * Restore returns None only when the directory holds no step directory: when every one is
-    damaged it raises `CheckpointUnavailable` after setting them aside, so a run never starts
-    from step 0 beside checkpoints.
-  * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
-    paths, shapes, dtypes of the state) with the state to restore into, and raises
-    `CheckpointMismatch` naming the step and the differences when they differ; such a
-    checkpoint is left in place, never skipped.
-  * A directory with no step directories but one step's files at its top (a step directory
-    copied to the wrong level) raises `ValueError` instead of restoring nothing.
-  * Several processes restore the same step: process 0 lists the directory and every process
-    walks its listing (another host's listing may be stale: gcsfuse, NFS attribute caches).
-    Damage that process 0 proves sets a step aside on every process; a step that process 0
-    reads but another process cannot raises `CheckpointUnavailable` on every process with the
-    same message, setting nothing aside. Each step's directory and commit marker are checked
-    on every process before orbax reads it (its reads end at a barrier of all processes).
+  * Saves are asynchronous and atomic (orbax's temporary directory or, on Cloud Storage, its
+    `commit_success.txt` marker): a save killed midway never damages an earlier checkpoint. A
+    failed save raises `CheckpointSaveError` at the next `save`, `wait` or `close`.
+  * Every checkpoint stores fingerprints of its state, arrays and JSON meta.
+  * Only proof of damage (no commit marker, bytes that do not decode, a missing file, a
+    fingerprint mismatch: `is_damage`) sets a checkpoint aside, into `<directory>.unreadable/`,
+    and restore walks back to the next newest. Other read errors are retried
+    (`READ_RETRY_WAITS`), then raise `CheckpointUnavailable` with nothing set aside.
+  * Restore returns None only for a directory with no step directory, so a run never starts
+    from step 0 beside checkpoints; a layout that differs from the target state raises
+    `CheckpointMismatch` and leaves the checkpoint in place.
+  * With several processes, process 0's listing is walked by all and every process gets the
+    same outcome (another host's listing may be stale: gcsfuse, NFS attribute caches).
 
-The directory is a local path or a `gs://` URL (`mars_jax.storage`; orbax writes the arrays
-through tensorstore, which reads either). On Cloud Storage orbax writes a step in place and
-marks it committed with `commit_success.txt` (no rename); a step without it (a save cut short)
-is removed when the manager opens, as a local save's temporary directory is.
+The directory is a local path or a `gs://` URL (`mars_jax.storage`).
 """
 from __future__ import annotations
 
@@ -174,17 +151,14 @@ class Checkpointer:
                        arrays_target: Callable[[dict], Any] | None = None,
                        check_meta: Callable[[int, dict], None] | None = None
                        ) -> Restored | None:
-        """(step, state, meta, arrays) of the newest intact checkpoint, or None when the
-        directory holds no step directory.
+        """(step, state, meta, arrays) of the newest intact checkpoint, or None when the directory
+        holds no step directory (integrity rules: module docstring).
 
-        `check_meta(step, meta)` sees each checkpoint's meta (fingerprint checked) before its
-        state is read; what it raises propagates. `arrays_target(meta)` gives the abstract pytree
-        (shapes, dtypes, shardings) of a checkpoint's arrays item from its meta; without it,
-        arrays are not read. Raises `CheckpointUnavailable` when a read fails without proof of
-        damage, or every checkpoint was damaged; `CheckpointMismatch` when the newest readable
-        checkpoint's state has another layout (tree paths, shapes, dtypes) than
-        `abstract_state`, or `arrays_target` raises for its meta (e.g. written by another number
-        of hosts); `ValueError` for one checkpoint's files copied to the top of the directory."""
+        `check_meta(step, meta)` sees each checkpoint's meta before its state is read; what it
+        raises propagates. `arrays_target(meta)` gives the abstract pytree of the arrays item;
+        without it, arrays are not read. Raises `CheckpointUnavailable`, `CheckpointMismatch`
+        (state layout or `arrays_target` disagrees), or `ValueError` for one checkpoint's files
+        copied to the top of the directory."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         steps, stray = _listed(self._listing, f"the checkpoint directory {self.directory}")
         if not steps and stray:
@@ -316,13 +290,9 @@ class Checkpointer:
 
 def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
             ) -> tuple[Any, Exception | None]:
-    """(`read()`, None), or (None, the damage) when reading `what` failed with proof of damage
-    (`_read_with_retries`). A `CheckpointUnavailable` or `CheckpointMismatch` is raised.
-
-    With several processes (a collective) every process gets the same outcome: either error on
-    any process is raised on every one with the same message; damage on process 0 is damage on
-    every process (all skip the checkpoint together); damage on another process only (process
-    0, whose listing every process walks, read it) raises `CheckpointUnavailable`."""
+    """(`read()`, None), or (None, the damage) when reading `what` failed with proof of damage;
+    raises `CheckpointUnavailable` or `CheckpointMismatch`. With several processes every process
+    gets the same outcome; damage seen on another process than 0 raises `CheckpointUnavailable`."""
     value, error = _read_with_retries(read, what)
     if jax.process_count() == 1:
         if isinstance(error, (CheckpointUnavailable, CheckpointMismatch)):
@@ -360,9 +330,8 @@ def _process_0_value(read: Callable[[], Any]) -> Any:
 
 
 def _listed(read: Callable[[], Any], what: str) -> Any:
-    """`read()` (JSON) of process 0, read with retries (`_read_with_retries`), on every process;
-    any failure on process 0 raises `CheckpointUnavailable` with the same message on every
-    process (a collective with several processes)."""
+    """Process 0's `read()` (JSON, with retries) on every process; a failure there raises
+    `CheckpointUnavailable` with the same message on every process."""
     def read_or_error():
         value, error = _read_with_retries(read, what)
         if error is not None and not isinstance(error, CheckpointUnavailable):
@@ -500,9 +469,8 @@ def read_meta(directory: str | os.PathLike, step: int) -> dict:
 
 def restore_params(directory: str | os.PathLike, step: int, target: Any) -> Any:
     """The `params` subtree alone of checkpoint `step`'s train state, read into `target`'s
-    structure, shapes, dtypes and shardings (`jax.ShapeDtypeStruct` leaves): the optimizer state
-    is neither read nor built. Raises `CheckpointMismatch` naming the differences when the saved
-    parameters have another layout."""
+    structure, shapes, dtypes and shardings, without reading or building the optimizer state.
+    Raises `CheckpointMismatch` when the saved parameters have another layout."""
     path = epath.Path(directory) / str(step) / "state"
     handler = ocp.StandardCheckpointHandler()
     try:
