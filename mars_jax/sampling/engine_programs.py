@@ -1,40 +1,23 @@
 """The engine's device programs: one jitted program per step of serving, over the slot state.
 
-`SlotState` holds one row per slot: its KV cache of `max_length` positions (or, paged, none: the
-page pools are separate arrays), next-token logits, position, budget, sampling settings, PRNG key,
-stop ids and recorded routing. `prefill` prefills right-padded prompts into a prompt cache, a
-piece at a time; `insert` copies a prefilled row into a slot (or its pages); `decode_chunk` runs
-up to `steps` decode steps over every slot, attending over the first `span` cache positions only;
-`take_slots` / `put_slots` gather running rows into a smaller slot bucket and back;
-`deactivate` stops a preempted row; `put_routing` restores a re-prefilled row's recorded routing.
+`SlotState` holds one row per slot (KV cache unless paged, logits, position, budget, sampling
+settings, PRNG key, stop ids, recorded routing). `prefill` fills a prompt cache a piece at a time;
+`insert` copies a prefilled row into a slot; `decode_chunk` runs up to `steps` decode steps over
+every slot; `take_slots` / `put_slots` shrink to a smaller slot bucket and back.
 
-Layers: every cache is stacked over the layers (the slot cache and a prompt cache `[L, rows,
-...]`, a page pool every layer's pages), and each layer writes its keys and values into the
-stack in place. The weights are the model's (`merged`: the layer loop unrolled, one copy of
-the layer in the program per layer) or, with `stack_weights`, each run of alike layers stacked,
-which the model scans (one copy of the layer per run: the program compiles in time independent
-of depth).
+Caches are stacked over the layers and written in place. With `stack_weights` each run of alike
+layers is stacked and scanned, so compile time does not grow with depth. The slot state is split
+over slots and KV heads, and every program writes it one row at a time and keeps its shardings,
+never gathering other chips' slots.
 
-Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
-request, preempting one and shrinking / expanding write it in place, one slot row at a time
-(a dynamic-update-slice per row; a row read as a masked sum over the slots when the slots are
-split over chips, else as a dynamic slice), never gathering the slots of other chips, and every
-program's outputs keep the state's shardings.
+Exactness: a slot's decode step computes what `generate`'s row computes for the same request (same
+visible keys and values, `processors.choose_tokens_per_row`, PRNG key `fold_in(fold_in(key(seed),
+sequence_seed), t)`), so tokens and log-probabilities do not depend on the other slots; they match
+`generate`'s up to float32 rounding (reductions run over the chunk's span), which changes a token
+only at a near-tie.
 
-Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
-request (same positions, same keys and values visible, sampling by
-`processors.choose_tokens_per_row`, which gives each row `choose_tokens`'s result under its own
-settings), and row b's PRNG key at step t is `fold_in(fold_in(key(seed), sequence_seed), t)`
-as in `generate` (`seed` is the engine's, `sequence_seed` the request's). Tokens and
-log-probabilities therefore do not depend on the other slots or on the admission time; they match
-`generate`'s up to float32 rounding (reductions run over the chunk's span instead of `generate`'s
-cache length), which changes a token only at an exact near-tie.
-
-Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
-tokens); the next token is written at position `length` and sees positions `0..length`. Paged,
-the positions are in pages `table[slot]` of its shard's pool, attended by the backend's Pallas
-paged-attention kernel where the shapes suit it (reading the pages in place), else by gathering
-every row's pages of the chunk's span into one layer's contiguous cache at a time
+Layout: a slot holds its request contiguously from position 0; the next token is written at `length`
+and sees `0..length`. Paged, positions live in pages `table[slot]` of its shard's pool
 (`layers.paged_kv`).
 """
 from __future__ import annotations
@@ -134,10 +117,9 @@ def _slots_sharded(num_slots: int) -> bool:
 
 
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """Row `index` of `x` along `axis`, the axis kept (size 1). On an `axis`-sharded `x`, a
-    masked sum over the axis: each shard reduces its own rows and one row is all-reduced
-    (XLA:GPU partitions a one-index gather as an all-gather of `x`); exact, the other rows
-    contribute zeros. Otherwise a dynamic slice (reads one row, not all of them)."""
+    """Row `index` of `x` along `axis`, kept with size 1. Sharded along `axis`: a masked sum
+    (exact), since XLA:GPU partitions a one-index gather as an all-gather of `x`; else a dynamic
+    slice."""
     if not _slots_sharded(x.shape[axis]):
         return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -176,9 +158,8 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
 
 
 def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
-    """The model of an engine's `weights` and its stacked layer weights: `(state, None)` (the
-    model's own arrays, layers unrolled) or `(rest, stacks)` (`stack_weights`: layers
-    scanned)."""
+    """The model of an engine's `weights` and its stacked layer weights: `(state, None)` (layers
+    unrolled) or `(rest, stacks)` (`stack_weights`: layers scanned)."""
     state, stacks = weights
     if stacks is None:
         return nnx.merge(graphdef, state), None
@@ -198,9 +179,8 @@ def _stack_runs(runs, shardings):
 
 
 def stack_weights(model: Qwen3):
-    """An engine's graph and weights with the layers scanned (`merged`): the weights outside the
-    layers (the model's own arrays) and a stacked copy of each run of alike layers
-    (`Qwen3.layer_runs`), sharded as the layers with the new axis unsplit."""
+    """An engine's graph and weights with the layers scanned (`merged`): the model's arrays
+    outside the layers and a stacked copy of each run of alike layers (`Qwen3.layer_runs`)."""
     graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
     runs = [[layers["layers"][i] for i in range(start, stop)]
             for start, stop in model.layer_runs()]
@@ -254,16 +234,12 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
                    donate_argnames=("state", "pool"))
 def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
                  steps: int, span: int, kernel: str = "gather"):
-    """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
-    only (the caller guarantees that every active slot's `length + steps <= span`), the cache
-    updated in place (no copy of the span); returns the state, the page pool, the chunk's
-    tokens and log-probabilities `[slots, steps]` (a slot's first `step` increase entries are
-    its own) and the steps run. Stops early when every slot is idle, or once `stop_after`
-    (> 0) requests have ended. An idle row's cache is written at its `length` (clamped to its
-    last position): the engine never reads an idle row's cache again. Paged (`pool` given, else
-    None): row b's positions are in pages `table[b]` (`span / page` of them; the caller gives 0,
-    the trash page, where a row owns none and for every row idle at the start), attended by
-    `kernel` (`paged_kv`)."""
+    """Up to `steps` decode steps over all slots, attending over positions `0..span` only (the
+    caller guarantees every active slot's `length + steps <= span`), the cache updated in place.
+    Returns the state, the pool, tokens and log-probabilities `[slots, steps]`, and the steps
+    run. Stops early when every slot is idle or once `stop_after` (> 0) requests have ended.
+    Paged (`pool` given): row b's positions are in pages `table[b]` (0, the trash page, where it
+    owns none), attended by `kernel`."""
     model, stacks = merged(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
@@ -315,10 +291,10 @@ def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: j
                    donate_argnames=("cache", "logits", "experts"))
 def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
             fresh: bool):
-    """Prefills `tokens [G, T]` (G right-padded prompts) at positions start.. start+T into a
-    `[G, bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after
-    each row's position `last [G]` (rows whose `last` lies in this piece; the others keep
-    `logits`) and the recorded routing `[L_moe, G, bucket, k]` (or None)."""
+    """Prefills `tokens [G, T]` (right-padded prompts) at positions start..start+T into a `[G,
+    bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after each
+    row's position `last` (rows whose `last` is in this piece; others keep `logits`) and the
+    recorded routing (or None)."""
     model, stacks = merged(graphdef, weights)
     rows, width = tokens.shape
     if fresh:
@@ -343,10 +319,9 @@ def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, b
 
 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
-    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]`
-    of every layer's block (its positions 0 .. n * page, zero-padded or cut;
-    `paged_kv.write_pages`), one layer at a time (an unrolled loop: XLA partitions a
-    `fori_loop` over the layers of a KV-head-split pool with copies of the pool)."""
+    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]` of
+    every layer (`paged_kv.write_pages`). The layer loop is unrolled: XLA partitions a
+    `fori_loop` over a KV-head-split pool with copies of the pool."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
     layers = prompt.k.shape[0]
     block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
@@ -368,9 +343,8 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
 def insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
            budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
            ) -> tuple[SlotState, KVCache | None]:
-    """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
-    `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
-    those pages) and the request's settings, active; written in place."""
+    """`state` with slot `slot` holding row `row` of the prompt cache (paged: in pages
+    `page_ids`) and the request's settings, active; written in place."""
     if pool is None:
         c = state.cache
         span = min(cache.v.shape[3], c.v.shape[3])  # what a slot holds
