@@ -1,23 +1,16 @@
 """Statistics of avg@k evaluation records (`mars_jax.agents.eval.make_record`), with intervals.
 
-avg@k: per problem, the mean over its samples of a 0/1 field (`solver_correct` or `correct`);
-a model's avg@k is the mean over problems. Scores of one model are a matrix `[runs, problems]`:
-one row per RL seed (one row for a model trained once or not at all), the columns the same
-held-out problems in the same order for every run.
+avg@k: per problem, the mean over its samples of a 0/1 field; a model's avg@k is the mean over
+problems. One model's scores are a matrix `[runs, problems]`: a row per RL seed, the same held-out
+problems in the same order for every run.
 
-Intervals are percentile bootstrap intervals. Each replicate draws the runs with replacement and,
-independently, the problems with replacement, and takes the mean of the drawn sub-matrix (the
-same drawn problems for every drawn run: seeds and problems are crossed factors, both treated as
-random). With one run this is the plain bootstrap over problems. A difference between two models
-evaluated on the same problems draws the problems once for both (paired) and each model's runs
-independently (its seeds are separate trainings). `bootstrap_statistic` applies the same draws
-to any statistic of summed per-(run, problem) values, e.g. balanced accuracy from confusion
-counts (`confusion_counts`, `balanced_accuracy`).
+Intervals are percentile bootstraps that draw runs and problems independently with replacement
+(seeds and problems are crossed random factors); a difference between two models draws the problems
+once for both (paired) and each model's runs on its own.
 
-Verifier metrics treat an actually wrong solution as the positive class: a verdict "Wrong" on a
-wrong solution is a true positive (an error detected). A verification without a readable verdict
-(None) is neither a detection nor a pass: it counts against the true-positive rate on wrong
-solutions and against the true-negative rate on correct ones, and is not a positive prediction.
+Verifier metrics treat a wrong solution as the positive class. A verification without a readable
+verdict (None) counts against both the true-positive and true-negative rates and is not a positive
+prediction.
 """
 
 from __future__ import annotations
@@ -102,13 +95,10 @@ def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
                         level: float = LEVEL) -> Interval:
     """A statistic of several models' per-(run, problem) values and its percentile interval.
 
-    `arrays[i]` is model i's `[runs, problems, *features]` array (`[problems]` is one run), all
-    over the same problems. `statistic(totals)` maps the list of each model's sums over runs x
-    problems (`[..., *features]`) to values `[...]`. Each replicate draws the problems once for
-    all models and each model's runs on its own (see the module docstring), and sums the drawn
-    sub-arrays (weights sum to runs x problems, as in the estimate's totals). Replicates where
-    the statistic is NaN are left out, so the interval is conditional on it being defined; their
-    number is `Interval.undefined`."""
+    `arrays[i]` is model i's `[runs, problems, *features]` (or `[problems]`), all over the same
+    problems; `statistic` maps the list of each model's totals over runs x problems to values.
+    Replicates draw as the module docstring says; those where the statistic is NaN are left out
+    (`Interval.undefined` counts them), so the interval is conditional on it being defined."""
     arrays = [_check(a) for a in arrays]
     problems = arrays[0].shape[1]
     if any(a.shape[1] != problems for a in arrays):
@@ -283,9 +273,8 @@ CORRECTION_FIELDS = ("wrong_revised", "fixed", "unchanged")
 
 
 def correction_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str]) -> np.ndarray:
-    """`[runs, problems, 3]` counts (`CORRECTION_FIELDS`) of each run's revisions of wrong
-    candidates, of those fixed and of those left with their answer (`correction_rates`), for
-    `bootstrap_statistic` (e.g. `fix_rate`)."""
+    """`[runs, problems, 3]` counts (`CORRECTION_FIELDS`) of each run's revised wrong candidates,
+    those fixed and those keeping their answer, for `bootstrap_statistic`."""
     column = {p: i for i, p in enumerate(problems)}
     counts = np.zeros((len(runs), len(problems), len(CORRECTION_FIELDS)))
     for i, records in enumerate(runs):
@@ -318,11 +307,9 @@ def run_outcome(record: Record) -> dict[str, bool]:
 
 
 def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
-    """Share of runs by `run_outcome`: over a non-empty list `kept + lost + fixed + unfixed` is 1,
-    kept + fixed is the share of runs returned right, kept + lost the share whose Solver was
-    right, `never_right` the part of `unfixed` in which no candidate was right (the rest of
-    `unfixed` wrote a right candidate and returned another) and `some_right` = 1 - never_right,
-    the ceiling of the System's avg@k over this Solver and Corrector (empty: NaN)."""
+    """Share of runs by `run_outcome` (kept + lost + fixed + unfixed = 1): `never_right` is the
+    part of `unfixed` where no candidate was right, and `some_right` = 1 - never_right, the
+    ceiling of the System's avg@k over this Solver and Corrector. Empty: NaN."""
     outcomes = [run_outcome(r) for r in records]
     return {name: _ratio(sum(o[name] for o in outcomes), len(records)) for name in OUTCOMES}
 
