@@ -1,36 +1,21 @@
 """The V-C reasoning system: a per-problem state machine and a round-batched driver.
 
-Rules (per problem), those of the released MarsRL loop (`vc_reasoning_system.py`):
-  * The Solver writes the first candidate, which is verified once. Each candidate is a solution.
-  * Then up to `max_iterations` **iterations** follow, each: if the last verification failed,
-    the Corrector revises the candidate with that bug report (its output is the next
-    candidate); then the current candidate is verified. So a problem gets at most
-    `max_iterations + 1` verifications and `max_iterations` corrections.
-  * A passing verification extends the candidate's streak; when the streak reaches
-    `k_accept` consecutive passes the candidate is accepted. A failing verification resets
-    the streak.
-  * When the iterations run out without acceptance the loop stops (a failing last
-    verification is not corrected) and returns the `fallback` candidate:
-      'most_passed'    the most passing verdicts, ties to the latest (the paper: "the
-                       solution most frequently identified as correct");
-      'most_verified'  the most verifications that returned a verdict, ties to the earliest
-                       (the released `extract_solution.py`).
-  * **Retries** (`max_retries`, per request): a Solver or Corrector output that does
-    not end by itself (finish_reason 'length' or 'error') or has no visible text (all
-    thinking) is requested again, up to `max_retries` more times; if still unusable, the
-    loop stops (`failure` says why): a Solver's problem is marked failed (no answer), a
-    Corrector's returns the `fallback` candidate among those it has. A Verifier output
-    that is truncated, errored or whose Correctness is unparseable is likewise retried;
-    retries are not verifications. If all retries are unusable, it counts as a
-    verification that did not pass (verdict None: the streak resets, there is no report
-    to correct from) and the same candidate is verified again in the next iteration.
+Rules per problem (the released MarsRL loop, `vc_reasoning_system.py`):
+  * The Solver writes the first candidate, which is verified. Then up to `max_iterations`
+    iterations: if the last verification failed, the Corrector revises the candidate with that
+    report; then the current candidate is verified.
+  * `k_accept` consecutive passing verifications accept a candidate; a failing one resets the
+    streak. When the iterations run out, the loop returns the `fallback` candidate:
+    'most_passed' (most passing verdicts, ties to the latest: the paper's rule) or
+    'most_verified' (most verdicts, ties to the earliest: the released `extract_solution.py`).
+  * An output that is truncated, errored, has no visible text or (Verifier) no parseable
+    Correctness is requested again up to `max_retries` times; retries are not verifications.
+    Still unusable: a Solver's problem fails, a Corrector's returns the fallback candidate, a
+    Verifier's counts as a failed verification with no report (verdict None).
 
-Rounds: `run_system` advances every problem in flight together. Each round makes
-exactly one policy call that carries the next request of every unfinished
-problem, whatever its stage, so the number of policy calls equals the number of
-rounds, not problems x rounds. `should_stop` (a preemption notice, `mars_jax.preemption`) is
-asked before each round; when it says so, `Stopped` is raised: problems finished so far have
-been passed to `on_result`, those in flight are dropped (a rerun starts them again).
+Rounds: `run_system` makes one policy call per round carrying the next request of every unfinished
+problem, so policy calls equal rounds, not problems x rounds. When `should_stop` says so before a
+round, `Stopped` is raised; problems in flight are dropped.
 """
 
 from __future__ import annotations
@@ -284,21 +269,12 @@ def run_system(
     on_result: Callable[[int, SystemResult], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[SystemResult]:
-    """Runs the V-C loop on every problem, advancing all problems in flight together.
+    """Runs the V-C loop on every problem, advancing all problems in flight together, and returns
+    one `SystemResult` per problem, in order.
 
-    Args:
-      problems: problem statements.
-      policy: serves all roles (use `RoutedPolicy` for per-role models).
-      config: loop parameters; defaults to `LoopConfig()`.
-      max_in_flight: at most this many problems per round; a finished problem's
-        slot is refilled from the queue on the next round. None: all at once.
-      on_round: called after every round (e.g. to drive a progress bar).
-      on_result: called with (problem index, result) as each problem finishes.
-      should_stop: asked before each round; True raises `Stopped` (module docstring).
-
-    Returns:
-      One `SystemResult` per problem, in order.
-    """
+    `policy` serves all roles (`RoutedPolicy` for per-role models); `max_in_flight` caps the
+    problems per round (None: all); `on_result(index, result)` is called as each problem
+    finishes; `should_stop` is asked before each round (module docstring)."""
     config = config or LoopConfig()
     limit = len(problems) if max_in_flight is None else max_in_flight
     if limit < 1 and problems:

@@ -1,8 +1,8 @@
 """Generated SFT traces for the three MarsRL roles on `arith` problems, in short texts.
 
 Every role thinks in the same terse steps, one fact a line (`a op b -> c`) followed by what
-remains, and thinking is stripped before a reply reaches the next agent (as for any thinking
-model), so a solution reaches the Verifier as one line. The Solver's (and Corrector's) reply:
+remains; thinking is stripped before a reply reaches the next agent, so a solution reaches the
+Verifier as one line. The Solver's (and Corrector's) reply:
 
     <think>
     12 - 5 -> 7: 7 + 3
@@ -14,16 +14,11 @@ model), so a solution reaches the Verifier as one line. The Solver's (and Correc
 (a one-operation problem gets no thinking). A *flawed* solution has one slipped step (off by 1
 or 2) that carries on to a final value with a wrong units digit.
 
-Checking is easier than solving for several steps (for one operation it is the same fact and a
-subtraction): the Verifier does not redo the arithmetic, it casts out tens.
-It takes the claim's units digit, subtracts it from the expression and reduces that on units
-digits (every value modulo 10: 100 facts an operation instead of one for each pair of running
-value and operand); the claim is right (up to a multiple of 10) when the digit reached is 0. The
-check is sound for `+ - *` (a non-zero digit proves an error) and misses only errors that keep
-the units digit, which the models of experiments/NOTEBOOK.md's Study 4 almost never make. The
-claim's digit enters the reduction as one more operand, so the fact that decides is an ordinary
-reduction line (a 0.86M model compared two digits, or took their difference on a line of its
-own, no better than chance while it reduced correctly). Its Wrong reply for `12 - 5 + 3 = 12`:
+The Verifier casts out tens instead of redoing the arithmetic: it subtracts the claim's units
+digit from the expression and reduces that modulo 10 (100 facts an operation instead of one per
+pair of values); the claim is right up to a multiple of 10 when it reaches 0. Sound for `+ - *`,
+it misses only errors that keep the units digit. The claim's digit enters as one more operand,
+so the deciding fact is an ordinary reduction line. Its Wrong reply for `12 - 5 + 3 = 12`:
 
     <think>
     says 12 -> 2
@@ -194,10 +189,9 @@ def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
 
 
 def verifier_text(expr: Expr, claimed: int) -> str:
-    """The Verifier's reply on the solution claiming `claimed`: thinking that takes the claim's
-    units digit, subtracts it from `expr` modulo 10 and reduces that, marking the last line `ok`
-    when it reaches 0, else `bad`; then the three-part report: Wrong, naming the claim and the
-    difference, when it is not 0, else Correct."""
+    """The Verifier's reply on a solution claiming `claimed`: thinking that reduces `expr` minus the
+    claim's units digit modulo 10, the last line marked `ok` at 0 else `bad`; then the report:
+    Correct at 0, else Wrong naming the claim and the difference."""
     says = claimed % MODULUS
     check = ("-", residues(expr), says)
     steps = solve(check, modulus=MODULUS)
@@ -217,12 +211,9 @@ def verifier_text(expr: Expr, claimed: int) -> str:
 
 def make_examples(problem: str, rng: random.Random, *, solver_error_rate: float,
                   verifier_flawed_rate: float, style: str = "compact") -> list[Example]:
-    """A Solver, a Verifier and a Corrector example for one problem.
-
-    The Solver's reply is flawed (a slipped step) with probability `solver_error_rate`; the
-    Verifier judges a flawed solution with probability `verifier_flawed_rate`, else a correct one;
-    the Corrector fixes a flawed solution given the right report.
-    """
+    """A Solver, a Verifier and a Corrector example for one problem. The Solver's reply is flawed
+    with probability `solver_error_rate`; the Verifier judges a flawed solution with probability
+    `verifier_flawed_rate`, else a correct one; the Corrector fixes a flawed solution."""
     expr = parse_problem(problem)
     good, bad = solve(expr), flawed_steps(expr, rng)
     wrong = bad[-1].result
