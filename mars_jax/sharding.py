@@ -1,12 +1,9 @@
 """One named mesh and the logical-axis rules that place parameters and activations on it.
 
-Parameters carry logical axis names (``nnx.Param(..., logical_axes=('embed', 'mlp'))``); the rules
-below map each logical name to mesh axes, MaxText style. Activations are pinned with
-:func:`constrain`, a no-op outside an active mesh, so the same model code runs on one CPU device,
-a fake 8-device CPU mesh and a TPU pod.
-
-The mesh always uses ``AxisType.Auto`` axes (jax >= 0.10 defaults ``jax.make_mesh`` to Explicit),
-because logical rules feed ``with_sharding_constraint`` and ``jit`` shardings, not sharding-in-types.
+Parameters carry logical axis names; the rules map them to mesh axes, MaxText style. Activations are
+pinned with `constrain`, a no-op outside an active mesh, so the same model code runs on one device
+or a pod. Mesh axes are always `AxisType.Auto` (not jax's default Explicit), because the rules feed
+`with_sharding_constraint` and `jit` shardings, not sharding-in-types.
 """
 from __future__ import annotations
 
@@ -166,14 +163,10 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
 @dataclasses.dataclass(frozen=True)
 class MeshSplit:
     """The config's `mesh` section: the training mesh's axis sizes (`train`) and the rollout
-    engine's (`rollout`), over the same devices (`rollout_devices == 0`) or the devices split
-    into two disjoint meshes: a training mesh over the first devices and a rollout mesh over
-    the last `rollout_devices`. With several processes the engine is per host: its mesh is
-    over that host's own devices (all of them, or its last `rollout_devices`), and the
-    training mesh over every host's (remaining) devices. Each resolves its own -1 axis; only a
-    shared training mesh may span slices (`dcn`). Unset rollout sizes on a shared mesh: one
-    process decodes on the training mesh itself; several take data=-1 per host.
-    """
+    engine's (`rollout`), over the same devices (`rollout_devices == 0`) or with the last
+    `rollout_devices` as a disjoint rollout mesh. With several processes the rollout mesh is per
+    host (over that host's devices) and the training mesh spans every host's (remaining) devices;
+    only a shared training mesh may span slices (`dcn`)."""
 
     train: MeshConfig = MeshConfig()
     rollout: MeshConfig = MeshConfig(field="mesh.rollout")
@@ -227,11 +220,9 @@ class MeshSplit:
 def make_meshes(split: MeshSplit | Mapping[str, Any],
                 devices: Sequence[jax.Device] | None = None,
                 process: int | None = None) -> tuple[Mesh, Mesh]:
-    """(training mesh, this process's rollout mesh) over `devices` (default: all), as
-    `MeshSplit` describes: the same mesh twice when one process shares it with unset rollout
-    sizes, else a rollout mesh of its own over `process`'s devices (default: this process;
-    one process: all) or their last `rollout_devices`, and a training mesh over the rest of
-    every process's devices. Devices keep their order within a process."""
+    """(training mesh, this process's rollout mesh) over `devices` (default: all) as `MeshSplit`
+    describes: the same mesh twice when one process shares it with unset rollout sizes. Devices
+    keep their order within a process."""
     if not isinstance(split, MeshSplit):
         split = MeshSplit.from_mapping(split)
     devices = list(jax.devices() if devices is None else devices)

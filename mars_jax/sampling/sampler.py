@@ -1,20 +1,12 @@
 """Batched KV-cache sampling on the trainer's own parameter arrays.
 
-`generate` left-pads prompts to a bucketed length P, prefills them into a KV cache of length
-S = P + N (N = bucketed new-token budget) and decodes with a `lax.while_loop`, all in one jitted
-program. Each row draws from its own PRNG key, `fold_in(fold_in(key(seed), sequence_seed), step)`,
-so a sequence's tokens do not depend on the rest of the batch. Rows stop on their own stop tokens
-or length budget; the loop ends when every row has stopped. Within a fixed-shape batch a finished
-row still costs compute, so a full decode pauses every `COMPACT_EVERY` steps and, once the live
-rows fit a batch bucket half as large, continues with just them (their KV cache gathered).
-A call whose rows would take more than half of the free memory (`static_rows`) decodes them in
-several programs of fewer rows, each at the whole call's P and N.
-
-KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
-bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 98,304 bytes
-per token of context per sequence (196,608 in float32). No `[length, vocab]` buffer is kept:
-only the next-token logits `[batch, vocab]` live across steps. Log-probabilities follow
-`mars_jax.sampling.processors`.
+`generate` left-pads prompts to a bucketed length P, prefills them into a KV cache of P + N
+positions (N: bucketed new-token budget) and decodes in a `lax.while_loop`, all in one jitted
+program. Row keys are `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's tokens do
+not depend on the rest of the batch. Finished rows still cost compute in a fixed-shape batch, so the
+decode is compacted into smaller batch buckets as rows finish, and a call too big for free memory is
+decoded in several programs (`static_rows`). Only the next-token logits `[batch, vocab]` live across
+steps; log-probabilities follow `processors`.
 """
 from __future__ import annotations
 
@@ -73,8 +65,8 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class SampleResult:
-    """Per prompt: new token ids (with the stop token), their log-probabilities, why decoding ended
-    ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new tokens,
+    """Per prompt: new token ids (with the stop token), their log-probabilities, why decoding
+    ended ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new,
     k]`."""
 
     tokens: list[list[int]]
@@ -189,15 +181,10 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              compact_every: int | None = COMPACT_EVERY) -> SampleResult:
     """Samples continuations of `prompts` (token-id lists of any lengths) with `model`'s arrays.
 
-    `temperature=0` is greedy. `max_new_tokens` and `eos_token_ids` may be given per prompt.
-    Row i draws from `fold_in(key(seed), sequence_seeds[i])` (default: i).
-
-    The decode pauses every `compact_every` steps; when the rows still
-    running fit a batch bucket at most half the current one, they (KV cache included) are gathered
-    into that smaller batch, so finished rows stop costing compute. Tokens are unchanged by it
-    (each row keeps its key and position); `compact_every=None` decodes in one loop.
-    The rows are decoded `static_rows` at a time (all of them where memory allows).
-    """
+    `temperature=0` is greedy; `max_new_tokens` and `eos_token_ids` may be given per prompt; row
+    i's sequence seed is `sequence_seeds[i]` (default: i). Every `compact_every` steps, rows
+    still running that fit a batch bucket at most half the current one are gathered into it
+    (tokens unchanged); `compact_every=None` decodes in one loop."""
     if compact_every is not None and compact_every < 1:
         raise ValueError(f"compact_every: must be >= 1 or None, got {compact_every}")
     n = len(prompts)
@@ -240,9 +227,7 @@ def static_rows(config, n: int, prompt_len: int, num_new: int, *, record_routing
                 mesh: jax.sharding.Mesh | None, free: int | None) -> int:
     """Rows of one `generate` program for `n` prompts at `prompt_len` + `num_new` positions: all
     `n`, or fewer where their batch bucket would take more than half of `free` bytes
-    (`batch_memory.static_row_bytes`, the rows spread over the mesh's batch shards on
-    accelerators, all in the host's RAM on CPU); never fewer than the batch shards. `free`
-    None: not known, all `n`."""
+    (`batch_memory.static_row_bytes`); never fewer than the batch shards. `free` None: all `n`."""
     if free is None:
         return n
     multiple = batch_shards(mesh)
@@ -258,9 +243,8 @@ def static_rows(config, n: int, prompt_len: int, num_new: int, *, record_routing
 
 
 def _free_bytes(mesh: jax.sharding.Mesh | None) -> int | None:
-    """Bytes free for a decode batch on `mesh` (the default device without one): the devices'
-    reported free memory, the host's available RAM on CPU; None where neither is known or the
-    mesh spans several processes (whose hosts would need to agree on one batch size)."""
+    """Bytes free for a decode batch on `mesh`: the devices' reported free memory, the host's RAM
+    on CPU; None where unknown or the mesh spans several processes (which would need to agree)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     if any(d.process_index != jax.process_index() for d in devices):
         return None
@@ -273,9 +257,8 @@ def _decode_batch(graphdef, weights, prompts, max_new: list[int], stops: list[tu
                   seeds: list[int], *, seed: int, temperature: float, shape: tuple[int, int],
                   params: SamplingParams, mesh: jax.sharding.Mesh | None,
                   compact_every: int | None) -> dict[int, _Row]:
-    """One program's decode of `prompts` (`shape`: their padded length and new-token slots,
-    the whole call's, so every part of a split call decodes as the whole would): `_Row`s by
-    index in `prompts`."""
+    """One program's decode of `prompts` at the whole call's padded shape `shape`, so every part
+    of a split call decodes as the whole would: `_Row`s by index in `prompts`."""
     n, (prompt_len, num_new) = len(prompts), shape
     multiple = batch_shards(mesh)
     batch = batch_bucket(n, multiple)
