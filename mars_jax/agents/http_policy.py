@@ -1,23 +1,16 @@
 """A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang).
 
-Requests of a batch run concurrently on one httpx asyncio client (at most `max_concurrency` at a
-time). Each attempt has a total deadline, `timeout_s`, from connecting to the reply's last byte:
-the attempt is cancelled when it passes, however slowly the server sends. A reply body is read
-up to `max_body_bytes` (decoded), and must be a chat completion: JSON whose `choices[0].message`
-is an object with string (or null) `content`, and whose `usage`, if any, is an object with an
-integer `completion_tokens`. Timeouts, connection errors, 429 and 5xx responses are retried with
-exponential backoff (at most `MAX_BACKOFF_S` between attempts); other 4xx responses and replies
-that are not a chat completion are not. Server restarts: once the server has answered, a request
-that finds it unreachable (connection refused, reset or dropped mid-request) keeps retrying for
-up to `reconnect_s` without using up `max_retries`; a server never reached fails fast, after
-`max_retries`. A request that still fails yields `Completion(finish_reason='error')` and a
-logged warning, never an exception, so one bad request cannot kill an evaluation (the system
-loop treats 'error' like a truncation).
+Requests of a batch run concurrently (at most `max_concurrency`). Each attempt has a total deadline
+`timeout_s`, connection to last byte, however slowly the server sends; a reply is read up to
+`max_body_bytes` and must be a chat completion. Timeouts, connection errors, 429 and 5xx are retried
+with exponential backoff; other 4xx and malformed replies are not. Once the server has answered, a
+request that finds it unreachable keeps retrying for `reconnect_s` (a restart) without using up
+`max_retries`. A request that still fails yields `Completion(finish_reason='error')` and a warning,
+never an exception, so one bad request cannot kill an evaluation.
 
-Why httpx's asyncio client: cancelling an attempt bounds all of it (a socket timeout, as in
-urllib, bounds each read, so a server trickling bytes holds a request indefinitely), and its
-streamed body can be cut at the cap; the `openai` package reads whole bodies, leaves reply
-types unchecked and has its own retry rules, so it would need the same code around it.
+Why httpx's asyncio client: cancelling an attempt bounds all of it (a socket timeout bounds each
+read only) and a streamed body can be cut at the cap; the `openai` package reads whole bodies and
+has its own retry rules.
 """
 
 from __future__ import annotations
@@ -58,20 +51,12 @@ class HttpPolicy:
 
     Args:
       base_url: server root including the API prefix, e.g. "http://localhost:8000/v1".
-      model: the served model name.
-      api_key: sent as a Bearer token when given.
-      temperature, top_p: sampling parameters sent with every request.
-      timeout_s: total time of one HTTP attempt, connection to last byte; the server answers
-        only when generation ends, so this bounds the wait for one completion.
+      timeout_s: total time of one HTTP attempt; the server answers only when generation ends.
       max_retries: extra attempts after a retryable failure.
-      max_concurrency: most requests in flight at once.
-      extra_body: extra JSON fields merged into every request body (e.g. top_k,
-        chat_template_kwargs); they override the defaults above.
-      backoff_s: wait before the first retry; doubled on each further retry.
-      reconnect_s: once the server has answered, how long a request keeps
-        retrying while the server is unreachable (e.g. restarting).
-      max_body_bytes: the largest reply body read (decoded); a larger one is an error.
-    """
+      extra_body: JSON fields merged into every request body (e.g. top_k); they override defaults.
+      backoff_s: wait before the first retry, doubled on each further retry.
+      reconnect_s: once the server has answered, how long a request retries while it is unreachable.
+      max_body_bytes: the largest reply body read (decoded); a larger one is an error."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float,
                  top_p: float, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 32,
@@ -208,10 +193,8 @@ def _run(coroutine: Coroutine) -> Any:
 
 def _parse_reply(reply: Any) -> Completion:
     """Maps a chat-completions reply to a `Completion`; raises `_Fatal` for any other JSON.
-
-    Reasoning returned separately by the server (`reasoning_content` / `reasoning`)
-    is put back in front of the content inside <think> tags, as the model wrote it.
-    """
+    Reasoning the server returns separately is put back in front of the content inside <think>
+    tags."""
     choices = _typed(reply, "choices", list, "reply")
     choice = choices[0] if choices else None
     message = _typed(choice, "message", dict, "choices[0]")

@@ -1,22 +1,14 @@
 """Grouped-query attention with per-head q/k RMSNorm, RoPE and an optional KV cache.
 
 Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_attention` forms the
-`[B, heads, T, S]` scores at once (fast for short sequences and one-token decode steps);
-`flash_attention` works block by block in memory linear in the length. `impl='auto'` picks flash
-when the queries span more than one block and the dense scores would take more than
-`AUTO_DENSE_MAX_SCORE_BYTES` (512 MiB): where the scores fit, the dense kernel is the faster one
-(on this project's CPU the toy study's RL update, at 768-1,024 columns, took 48 s dense against
-107 s blockwise; benchmarks/NOTEBOOK.md). `impl='flash'` runs blockwise except for one query a
-row (a decode step): its scores are one row a head, and the dense kernel reads the cache in its
-own layouts, where the blockwise one would read a transposed copy of each layer's cache.
+`[B, heads, T, S]` scores at once; `flash_attention` works block by block in memory linear in the
+length. `impl='auto'` picks flash only when the queries span more than one block and the dense
+scores would exceed `AUTO_DENSE_MAX_SCORE_BYTES`: where they fit, dense is faster. `impl='flash'`
+still runs one-query decode steps dense, which reads the cache in its own layouts.
 
-Without a cache (a sequence attending to itself, key slot = query slot) the dense kernel splits the
-queries into up to `MAX_CAUSAL_BLOCKS` blocks of at least `MIN_CAUSAL_BLOCK` (`causal_blocks`):
-block i reads only the keys up to its own end, so the scores above the causal diagonal's blocks
-are never formed (3/8 of them at 4 blocks). A prefill that writes a cache at the static index 0
-(`cache_index=0`, a Python int) attends the same way, over its own keys only: the cache slots
-after them are causally invisible, so reading them (a `generate` cache holds the prompt and
-every new token's slot) would only cost time.
+Without a cache, and for a prefill writing at the static index 0, the dense kernel splits the
+queries into `causal_blocks`, each reading only the keys up to its end, so scores above the causal
+diagonal's blocks (and empty cache slots) are never formed.
 """
 from __future__ import annotations
 
@@ -35,10 +27,9 @@ from mars_jax.layers.paged_kv import PagedKVCache
 from mars_jax.layers.params import constant_param, normal_param
 
 class KVCache(NamedTuple):
-    """One layer's cache, in the layouts a decode step's two matmuls read as they are: keys
+    """One layer's cache in the layouts a decode step's two matmuls read directly: keys
     transposed, `k [batch, kv_heads, head_dim, length]`, values `v [batch, kv_heads, length,
-    head_dim]`. (A `[batch, length, kv_heads, head_dim]` cache was copied into these layouts by
-    XLA:CPU at every step: 7% of a `bench` decode step.)"""
+    head_dim]`."""
 
     k: jax.Array
     v: jax.Array
@@ -60,10 +51,9 @@ def stacked_cache_layout(layers: int, batch: int, length: int, kv_heads: int, he
 
 @struct.dataclass
 class LayerKVCache:
-    """Layer `layer` of a cache stacked over layers (`KVCache`'s layouts behind a leading layer
-    axis: k `[L, B, K, D, S]`, v `[L, B, K, S, D]`). Reads take that layer's first positions;
-    writes update the stacked arrays at that layer, so a layer loop or scan that carries them
-    writes the cache in place."""
+    """Layer `layer` of a cache stacked over layers (k `[L, B, K, D, S]`, v `[L, B, K, S, D]`).
+    Writes update the stacked arrays at that layer, so a layer loop or scan carrying them writes
+    in place."""
 
     k: jax.Array
     v: jax.Array
@@ -212,11 +202,9 @@ class Attention(nnx.Module):
                  cache: KVCache | LayerKVCache | PagedKVCache | None = None,
                  cache_index: jax.Array | int = 0,
                  ) -> tuple[jax.Array, KVCache | LayerKVCache | PagedKVCache | None]:
-        """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
-        `cache` is given, in which case the new keys are written at `cache_index`: one position,
-        or one per row; a `LayerKVCache` is written in its stacked arrays). A `PagedKVCache`
-        takes one decode step (T = 1, one position per row, each row seeing its positions up to
-        `cache_index`) and S = its table's `n * page` positions."""
+        """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length). With
+        `cache` the new keys are written at `cache_index` (one position, or one per row). A
+        `PagedKVCache` takes one decode step (T = 1) over its table's `n * page` positions."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))
