@@ -1,18 +1,11 @@
 """Host scheduling of continuous batching: the request queue, prompt groups, slots, admission and
-slot buckets, in plain Python (no device work), so that a simulated clock can drive it as well
-as the device engine (`engine.Engine`; `benchmarks/sim/engine.py`'s `SimEngine`).
+slot buckets, in plain Python, so that a simulated clock (`benchmarks/sim`) can drive it as well as
+the device engine (`engine.Engine`).
 
-`SlotScheduler` keeps the queue, the requests by id, which request holds each slot, the running
-requests and the finished outputs not yet taken; `stream` alternates yielding finished outputs
-with `_step` (the subclass admits and decodes one chunk or event). Admission is first come,
-first served: queued requests take free slots once `admit_batch` are free (one when the next
-request's prompt is already prefilled, fewer when fewer wait), each where the subclass's `place`
-finds room. Requests of one `submit` share a `Group`: its prompt is prefilled once and kept until
-every member has a slot.
-
-Slot buckets: when nothing waits, the running rows are gathered into the smallest bucket that
-holds them (`slot_bucket`; buckets num_slots, /2, .. 1), one block of rows per page pool so that
-each row stays in its pool's block (`shrink_plan`).
+Admission is first come, first served: queued requests take free slots once `admit_batch` are free
+(`_admission_size`), each where the subclass's `place` finds room. Requests of one `submit` share a
+`Group`, whose prompt is prefilled once. When nothing waits, running rows are gathered into the
+smallest slot bucket that holds them, each row staying in its page pool's block (`shrink_plan`).
 """
 from __future__ import annotations
 
@@ -166,9 +159,9 @@ class SlotScheduler:
         return max(1, self._admission_size() - self._slots.count(None))
 
     def _admit_queued(self, place: Callable[[Any], int | None]) -> list:
-        """Once `_admission_size` slots are free (or nothing runs), gives queued requests, in
-        order, the slot `place(request)` returns (a free slot it has reserved room in) until it
-        returns None or no slot is free; returns them."""
+        """Once `_admission_size` slots are free (or nothing runs), gives queued requests in
+        order the slot `place(request)` reserves, until it returns None or no slot is free;
+        returns them."""
         if not self._queue or (self._running
                                and self._slots.count(None) < self._admission_size()):
             return []
@@ -185,10 +178,9 @@ class SlotScheduler:
         return admitted
 
     def _prefill_plan(self, admitted: list, ahead: int) -> tuple[list[Group], list]:
-        """What the admission of `admitted` prefills: the groups of fresh requests whose prompt
-        is not prefilled, then, if any prefill runs, up to `ahead` in all with the groups of the
-        next queued fresh requests; and the requests continuing from tokens (`tokens`), each
-        prefilled with them."""
+        """What admitting `admitted` prefills: the unprefilled groups of fresh requests, topped
+        up (if any prefill runs) to `ahead` with the next queued fresh requests' groups; and the
+        requests continuing from tokens, each prefilled with them."""
         fresh = [r for r in admitted if not r.tokens]
         continued = [r for r in admitted if r.tokens]
         groups = list({id(r.group): r.group for r in fresh
