@@ -1,24 +1,16 @@
-"""The KV cache as page pools plus a page table per row (vLLM's layout), one pool per shard of
-the rows, and attention over it.
+"""The KV cache as page pools plus a page table per row (vLLM's layout), one pool per shard of the
+rows, and attention over it.
 
-Pools hold keys and values in the layout of the Pallas paged-attention kernels (`jax.
-experimental.pallas.ops.{gpu,tpu}.paged_attention`), one pool per shard: `k`, `v` `[shards,
-kv_heads, pages, page, head_dim]`, every layer's pages in one pool (layer l's in its l-th block
-of `pages / layers`, so a layer's table is the rows' table offset by `l * pages / layers`: the
-kernel reads any layer's pages from the one array, which a layer loop or scan carries and
-writes in place). The B rows split into `shards` equal blocks (as an array
-sharded over its rows splits them), and block s's rows own pages of pool s only, so a mesh that
-splits the rows over chips keeps each chip's pages on that chip. Row b's position p lives in
-its pool's page `table[b, p // page]` at offset `p % page`. Page 0 of every pool is its trash
-page (each layer's block's first): table entries a row does not own are 0, so writes through
-them land there, and reads past a row's length are masked.
+Pools `k`, `v` `[shards, kv_heads, pages, page, head_dim]` are in the layout of the Pallas
+paged-attention kernels and hold every layer's pages (layer l's in the l-th block), so a layer loop
+or scan carries one array and writes it in place. Block s of the rows owns pages of pool s only, so
+a mesh splitting the rows keeps each chip's pages on that chip. Row b's position p is at page
+`table[b, p // page]`, offset `p % page`. Page 0 of each layer's block is a trash page: table
+entries a row does not own are 0, and reads past a row's length are masked.
 
-Attention (`attend`), by `kernel`:
-  gather     XLA everywhere: each row's pages gathered into one contiguous cache per layer (a
-             transient copy: memory holds the pools plus one layer's view), then the dense
-             decode attention;
-  gpu / tpu  the Pallas kernel of that backend, reading the pages in place;
-  interpret  the GPU kernel in Pallas' interpreter (any backend; for tests).
+Attention (`attend`), by `kernel`: 'gather' (XLA: each row's pages copied into one contiguous cache
+per layer), 'gpu' / 'tpu' (that backend's Pallas kernel, reading the pages in place), 'interpret'
+(the GPU kernel in Pallas' interpreter, for tests).
 """
 from __future__ import annotations
 
@@ -47,11 +39,9 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 @struct.dataclass
 class PagedKVCache:
-    """Page pools and the rows' page tables `[B, n]` (n pages per row visible, ids into the
-    row's own pool) of layer `layer` of `layers`: each pool holds every layer's pages, layer l's
-    in its l-th block of `pages / layers` (its own trash page first), so the table's ids are
-    offset by `l * pages / layers` (`layer_table`). Writes and reads address the pools in place:
-    a layer loop or scan that carries them never copies one layer's pages out."""
+    """Page pools and the rows' page tables `[B, n]` (ids into the row's own pool) of layer
+    `layer` of `layers`; the ids are offset to the layer's block (`layer_table`), so reads and
+    writes address the pools in place."""
 
     k: jax.Array      # [shards, kv_heads, pages, page, head_dim]
     v: jax.Array      # [shards, kv_heads, pages, page, head_dim]
@@ -145,9 +135,9 @@ def write_pages(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array
 
 
 def default_kernel(head_dim: int, page_size: int, platform: str | None = None) -> str:
-    """The Pallas kernel of `platform` (default: the default backend's) where there is one and
-    the shapes suit it (TPU: head_dim a multiple of 128 and the page size of 8; GPU: both
-    multiples of 16), else 'gather'."""
+    """The Pallas kernel of `platform` (default: the default backend's) where the shapes suit it
+    (TPU: head_dim a multiple of 128, page size a multiple of 8; GPU: both multiples of 16), else
+    'gather'."""
     platform = platform or jax.default_backend()
     if platform == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0:
         return "tpu"

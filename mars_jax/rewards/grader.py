@@ -1,17 +1,10 @@
 """Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector.
 
-* `extract_answer(text)`: the last `\\boxed{...}`/`\\fbox{...}` after the last `</think>`.
-* `is_equivalent(pred, gold)`: are two answers mathematically equal?
-* `grade(response, gold)`: `extract_answer` + `is_equivalent`; no boxed answer, no credit.
-* `grade_many(responses, golds)`: the batched form, on all cores.
-
-Safety: model text is never evaluated (no `eval`, no `sympify` of strings). Cheap
-pre-checks (`normalize.cost_reason`) turn away inputs that would make sympy slow, and
-every comparison that reaches sympy runs in a worker process with a hard deadline
-(`pool.GraderPool`): a call takes at most `timeout` seconds (default 1 s) once the
-workers are up and returns False on timeout instead of raising. Workers start on first
-use (about a second, not counted against the deadline); call `warm_up()` to pay that
-up front.
+`grade(response, gold)` is `extract_answer` + `is_equivalent`: no boxed answer, no credit;
+`grade_many` is its batched form on all cores. Model text is never evaluated (no `eval`, no
+`sympify` of strings): `normalize.cost_reason` turns away inputs that would make sympy slow, and
+every comparison reaching sympy runs in a worker with a hard deadline (`pool.GraderPool`), returning
+False on timeout. Workers start on first use; `warm_up()` pays that up front.
 """
 
 from __future__ import annotations
@@ -32,12 +25,9 @@ _pool_lock = threading.Lock()
 
 
 def extract_answer(text: str, *, thinking_open: bool = False) -> str | None:
-    """The last `\\boxed{...}` or `\\fbox{...}` content after the last `</think>`, stripped.
-
-    Nested braces are matched. Returns None when there is no complete box (including
-    when the response never leaves an open `<think>`, or never closes the one its prompt
-    opened with `thinking_open`; see `text.strip_thinking`).
-    """
+    """The last `\\boxed{...}` or `\\fbox{...}` content after the last `</think>`, stripped,
+    nested braces matched; None without a complete box or with thinking left open
+    (`text.strip_thinking`)."""
     boxed = last_boxed(strip_thinking(text, thinking_open=thinking_open))
     return None if boxed is None else boxed.strip()
 
@@ -111,11 +101,9 @@ def _equivalent_pairs(pairs: list[tuple[str, str]], timeout: float, num_workers:
 
 
 def is_equivalent(pred: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
-    """Whether answer `pred` equals reference answer `gold` (math-verify + our rules).
-
-    Meant for bare answers (`\\frac{1}{2}`, `x \\in [0, 1)`); `$...$`, `\\boxed{}` and
-    surrounding words are tolerated. Empty answers never match. False on timeout.
-    """
+    """Whether answer `pred` equals reference `gold` (math-verify + `normalize`'s rules). Meant
+    for bare answers; `$...$`, `\\boxed{}` and surrounding words are tolerated. Empty answers
+    never match. False on timeout."""
     return is_equivalent_many([pred], [gold], timeout=timeout)[0]
 
 
@@ -151,11 +139,8 @@ def grade_many(
     timeout: float = DEFAULT_TIMEOUT,
     thinking_open: bool = False,
 ) -> list[bool]:
-    """`grade` for each (response, gold) pair, in parallel on `num_workers` processes.
-
-    `num_workers=None` keeps the current pool, or starts one per available core
-    (at least 2). Each comparison is bounded by `timeout` seconds.
-    """
+    """`grade` for each (response, gold) pair on `num_workers` processes (None: the current pool,
+    or one per available core), each comparison bounded by `timeout` seconds."""
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
     pairs: list[tuple[str, str]] = []
