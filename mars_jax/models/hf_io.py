@@ -1,9 +1,7 @@
 """Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model.
 
-Loading reads each parameter straight into its sharding with `jax.make_array_from_callback`: a
-device's callback reads only the slice it holds (for stacked experts, only its experts' tensors),
-so a 30B model is never materialised whole on one device. Files are opened lazily and mmapped by
-safetensors; tensors are read on the host CPU (bf16 included) before being placed.
+Loading reads each parameter straight into its sharding (`jax.make_array_from_callback`): a device
+reads only the slice it holds, so a 30B model is never whole on one device.
 """
 from __future__ import annotations
 
@@ -36,11 +34,9 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    """How one of our parameters is stored in HF tensors.
-
-    `names(e)` lists the HF tensors (for expert `e` when `num_experts` is set); `to_ours` turns them
-    into our layout (one expert's slice for stacked experts); `to_hf` is the inverse.
-    """
+    """How one of our parameters is stored in HF tensors: `names(e)` lists them (for expert `e`
+    when `num_experts` is set), `to_ours` makes our layout (one expert's slice when stacked),
+    `to_hf` the inverse."""
 
     names: Callable[[int | None], tuple[str, ...]]
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
@@ -196,12 +192,9 @@ def _validate_shapes(maps: dict[tuple, TensorMap], store: _SafetensorsDir,
 def from_pretrained(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
                     **config_overrides: Any) -> Qwen3:
-    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory; the config is `model.config`.
-
-    `config_overrides` set `Qwen3Config` fields, such as `param_dtype` (parameter storage,
-    default float32), `dtype` (compute, default float32) or `moe_impl`. With `mesh`, parameters
-    load into their shardings.
-    """
+    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory (config: `model.config`);
+    `config_overrides` set `Qwen3Config` fields (e.g. `param_dtype`, `dtype`, `moe_impl`); with
+    `mesh`, parameters load into their shardings."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
@@ -262,13 +255,9 @@ def _shard_plan(sizes: Sequence[int], max_shard_bytes: int) -> list[int]:
 def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 1024 ** 3) -> None:
     """Writes `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included, in
-    the parameters' dtype. The weight files and index of an earlier save to `path` are removed
-    first.
-
-    Parameters may be sharded over a mesh, across processes too: every process must call it (each
-    parameter is gathered whole, one at a time, by `sharding.fetch`), and process 0 writes. At
-    most one file's tensors (plus the parameter being converted) are held in host memory."""
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, in the parameters' dtype, after
+    removing an earlier save's weight files. Every process must call it (parameters are gathered
+    one at a time); process 0 writes, holding at most one file's tensors in host memory."""
     path = Path(path)
     writer = jax.process_index() == 0
     if writer:
