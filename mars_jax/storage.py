@@ -1,14 +1,8 @@
 """Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API.
 
-Everything a run writes and reads (metrics, TensorBoard logs, checkpoints through orbax, the
-saved config, profiler traces, a warm-start cache) takes its paths from `path()`, so a workdir on
-Cloud Storage works like a local one: every host of a pod, and a rerun on new machines, sees the
-same files. `gs://` goes through gcsfs (fsspec) here and through tensorstore's own GCS driver in
-orbax; both honour the usual credentials, and an emulator through `STORAGE_EMULATOR_HOST`
-(gcsfs, google-cloud-storage) and `TENSORSTORE_GCS_HTTP_URL` (tensorstore).
-
-Object stores keep no directory listings of their own; listings are never cached here
-(fsspec's listing cache would hide checkpoints that another process or tensorstore wrote).
+Everything a run writes and reads takes its paths from `path()`, so a workdir on Cloud Storage works
+like a local one for every host and every rerun. Listings are never cached here: fsspec's listing
+cache would hide checkpoints that another process or tensorstore wrote.
 """
 from __future__ import annotations
 
@@ -74,7 +68,7 @@ def append_text(target: str | os.PathLike, text: str) -> None:
 
 def files(directory: str | os.PathLike) -> list[str]:
     """The relative paths ('a/b.txt') of every file under `directory`, sorted; [] where it does
-    not exist. (epath's own `walk` drops the `gs://` of the paths it yields.)"""
+    not exist. (epath's `walk` drops the `gs://` of the paths it yields.)"""
     found = []
     for entry in entries(directory):
         if entry.is_dir():

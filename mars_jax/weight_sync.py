@@ -1,14 +1,8 @@
 """The trainer's parameters copied to the rollout mesh (`builders.build_meshes`).
 
-With the devices split, the rollout engine decodes on its own devices with its own copy of the
-weights; after each update :func:`copy_weights` puts the new parameters there (`jax.device_put`
-to :func:`rollout_shardings`: the same logical axes resolved on the rollout mesh). On one shared
-mesh the shardings are the trainer's own, so nothing moves and the copy is the same arrays.
-
-With several processes every host's engine holds a whole copy on its own devices
-(:class:`HostCopies`): one program over the training mesh gathers the parameters into a
-per-host layout (replicated across hosts, split within each host), whose shards on this host's
-devices then make this host's arrays (moved to its rollout devices when those are others).
+With the devices split, `copy_weights` puts the parameters after each update onto the rollout mesh
+(`rollout_shardings`: the same logical axes resolved there); on one shared mesh nothing moves. With
+several processes, `HostCopies` gives every host's engine a whole copy on its own devices.
 """
 from __future__ import annotations
 
@@ -61,9 +55,9 @@ def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
 
 
 def copy_weights(params: nnx.State, shardings: nnx.State) -> tuple[nnx.State, Transfer]:
-    """`params` put into `shardings` (from :func:`rollout_shardings`), waited for, and what the
-    copy moved. The source arrays are not donated; an array already in its destination
-    sharding is returned as is (not copied), so a later donation of the source reaches it too."""
+    """`params` put into `shardings` (`rollout_shardings`), waited for, and what the copy moved.
+    Sources are not donated; an array already in its destination sharding is returned as is, so a
+    later donation of the source reaches it too."""
     total, per_device = transfer_bytes(params, shardings)
     start = time.perf_counter()
     copied = jax.block_until_ready(jax.device_put(params, shardings))
@@ -77,14 +71,10 @@ def rollout_model(graphdef: nnx.GraphDef, params: nnx.State) -> Qwen3:
 
 
 class HostCopies:
-    """Copies of the trainer's parameters (on the global training mesh) on every host's own
-    rollout mesh (a collective: every process calls `copy` together).
-
-    Staging: per host, its training devices laid out as its rollout mesh is (when they are the
-    same number of devices) or all on `fsdp`; one jitted program on the training mesh's devices
-    reshards the parameters into that layout, replicated over hosts. This host's shards of the
-    result are its staged copy; `jax.device_put` then moves it to the rollout shardings (nothing
-    moves when those are the staging devices and layout)."""
+    """Copies of the trainer's parameters on every host's own rollout mesh (a collective: every
+    process calls `copy` together). One jitted program on the training mesh reshards the
+    parameters into a per-host layout, replicated over hosts; this host's shards are then moved
+    to its rollout shardings (nothing moves when they already are there)."""
 
     def __init__(self, params: nnx.State, train_mesh: Mesh, rollout_mesh: Mesh,
                  rules: sharding.Rules | None = None):

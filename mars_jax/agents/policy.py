@@ -1,9 +1,8 @@
 """The policy interface every agent talks to: chat requests in, completions out.
 
-A policy serves a whole batch of chat requests in one `complete` call. The
-system loop (`system.py`) makes exactly one such call per round, mixing
-Solver, Verifier and Corrector requests; `RoutedPolicy` lets the Solver and the
-V-C agents run on different models (the paper's Table 3).
+A policy serves a whole batch in one `complete` call; the system loop makes one call per round,
+mixing roles. `RoutedPolicy` runs the Solver and the V-C agents on different models (the paper's
+Table 3).
 """
 
 from __future__ import annotations
@@ -35,14 +34,10 @@ class Completion:
 
     Attributes:
         text: the generated text (thinking included, special tokens removed).
-        finish_reason: 'stop' (ended by itself), 'length' (hit max_new_tokens) or
-            'error' (the policy could not serve it, or its server gave an unknown reason).
-        num_tokens: number of generated tokens (0 where a server reports no usage).
-        prompt_ids, token_ids, logprobs: filled by `SamplerPolicy` only; RL does not read
-            them (its rollouts carry their own ids and log-probabilities).
-        thinking_open: the prompt opened a `<think>` that `text` continues (e.g. the
-            Qwen3-Thinking-2507 template), so text before any `</think>` is thought.
-    """
+        finish_reason: 'stop' (ended by itself), 'length' (hit max_new_tokens) or 'error'.
+        num_tokens: generated tokens (0 where a server reports no usage).
+        prompt_ids, token_ids, logprobs: filled by `SamplerPolicy` only.
+        thinking_open: the prompt opened a `<think>` that `text` continues."""
 
     text: str
     finish_reason: str
@@ -61,11 +56,8 @@ class Policy(Protocol):
 
 
 class RoutedPolicy:
-    """Sends each request to the policy registered for its role.
-
-    A batch is split by target policy (one `complete` call per distinct policy
-    object) and the completions are merged back in request order.
-    """
+    """Sends each request to the policy registered for its role: one `complete` call per distinct
+    policy, completions merged back in request order."""
 
     def __init__(self, default: Policy, by_role: Mapping[str, Policy]):
         unknown = set(by_role) - set(ROLES)

@@ -1,14 +1,10 @@
 """The three agent stages: requests, and the parsing of completions.
 
-`*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a
-`Completion` into a typed result, whose `usable` says whether the next agent may use it;
-`correct` grades solutions; `complete` makes one checked policy call. The V-C loop
-(`system.py`), the probes (`mars_jax.sft.probe`), the evaluation (`eval.py`) and RL's grading
-and spawning (`mars_jax.rl.rollout`) parse replies here; RL and the evaluation grade with
-`correct` (a batch at a time), the probes compare answers as strings.
-The rules, the paper's: a reply cut off by its token budget is never graded; thinking
-is stripped before text reaches the next agent (the visible solution, the bug report); text
-inside an unclosed thought is never read as an answer or a verdict.
+`*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a `Completion`
+into a typed result whose `usable` says whether the next agent may use it; `correct` grades
+solutions; `complete` makes one checked policy call. The paper's rules: a reply cut off by its token
+budget is never graded; thinking is stripped before text reaches the next agent; text inside an
+unclosed thought is never read as an answer or a verdict.
 """
 
 from __future__ import annotations
