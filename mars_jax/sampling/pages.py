@@ -1,15 +1,12 @@
-"""The page allocator of a paged KV cache (host side, plain Python and numpy), and its admission
-and preemption choices.
+"""The page allocator of a paged KV cache (host side), and its admission and preemption choices.
 
-The cache is P pages of `page_size` positions, one pool of P / S pages per batch shard of the
-slots (S = 1 without a mesh that splits them); a slot takes pages of its shard's pool only. Page
-0 of every pool is its trash page: a slot's table row points there where it owns no page, so
-writes through unowned entries land there (`layers.paged_kv`); pages 1 .. P / S are handed out.
-A slot owns the pages its request has filled or fills in the next decode chunk: they are taken
-when a request is admitted (its prompt and first chunk) and before each chunk, and freed when it
-finishes. A queued request is admitted into a free slot whose pool holds its first chunk's pages
-beside the running requests' next chunk's (`first_fit`); when the running requests' next chunk
-does not fit a pool, that pool's request admitted last is preempted (`make_room`).
+The cache is P pages, one pool of P / S pages per batch shard of the slots; a slot takes pages of
+its shard's pool only. Page 0 of every pool is its trash page, where a slot's unowned table entries
+point (`layers.paged_kv`). A slot owns the pages its request has filled or fills in the next chunk,
+taken at admission and before each chunk and freed when it finishes. Admission takes a slot whose
+pool holds the request's first chunk beside the running requests' next chunks (`first_fit`); when a
+pool cannot hold the running requests' next chunks, its last admitted request is preempted
+(`make_room`).
 """
 from __future__ import annotations
 
@@ -74,9 +71,9 @@ class PageTable:
     def make_room(self, running: dict[int, tuple[int, int]],
                   preempt: Callable[[int], None]) -> None:
         """Grows every `running` slot (slot -> (positions its next chunk fills, admission order))
-        to its next chunk, oldest admission first; when its pool runs out, calls `preempt` on
-        the pool's running slot admitted last (which must `release` it), until it fits or was
-        itself preempted."""
+        to its next chunk, oldest admission first; when its pool runs out, calls `preempt` on the
+        pool's running slot admitted last (which must `release` it), until it fits or was itself
+        preempted."""
         live = dict(running)
         for slot in sorted(running, key=lambda s: running[s][1]):
             if slot not in live:  # preempted for an older one

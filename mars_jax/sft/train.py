@@ -1,12 +1,9 @@
 """Supervised fine-tuning on generated role traces: the warm start of toy MarsRL.
 
-Examples (`traces.make_examples` over `arith` train problems) are packed whole into fixed
-`[rows, row_tokens]` batches, optionally with a second part of shorter rows that takes the short
-examples (attention costs each token as much as its row is long). Each example is a segment that
-attends only to itself (block-diagonal causal visibility; positions restart at 0, derived from
-the segment ids as in the RL update), and the batch shapes are fixed, so the step compiles once.
-The loss is next-token cross-entropy on the reply tokens (reply + `<|im_end|>`), averaged over
-them; per-role sums are kept so that held-out losses can be reported per role.
+Examples (`traces.make_examples`) are packed whole into fixed-shape batches (`pack`), each a segment
+attending only to itself with positions restarting at 0, so the step compiles once. The loss is
+next-token cross-entropy on the reply tokens (reply + `<|im_end|>`), with per-role sums for held-out
+reporting.
 """
 from __future__ import annotations
 
@@ -93,12 +90,9 @@ def example_stream(problems: Sequence[dict], tokenizer, *, seed: int, solver_err
 def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int, short_rows: int = 0,
          short_row_tokens: int = 0) -> Iterator[Batch]:
     """Packs examples in stream order into batches of one `[rows, row_tokens]` part, or with
-    `short_rows` two: `[short_rows, short_row_tokens]` first, then `[rows, row_tokens]`.
-
-    Rows fill one after another, an example going to the next row when it does not fit. With
-    two parts, an example of at most `short_row_tokens` goes to the short part while that has
-    room, else to the long one; a longer example to the long part. A batch is yielded when the
-    next example fits nowhere (a last, partly filled batch too), so every batch holds a run of
+    `short_rows` two (`[short_rows, short_row_tokens]` first: attention costs each token as much
+    as its row is long). An example of at most `short_row_tokens` goes to the short part while it
+    has room; a batch is yielded when the next example fits nowhere, so every batch holds
     consecutive examples. Raises if one example exceeds `row_tokens`."""
     if short_rows and not 0 < short_row_tokens < row_tokens:
         raise ValueError(f"short_row_tokens={short_row_tokens} must be positive and below "

@@ -1,18 +1,11 @@
 """A cached SFT warm start for a training run (`warm_start.sft`): built on first use, then reused.
 
-`ensure(config)` returns the HF directory of the model that the `sft` job (`mars_jax.sft.job`)
-trains from the run's tokenizer, seed, prompt style, `data`, `model` and `sft` sections, with the
-optimizer fields of `warm_start` (`sft_config`). It lives in
-`warm_start.cache_dir/<fingerprint>/model`; the fingerprint hashes the fields of that SFT config
-that change its weights, the tokenizer's chat template and the source files of the code that
-generates the traces and trains on them (`SOURCES`), so a change to any of them builds a new
-one. A build is written to a temporary directory and renamed into place once complete: an
-interrupted build leaves nothing a later run reads (a later build on that host removes it once
-its process is gone). Every process of a multi-process job builds (or finds) its own copy.
-
-A `gs://` cache_dir is shared by every machine: the model is read from a local mirror of it
-(`MIRROR`), copied down when the bucket has a complete build (its `COMPLETE` marker, written
-after every file), else built locally and copied up.
+`ensure(config)` returns the HF directory of the model the `sft` job trains for the run
+(`sft_config`), cached under `warm_start.cache_dir/<fingerprint>/model`. The fingerprint hashes what
+changes its weights, including the trace and training code (`SOURCES`), so any change builds a new
+one. A build is renamed into place once complete, so an interrupted build is never read. A `gs://`
+cache_dir is shared: a complete build (`COMPLETE` marker) is copied down to a local mirror, else
+built locally and copied up.
 """
 from __future__ import annotations
 
