@@ -1,14 +1,9 @@
 """Blockwise (flash) attention in plain JAX: memory linear in the sequence length, every backend.
 
-The forward pass walks query blocks and, for each, the key blocks it can see (an online softmax
-over `[block_q, block_k]` score tiles, key blocks wholly after the query block skipped); it keeps
-only the output and the per-query log-sum-exp. The backward pass (a `custom_vjp`) recomputes the
-score tiles from those, as FlashAttention-2 does: one sweep over key blocks for dK/dV, one over
-query blocks for dQ. Nothing of size `[T, S]` is ever stored, forward or backward, so prefill,
-the log-probability forward and the update fit at the paper's 32k + 64k lengths.
-
-The mask is an `AttentionMask` (causal with an offset, segment ids); a query that sees no key
-gets a finite average instead of NaN, as in the dense kernel (its value is not used).
+The forward pass runs an online softmax over the key blocks each query block can see, keeping only
+the output and per-query log-sum-exp; the backward pass (`custom_vjp`) recomputes the score tiles
+from those, as FlashAttention-2 does. Nothing of size `[T, S]` is stored, forward or backward. A
+query that sees no key gets a finite average instead of NaN, as in the dense kernel.
 """
 from __future__ import annotations
 

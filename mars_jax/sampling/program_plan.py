@@ -1,11 +1,7 @@
-"""The engine's device programs as calls to lower: each program of `engine_programs` with the
-arguments serving passes it, written once for the two callers that compile them ahead of serving,
-`precompile` (an engine's concrete state) and `experiments/aot_compile.py` (abstract, sharded
-arguments for a target topology).
-
-An `Args` makes the arguments that are not engine state: `ServingArgs` as serving makes them
-(scalars and token arrays where the program runs, page tables on the host), `AbstractArgs` as
-abstract arrays on a mesh placed by their logical axis names.
+"""The engine's device programs as calls to lower, written once for the two callers that compile
+them ahead of serving: `precompile` (an engine's concrete state) and `experiments/aot_compile.py`
+(abstract, sharded arguments for a target topology). `ServingArgs` makes the non-state arguments as
+serving does; `AbstractArgs` as abstract arrays placed by their logical axis names.
 """
 from __future__ import annotations
 
