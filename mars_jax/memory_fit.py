@@ -1,10 +1,6 @@
-"""Whether a training run's resident buffers fit its chips, checked before the engine is built.
-
-Resident per chip: the train state's shard (parameters, optimizer state), the engine's copy of
-the weights (when it decodes on a copy) and its KV cache (reserved slots or the page pools,
-spread over the rollout mesh's devices). Programs' temporaries (the update's activations, a
-decode step's attention over one layer) come on top and are not counted here:
-`experiments/aot_compile.py` compiles the programs and reports them.
+"""Whether a training run's resident buffers fit its chips, checked before the engine is built: the
+train state's shard, the engine's weight copy and its KV cache. Programs' temporaries come on top
+and are not counted (`experiments/aot_compile.py` reports them).
 """
 from __future__ import annotations
 
@@ -65,10 +61,9 @@ def resident(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: M
 
 def offloaded_phases(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: Mesh, *,
                      kv_through_update: bool) -> tuple[Resident, Resident]:
-    """`resident` while decoding and while updating, with the optimizer state offloaded
-    (`learner.offload_optimizer`): the train state less its `opt_state` beside the KV cache,
-    then the whole train state, beside the KV cache only where it stays through the update
-    (`kv_through_update`: not freed, `Engine.free_kv`)."""
+    """`resident` while decoding and while updating with the optimizer state offloaded: the train
+    state without `opt_state` beside the KV cache, then the whole train state, beside the KV
+    cache only where it is not freed for the update (`kv_through_update`)."""
     decoding = resident(state.replace(opt_state=None), engine_weights, kv_bytes, rollout_mesh)
     updating = resident(state, engine_weights, kv_bytes if kv_through_update else 0,
                         rollout_mesh)

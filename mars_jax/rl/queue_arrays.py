@@ -1,17 +1,11 @@
 """Rollout queues in a checkpoint: token ids and log-probabilities as arrays, the rest as JSON.
 
-`pack(state)` takes a scheduler's `state_dict()` output (`AgenticRollouts`' or
-`StreamingRollouts'`: dicts and lists whose rollout records are `Rollout.to_json()` dicts) and
-returns the same structure with each record's `prompt_ids`, `response_ids`, `logprobs`, `text`
-and `solution` replaced by references: `prompt` (a row of the prompt table: each distinct prompt
-once, the members of a group share theirs), `response` ([start, stop) in the response arrays)
-and `solution` (an index into a table of distinct solution texts). The arrays: `prompt_ids` and
-`response_ids` int32, `logprobs` float32. `unpack` rebuilds the records exactly; a finished
-rollout's text is re-derived from its ids with the tokenizer's `decode`, as
-`AgenticRollouts.absorb` made it (an unfinished one's is empty).
-
-`host_blocks` / `from_host_blocks` give the arrays the layout `distributed.host_arrays` takes
-(3-D non-negative integers: the 32-bit words of each value).
+`pack(state)` takes a scheduler's `state_dict()` and replaces each rollout record's ids,
+log-probabilities, text and solution by references into arrays (`prompt_ids`, `response_ids` int32,
+`logprobs` float32; each distinct prompt once) and a table of distinct solution texts. `unpack`
+rebuilds the records exactly, a finished rollout's text re-derived from its ids with the tokenizer's
+`decode`. `host_blocks` / `from_host_blocks` lay the arrays out as `distributed.host_arrays` takes
+them.
 """
 from __future__ import annotations
 
