@@ -1,9 +1,8 @@
 """Next-token choice from logits: temperature, top-k, top-p (nucleus), greedy.
 
-Log-probability convention: the returned log-probability of a token is
-`log_softmax(logits / temperature)[token]` (plain `log_softmax(logits)` when greedy), i.e. the
-temperature-scaled distribution *before* top-k / top-p truncation. That is the quantity the trainer
-recomputes from the same logits, so sampler and trainer agree on the PPO ratio's denominator.
+A token's log-probability is `log_softmax(logits / temperature)[token]` (unscaled when greedy),
+before top-k / top-p truncation: the quantity the trainer recomputes, so sampler and trainer agree
+on the PPO ratio's denominator.
 """
 from __future__ import annotations
 
@@ -73,10 +72,8 @@ def truncate_logits_per_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Arra
 
 def choose_tokens_per_row(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array,
                           top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`choose_tokens` with settings per row (`[B]` each; temperature 0 = greedy): row b gets
-    the token and log-probability `choose_tokens` gives it under its own settings. The sort
-    behind top-k / top-p runs only when some row uses one of them, the draw only when some
-    row samples."""
+    """`choose_tokens` with settings per row (`[B]` each; temperature 0 = greedy). The sort
+    behind top-k / top-p runs only when some row uses them, the draw only when some row samples."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]

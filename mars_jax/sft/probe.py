@@ -1,13 +1,9 @@
 """Each role's decisions sampled on held-out problems: the warm-start bar of the toy study.
 
-A per-token loss hides what the study needs (a Verifier's verdict is 2 tokens of a 150-token
-reply), so `probe` samples whole replies, as the evaluation does, and grades the decisions:
-
-- Solver: accuracy, its boxed answer equal to the gold one in a reply that ended by itself;
-- Verifier, on a right and a flawed solution of each problem (`traces.solution_text`):
-  recall (Wrong on the flawed one), specificity (Correct on the right one) and their mean, the
-  balanced accuracy; an unreadable or cut-off verdict counts as a miss;
-- Corrector, on each flawed solution with its right bug report: the share it fixes.
+A per-token loss hides a Verifier's 2-token verdict in a long reply, so `probe` samples whole
+replies and grades the decisions: the Solver's accuracy; the Verifier's recall, specificity and
+balanced accuracy on a flawed and a right solution (an unreadable verdict is a miss); the share of
+flawed solutions the Corrector fixes from the right report.
 """
 from __future__ import annotations
 
