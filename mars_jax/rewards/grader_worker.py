@@ -1,13 +1,10 @@
 """Entry point of one grader worker process (`python -m mars_jax.rewards.grader_worker`).
 
-Protocol (one JSON object per line): the parent writes `{"id", "pred", "gold", "soft"}`
-to stdin; the worker first writes `{"ready": true}`, then `{"id", "value", "status"}` for
-each request, with status "ok", "timeout" (the soft limit of `soft` seconds hit) or
-"error" (an exception: the answer counts as not equivalent).
-
-The soft limit is a SIGALRM timer raising an exception that derives from BaseException,
-so library `except Exception` blocks cannot swallow it. Code stuck in C never sees it;
-the parent then kills this process (see `pool.GraderPool`).
+Protocol, one JSON object per line: the parent writes `{"id", "pred", "gold", "soft"}`; the worker
+writes `{"ready": true}`, then `{"id", "value", "status"}` per request, status "ok", "timeout" (the
+soft limit) or "error" (counts as not equivalent). The soft limit is a SIGALRM raising a
+BaseException, so library `except Exception` blocks cannot swallow it; code stuck in C never sees
+it, and the parent kills the worker (`pool.GraderPool`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """A persistent pool of grader worker processes with a hard time bound per comparison.
 
-Each worker (`grader_worker`) is a separate Python process started with
-`subprocess` (fork+exec, so it is safe while JAX threads run in this process, and the
-caller's `__main__` is never re-imported). Each comparison gets a deadline: the
-worker's own alarm usually answers "timeout" first; if it does not (code stuck in C),
-the worker is killed at the deadline, the comparison counts as not equivalent, and a
-fresh worker replaces it. Worker start-up (about a second: importing sympy and
-math-verify) is not counted against the deadline.
+Workers are started by `subprocess` (fork+exec: safe while JAX threads run, and `__main__` is never
+re-imported). A worker past its deadline (code stuck in C) is killed, the comparison counts as not
+equivalent, and a fresh worker replaces it. Start-up is not counted against the deadline.
 """
 
 from __future__ import annotations

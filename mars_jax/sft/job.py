@@ -1,14 +1,11 @@
 """The `sft` job behind experiments/run.py: trains on generated role traces, saves an HF checkpoint.
 
-Writes `workdir/metrics.jsonl` (+ TensorBoard): the training loss every step and, at step 0 and
-every `sft.eval_every` steps, the held-out loss overall and per role (`heldout/loss/<role>`); and
-`workdir/model/` (`config.json` + safetensors), which an RL config loads as `model.checkpoint`.
-Held-out examples come from the last `sft.holdout_problems` train problems, never trained on (all
-roles, whatever `sft.keep` keeps for training). Every `sft.probe_every` steps (0: never) and at the
-end, `probe.probe` samples each role's decisions on those problems at the evaluation's sampling
-settings (`probe/*` metrics) and the model is saved to `workdir/model_step<N>/`, so a warm start
-can be taken from any probed step. The job does not resume: rerunning it starts over. `workdir`
-may be a local path or a `gs://` URL (`storage`).
+Writes `workdir/metrics.jsonl` (+ TensorBoard) with the training loss and, every `sft.eval_every`
+steps, the held-out loss per role (the last `sft.holdout_problems` train problems, never trained
+on); `workdir/model/`, which an RL config loads as `model.checkpoint`; and `summary.json`. With
+`sft.probe_every` > 0, every that many steps and at the last, `probe.probe` samples each role's
+decisions (`probe/*`) and the model is saved to `workdir/model_step<N>/`. The job does not resume: a
+rerun starts over.
 """
 from __future__ import annotations
 
