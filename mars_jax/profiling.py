@@ -1,10 +1,6 @@
-"""A `jax.profiler` trace of a range of a run's steps (`profile_steps=(first, last)`), written
-where TensorBoard's profile tab reads it: `<logdir>/plugins/profile/<run>/`.
-
-The profiler writes local files only, so for a `gs://` logdir it traces into a local staging
-directory and copies the trace up when it stops (`storage.LocalStaging`). Python function calls
-are not traced (`python_tracer_level=0`: they made a 2-step CPU run's trace 140 MB); device
-programs, XLA ops and jax's own host annotations are.
+"""A `jax.profiler` trace of a range of a run's steps (`profile_steps=(first, last)`), written where
+TensorBoard's profile tab reads it (staged locally for a `gs://` logdir). Python calls are not
+traced (`python_tracer_level=0`), which keeps traces small; device programs are.
 """
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ from mars_jax.types import ROLES
 
 @dataclasses.dataclass(frozen=True)
 class SampleRules:
-    """`roles`: the roles whose groups are trained. `drop_zero_variance`: a group whose rewards
-    are all equal trains nothing (else its members stay with a zero loss mask: no gradient,
-    fixed batch shapes). `mask_truncated`: an output that ended by length leaves the batch
-    (DAPO's overlong filtering), after taking part in its group's advantages."""
+    """`roles`: the roles whose groups are trained. `drop_zero_variance`: a group with equal
+    rewards trains nothing (else it stays, masked). `mask_truncated`: an output that ended by
+    length leaves the batch (DAPO's overlong filtering) after taking part in its group's
+    advantages."""
 
     roles: tuple[str, ...] = ROLES
     drop_zero_variance: bool = True
