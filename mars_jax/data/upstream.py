@@ -1,15 +1,14 @@
-"""Each problem set's public source on the HF Hub, and the converter from its rows to the rows the
+r"""Each problem set's public source on the HF Hub, and the converter from its rows to the rows the
 loaders read (`jsonl.read_problems`: `id`, `problem`, `answer`, `source`, and `answer_as_in_source`
 where the answer was changed).
 
-| dataset | HF Hub dataset @ revision : file | upstream fields | licence | | --- | --- | --- | --- |
-| aime2025 | zai-org/glm-simple-evals-dataset @ main : aime/aime_2025.jsonl | question, answer |
-none stated; problems (c) MAA | | beyond_aime | zai-org/glm-simple-evals-dataset @ main :
-aime/beyond_aime.jsonl | question, answer | none stated; from ByteDance-Seed/BeyondAIME | | dsr_sub
-| agentica-org/DeepScaleR-Preview-Dataset @ main : deepscaler.json | problem, answer, solution | MIT
-| | gsm8k | openai/gsm8k @ e53f0488 : main/{train,test}-00000-of-00001.parquet | question, answer |
-MIT | | math500 | HuggingFaceH4/MATH-500 @ ff5b2025 : test.jsonl | problem, solution, answer,
-subject, level, unique_id | none stated; MATH and PRM800K are MIT |
+| dataset | HF Hub dataset @ revision : file | upstream fields | licence |
+| --- | --- | --- | --- |
+| aime2025 | zai-org/glm-simple-evals-dataset @ main : aime/aime_2025.jsonl | question, answer | none stated; problems (c) MAA |
+| beyond_aime | zai-org/glm-simple-evals-dataset @ main : aime/beyond_aime.jsonl | question, answer | none stated; from ByteDance-Seed/BeyondAIME |
+| dsr_sub | agentica-org/DeepScaleR-Preview-Dataset @ main : deepscaler.json | problem, answer, solution | MIT |
+| gsm8k | openai/gsm8k @ e53f0488 : main/{train,test}-00000-of-00001.parquet | question, answer | MIT |
+| math500 | HuggingFaceH4/MATH-500 @ ff5b2025 : test.jsonl | problem, solution, answer, subject, level, unique_id | none stated; MATH and PRM800K are MIT |
 
 Conversions (shared/data/SOURCES.md): ids by position (AIME 2025: rows 1-15 AIME I, 16-30 AIME II),
 text stripped, AIME answers reduced to their integer (`336^\circ` -> `336`), GSM8K's answer taken
