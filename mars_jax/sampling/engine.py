@@ -1,31 +1,20 @@
 """Continuous batching over fixed decode slots on the trainer's own parameter arrays.
 
-`num_slots` slots each hold a KV cache of `max_length` positions and one request's position, budget,
-stop ids, sampling settings and PRNG key. `stream()` alternates: the host admits queued requests
-into free slots (their prompts prefilled together, in `prefill_chunk`-token pieces), then one jitted
-chunk of up to `chunk_steps` decode steps runs over all slots and finished requests are streamed
-out. While requests wait, a chunk ends as soon as `admit_batch` slots free.
-
-Programs are compiled when first met (one per slot bucket and KV span, per prompt bucket, piece and
-batch bucket); requests coming and going change only array values. When nothing waits, the running
-rows are gathered into a smaller slot bucket. A chunk attends over the first `span` cache positions
-only (`span_bucket`).
+Each of `num_slots` slots holds a KV cache of `max_length` positions and one request's state.
+`stream()` alternates host admission of queued requests into free slots (prompts prefilled together)
+with one jitted chunk of up to `chunk_steps` decode steps over all slots, streaming finished
+requests out. Programs compile when first met, per bucket of slots, KV span and prompt length;
+requests coming and going change only array values.
 
 Exactness: a request's tokens and log-probabilities do not depend on the other slots or on its
-admission time; they match `generate`'s up to float32 rounding. Outputs finished in one chunk are
-streamed in submission order, so a caller's choices do not depend on slot placement.
+admission time, and match `generate`'s up to float32 rounding. Outputs finished in one chunk are
+streamed in submission order, so callers' choices do not depend on slot placement.
 
-Weights: a request keeps the KV it was decoded under until `recompute` re-prefills prompt + tokens
-under the current weights. Recorded routing stays that of the step or prefill that first computed a
-position; a re-prefill does not rewrite it.
-
-Paged KV (`kv_pages`): the cache is pages of `page_size` positions, one pool per batch shard of the
-slots, so `num_slots` can exceed what reserved slots of `max_length` would fit. When a pool runs
-out, its newest admitted request is preempted and later re-prefilled from prompt + tokens (same PRNG
-steps). A request must fit one pool alone.
-
-Parts: device programs `engine_programs`; queue and admission `scheduler`; batched prefills
-`prefill_batches`; pages `pages`; ahead-of-time compiles `precompile`.
+A request keeps the KV it was decoded under until `recompute` re-prefills it under the current
+weights; recorded routing stays that of the step that first computed a position. Paged KV
+(`kv_pages`): pages of `page_size` positions, one pool per batch shard, so `num_slots` can exceed
+what reserved slots would fit; a pool that runs out preempts its newest request, which is later
+re-prefilled with the same PRNG steps.
 """
 from __future__ import annotations
 
@@ -91,11 +80,8 @@ class _Request:
 
 class Engine(SlotScheduler):
     """Continuous-batching decode (module docstring); `seed` is the base of every request's PRNG
-    key.
-
-    `prefill_ahead` = P > 0 lets an admission's prefill also prefill the next queued prompts (up
-    to P in the call), which then take slots without a prefill. `paged_attention` 'auto' picks
-    `paged_kv.default_kernel` for the head and page sizes."""
+    key. `prefill_ahead` = P > 0 also prefills up to P next queued prompts in an admission's
+    prefill."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
@@ -197,10 +183,9 @@ class Engine(SlotScheduler):
         return 0 if self.page_table is None else self.page_table.pages_for(positions)
 
     def update_weights(self, model: Qwen3) -> None:
-        """Reads `model`'s current arrays for later steps, prefills and `recompute`s; queued
-        group prompts prefilled under the old arrays are dropped. With `scan_layers` the engine
-        keeps its own stacked copy of the layer weights (`engine_programs.stack_weights`): the
-        weights once more in memory."""
+        """Reads `model`'s current arrays for later steps, prefills and `recompute`s, dropping
+        queued prefills. With `scan_layers` the engine keeps its own stacked copy of the layer
+        weights."""
         self.weights = None  # the old stacked copy freed before the new one is made
         if self.scan_layers:
             self.graphdef, self.weights = stack_weights(model)
@@ -210,9 +195,8 @@ class Engine(SlotScheduler):
         self._drop_prefills()
 
     def free_kv(self) -> None:
-        """Deletes the KV cache (paged: the pools) and queued prompt prefills from device memory,
-        e.g. for an update on the same chips. The next step reallocates it and re-prefills every
-        request holding a slot (`recompute`, under the weights of that time)."""
+        """Deletes the KV cache and queued prefills from device memory (e.g. for an update on the
+        same chips); the next step reallocates it and re-prefills every request holding a slot."""
         self._expand()
         self._drop_prefills()
         if not self._kv_freed:
@@ -225,8 +209,7 @@ class Engine(SlotScheduler):
         return jax.tree.leaves((self.state.cache, self.pool))[0].is_deleted()
 
     def _allocate_kv(self) -> bool:
-        """Allocates the cache `free_kv` deleted (zeros, same shapes and shardings); whether it
-        did."""
+        """Allocates the cache `free_kv` deleted (zeros, same shardings); whether it did."""
         if not self._kv_freed:
             return False
         zeros = lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding)
@@ -241,11 +224,10 @@ class Engine(SlotScheduler):
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
                n: int = 1, generated: tuple[Sequence[int], Sequence[float]] | None = None
                ) -> list[int]:
-        """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
-        is prefilled once) and returns their ids. `temperature=0` is greedy. `generated`
-        continues one request (`n=1`) from tokens and log-probabilities it already has: they are
-        prefilled with the prompt, count against `max_new_tokens`, are part of its output, and
-        its PRNG step continues."""
+        """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...) and returns
+        their ids; `temperature=0` is greedy. `generated` continues one request from tokens it
+        already has: prefilled with the prompt, counted against `max_new_tokens`, its PRNG step
+        continuing."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids: need at least one token")
@@ -288,9 +270,8 @@ class Engine(SlotScheduler):
         return ids
 
     def recompute(self, request_ids: Sequence[int]) -> None:
-        """Re-prefills the KV of requests in slots (after `free_kv`: every request holding a
-        slot) from prompt + tokens so far under the current weights; they go on with the same
-        PRNG steps and budgets."""
+        """Re-prefills the KV of requests in slots from prompt + tokens so far under the current
+        weights; they go on with the same PRNG steps and budgets."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
@@ -360,9 +341,9 @@ class Engine(SlotScheduler):
         return self.batch_shards if self.page_table is not None else 1
 
     def _shrink(self) -> None:
-        """Once nothing waits and the running requests fit a slot bucket at most half the current
-        one, decodes just their rows (if the gathered copy fits in device memory), so idle slots
-        cost no compute; with a pool per batch shard, each shard's rows stay in its block."""
+        """Once nothing waits and the running rows fit a slot bucket at most half the current
+        one, decodes just those rows (if the gathered copy fits in memory), each staying in its
+        pool's block."""
         if self._queue:
             return
         plan = shrink_plan(self._running_slots(), current_rows=self.state.length.shape[0],
@@ -399,9 +380,9 @@ class Engine(SlotScheduler):
         self._full, self._rows = None, {}
 
     def _place(self, request: _Request) -> int | None:
-        """A free slot for `request`, or None. Paged: the first whose pool holds its first chunk
-        beside the running requests' next chunks (so admitting it preempts nobody), with those
-        pages taken."""
+        """A free slot for `request`, or None; paged, the first whose pool holds its first chunk
+        beside the running requests' next chunks (so admitting it preempts nobody), those pages
+        taken."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self.page_table is None:
             return free[0] if free else None
@@ -413,9 +394,8 @@ class Engine(SlotScheduler):
         return slot
 
     def _admit(self) -> None:
-        """Fills free slots from the queue (`_admit_queued`), prefilling the new prompts together
-        in the parts `kv_memory.prefill_parts` makes; each request is inserted once its prompt is
-        prefilled."""
+        """Fills free slots from the queue (`_admit_queued`), prefilling new prompts together in
+        the parts `kv_memory.prefill_parts` makes."""
         admitted = self._admit_queued(self._place)
         if not admitted:
             return
@@ -466,7 +446,7 @@ class Engine(SlotScheduler):
 
     def _span(self) -> int:
         """The KV span of the next chunk: the longest a running request can reach in it, plus one
-        (a row that stops mid-chunk still writes discarded keys at its length), bucketed
+        (a row stopping mid-chunk still writes discarded keys at its length), bucketed
         (`chunk_span`)."""
         needed = max(self._chunk_positions(self._requests[i]) for i in self._running)
         return self.chunk_span(needed + 1)
@@ -541,8 +521,8 @@ class Engine(SlotScheduler):
         self.page_table.make_room(running, self._preempt)
 
     def _preempt(self, slot: int) -> None:
-        """Stops `slot`'s request and frees its slot and pages; it goes back to the front of the
-        queue, to be re-prefilled from prompt + tokens when readmitted."""
+        """Stops `slot`'s request, freeing its slot and pages; it waits at the front of the
+        queue, to be re-prefilled from prompt + tokens."""
         request = self._requests[self._slots[slot]]
         request.routing = self._recorded_routing(request)
         self.state = programs.deactivate(self.state, np.int32(self._row(slot)))
