@@ -1,22 +1,14 @@
-"""Orbax checkpoints of a training run: train state + JSON meta (step, data position, the
-scheduler's queue, counters) + optional per-host arrays (`distributed.host_arrays`).
+"""Orbax checkpoints of a training run: train state + JSON meta + optional per-host arrays.
 
 Integrity rules:
-  * Saves are asynchronous and atomic (orbax's temporary directory or, on Cloud Storage, its
-    `commit_success.txt` marker): a save killed midway never damages an earlier checkpoint. A
-    failed save raises `CheckpointSaveError` at the next `save`, `wait` or `close`.
-  * Every checkpoint stores fingerprints of its state, arrays and JSON meta.
-  * Only proof of damage (no commit marker, bytes that do not decode, a missing file, a
-    fingerprint mismatch: `is_damage`) sets a checkpoint aside, into `<directory>.unreadable/`,
-    and restore walks back to the next newest. Other read errors are retried
-    (`READ_RETRY_WAITS`), then raise `CheckpointUnavailable` with nothing set aside.
+  * Saves are asynchronous and atomic: a save killed midway never damages an earlier checkpoint;
+    a failed save raises `CheckpointSaveError` at the next `save`, `wait` or `close`.
+  * Only proof of damage (`is_damage`: no commit marker, undecodable bytes, a missing file, a
+    fingerprint mismatch) sets a checkpoint aside into `<directory>.unreadable/`; restore then
+    tries the next newest. Other read errors are retried, then raise `CheckpointUnavailable`.
   * Restore returns None only for a directory with no step directory, so a run never starts
-    from step 0 beside checkpoints; a layout that differs from the target state raises
-    `CheckpointMismatch` and leaves the checkpoint in place.
-  * With several processes, process 0's listing is walked by all and every process gets the
-    same outcome (another host's listing may be stale: gcsfuse, NFS attribute caches).
-
-The directory is a local path or a `gs://` URL (`mars_jax.storage`).
+    from step 0 beside checkpoints; another state layout raises `CheckpointMismatch`.
+  * With several processes, all walk process 0's listing and get the same outcome.
 """
 from __future__ import annotations
 
@@ -151,14 +143,10 @@ class Checkpointer:
                        arrays_target: Callable[[dict], Any] | None = None,
                        check_meta: Callable[[int, dict], None] | None = None
                        ) -> Restored | None:
-        """(step, state, meta, arrays) of the newest intact checkpoint, or None when the directory
-        holds no step directory (integrity rules: module docstring).
-
-        `check_meta(step, meta)` sees each checkpoint's meta before its state is read; what it
-        raises propagates. `arrays_target(meta)` gives the abstract pytree of the arrays item;
-        without it, arrays are not read. Raises `CheckpointUnavailable`, `CheckpointMismatch`
-        (state layout or `arrays_target` disagrees), or `ValueError` for one checkpoint's files
-        copied to the top of the directory."""
+        """(step, state, meta, arrays) of the newest intact checkpoint, or None when the
+        directory holds no step directory. `check_meta(step, meta)` sees each meta before its
+        state is read; `arrays_target(meta)` gives the arrays' abstract pytree (without it they
+        are not read). Raises as the module docstring's rules say."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         steps, stray = _listed(self._listing, f"the checkpoint directory {self.directory}")
         if not steps and stray:
@@ -290,9 +278,8 @@ class Checkpointer:
 
 def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
             ) -> tuple[Any, Exception | None]:
-    """(`read()`, None), or (None, the damage) when reading `what` failed with proof of damage;
-    raises `CheckpointUnavailable` or `CheckpointMismatch`. With several processes every process
-    gets the same outcome; damage seen on another process than 0 raises `CheckpointUnavailable`."""
+    """(`read()`, None), or (None, the damage) on proof of damage; raises `CheckpointUnavailable`
+    or `CheckpointMismatch`, the same outcome on every process."""
     value, error = _read_with_retries(read, what)
     if jax.process_count() == 1:
         if isinstance(error, (CheckpointUnavailable, CheckpointMismatch)):
@@ -353,9 +340,8 @@ def _listed(read: Callable[[], Any], what: str) -> Any:
 
 def _read_with_retries(read: Callable[[], Any], what: str = "a checkpoint"
                        ) -> tuple[Any, Exception | None]:
-    """(`read()`, None); (None, the error) for a `CheckpointMismatch` or proof of damage
-    (`is_damage`), at once; (None, `CheckpointUnavailable`) when every attempt failed otherwise,
-    waiting `READ_RETRY_WAITS` between attempts."""
+    """(`read()`, None); (None, the error) at once for a mismatch or damage; (None,
+    `CheckpointUnavailable`) once every attempt (`READ_RETRY_WAITS` apart) failed otherwise."""
     for attempt, wait in enumerate((*READ_RETRY_WAITS, None)):
         try:
             return read(), None
@@ -376,9 +362,8 @@ def _read_with_retries(read: Callable[[], Any], what: str = "a checkpoint"
 
 
 def is_damage(error: BaseException) -> bool:
-    """Whether `error` (or an error it was raised from) proves that a checkpoint's files are
-    damaged: a fingerprint mismatch, bytes that do not decode, a file missing from a committed
-    step, or a tensorstore status saying so. Anything else may be the storage's fault."""
+    """Whether `error` (or its cause) proves a checkpoint's files damaged: a fingerprint
+    mismatch, undecodable bytes, a missing file, or a tensorstore status saying so."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -390,9 +375,9 @@ def is_damage(error: BaseException) -> bool:
 
 
 def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:
-    """Up to `limit` differences (then a count of the rest) between the tree paths, shapes and
-    dtypes of checkpoint metadata `saved` and the abstract state `target`; empty when they agree.
-    Leaves of `target` without a dtype (Python scalars) are compared by path only."""
+    """Up to `limit` differences between the paths, shapes and dtypes of checkpoint metadata
+    `saved` and abstract state `target` (leaves without a dtype by path only); empty when they
+    agree."""
     have, want = ocp.tree.to_flat_dict(saved), ocp.tree.to_flat_dict(target)
     name = lambda path: ".".join(map(str, path))
     found = [f"{name(p)} is missing from the checkpoint" for p in want if p not in have]
@@ -468,9 +453,8 @@ def read_meta(directory: str | os.PathLike, step: int) -> dict:
 
 
 def restore_params(directory: str | os.PathLike, step: int, target: Any) -> Any:
-    """The `params` subtree alone of checkpoint `step`'s train state, read into `target`'s
-    structure, shapes, dtypes and shardings, without reading or building the optimizer state.
-    Raises `CheckpointMismatch` when the saved parameters have another layout."""
+    """The `params` subtree of checkpoint `step`'s train state, read into `target`'s structure
+    and shardings without the optimizer state; `CheckpointMismatch` for another layout."""
     path = epath.Path(directory) / str(step) / "state"
     handler = ocp.StandardCheckpointHandler()
     try:

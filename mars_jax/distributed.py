@@ -1,11 +1,7 @@
 """Multi-host runs: one JAX process per host, one global mesh, each host its own data shard.
-
-`initialize` starts `jax.distributed` (from flags, `JAX_COORDINATOR_ADDRESS` or a detected cluster)
-before anything touches a backend; every process then runs the same jitted programs on global
-arrays. `global_train_batch` joins the hosts' micro-batches into global batches; `host_arrays`
-carries each host's own arrays in a checkpoint; `any_process` and `allgather_json` are collectives;
-`HostGroup` agrees on host-side decisions through the coordination service's key-value store, with
-no device program.
+`initialize` must run before anything touches a backend; collectives here must be called on every
+process. `HostGroup` agrees on host-side decisions through the coordination service's key-value
+store, with no device program.
 """
 from __future__ import annotations
 
@@ -65,9 +61,8 @@ def cluster_detected(environ: dict[str, str] | None = None) -> bool:
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, mode: str = "auto",
                heartbeat_timeout_s: int = 60) -> bool:
-    """Starts `jax.distributed` when this is one of several processes; returns whether it runs.
-    Unset arguments come from jax's cluster detection; a process whose heartbeats stop for
-    `heartbeat_timeout_s` ends every process."""
+    """Starts `jax.distributed` when this is one of several processes (unset arguments: jax's
+    cluster detection); returns whether it runs."""
     if mode not in MODES:
         raise ValueError(f"distributed: {mode!r} is not one of {MODES}")
     if num_processes is not None and num_processes < 1:
@@ -105,12 +100,9 @@ def end_run(message: str) -> NoReturn:
 
 
 def exit_process(code: int, within_s: float | None = None) -> NoReturn:
-    """Flushes logs and streams, leaves `jax.distributed` with the other processes (jax's shutdown
-    barrier), then `os._exit(code)`. With `within_s`, a process still in that barrier after
-    `within_s` seconds exits all the same.
-
-    Why not a normal exit: jax's atexit teardown frees every compiled program before the barrier,
-    so each host would wait for the slowest host's teardown."""
+    """Flushes logs, leaves `jax.distributed` with the other processes, then `os._exit(code)` (at
+    the latest after `within_s`): a normal exit's teardown would make each host wait for the
+    slowest."""
     _flush()
     if within_s is not None:
         timer = threading.Timer(within_s, _force_exit, [code, within_s])
@@ -151,8 +143,7 @@ def _pad(x: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
 
 
 def agreed_batch_shape(shapes: np.ndarray) -> tuple[int, int]:
-    """(micro-batches M, length L) every process pads its `TrainBatch` to, from each process's
-    `[M, b, L]` (one row per process): the maxima. Raises when the rows per micro-batch `b`
+    """The maxima (M, L) every process pads its `TrainBatch` `[M, b, L]` to; raises when the `b`
     differ."""
     shapes = np.asarray(shapes).reshape(-1, 3)
     rows = sorted(set(shapes[:, 1].tolist()))
@@ -178,9 +169,9 @@ def pad_train_batch(batch: TrainBatch, num_micro: int, length: int) -> TrainBatc
 
 
 def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
-    """Each process's `TrainBatch` (numpy `[M, b, L]`, same `b` everywhere) as one global batch
-    of `b x processes` rows per micro-batch, split over the mesh's batch axes. Processes pad to
-    the agreed `M` and `L` (`agreed_batch_shape`) with zero-mask rows. Call on every process."""
+    """Each process's `TrainBatch` (numpy `[M, b, L]`) as one global batch of `b x processes`
+    rows per micro-batch over the mesh's batch axes, padded to the agreed shape with zero-mask
+    rows."""
     local = jax.tree.map(np.asarray, batch)
     agreed = multihost_utils.process_allgather(np.asarray(local.tokens.shape))
     local = pad_train_batch(local, *agreed_batch_shape(agreed))
@@ -258,11 +249,10 @@ def _host_block_sharding() -> jax.sharding.NamedSharding:
 
 
 def host_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict | None, jax.Array | None]:
-    """Packs this process's non-negative integer 3-D `arrays` (e.g. expert ids `[L, T, k]`, equal
-    in shape but on axis 1) along axis 1 into one global array `[processes, rows, L, k]`, process
-    i's block at index i, in the smallest unsigned dtype that holds every process's values.
+    """Packs this process's non-negative integer `arrays` `[L, T, k]` (equal but in T) into one
+    global array `[processes, rows, L, k]` in the smallest unsigned dtype that holds every value.
     Returns (this process's JSON index for the checkpoint meta, the array), or (None, None) when
-    no process has an array. A collective."""
+    no process has any."""
     names = list(arrays)
     shapes = [arrays[n].shape for n in names]
     if any(len(a) != 3 or a[::2] != shapes[0][::2] for a in shapes):
@@ -312,21 +302,17 @@ def unpack_host_arrays(index: dict, array: jax.Array) -> dict[str, np.ndarray]:
 
 
 class HostGroup:
-    """The job's processes exchanging small JSON values in numbered rounds through
-    `jax.distributed`'s key-value store: `gather(value)` returns each process's value of the round,
-    in process order. Every process must call `gather` equally often and create its groups of one
-    `name` in the same order. One process: `[value]`, nothing exchanged.
-
-    Each round every host writes its value; the one that completes the round publishes the list
-    and deletes the previous round's keys, so each host reads once a round and at most two
-    rounds' keys exist. A wait logs the missing hosts every `log_every_s` and after `timeout_s`
-    ends the run naming them (`end_run`)."""
+    """The job's processes exchanging small JSON values in rounds through `jax.distributed`'s
+    key-value store: `gather(value)` returns every process's value of the round, in process
+    order. Every process must call `gather` equally often and create its groups of one `name` in
+    the same order. At most two rounds' keys exist; a host missing past `timeout_s` ends the run
+    naming it."""
 
     def __init__(self, name: str, timeout_s: float | None = None, *,
                  log_every_s: float = LOG_EVERY_S, client=None, process: int | None = None,
                  processes: int | None = None):
         """`client`, `process`, `processes`: the coordination service client, this process's
-        index and the process count (default: `jax.distributed`'s, and jax's)."""
+        index and the process count (default: jax's)."""
         self.name = name
         self.count = jax.process_count() if processes is None else processes
         self.index = jax.process_index() if process is None else process
@@ -410,11 +396,9 @@ class HostGroup:
 
 
 class CompiledTogether:
-    """Calls `jitted` (a program with cross-host collectives) so that every process has compiled
-    it before any runs it: a call with a new key compiles ahead, then meets the other hosts at a
-    `HostGroup` barrier. Why: XLA:CPU's gloo collectives give other hosts 30 s to join a
-    program's first run, less than one host's compile can lag another's. Every process must make
-    the same calls in the same order; one process: plain `jitted`."""
+    """Calls `jitted` so that every process has compiled a new program before any runs it (a
+    `HostGroup` barrier after compiling): XLA:CPU's gloo collectives give other hosts only 30 s
+    to join a program's first run. Every process must make the same calls in the same order."""
 
     def __init__(self, jitted, name: str):
         self.jitted, self.name = jitted, name
