@@ -1,9 +1,6 @@
-"""One named mesh and the logical-axis rules that place parameters and activations on it.
-
-Parameters carry logical axis names; the rules map them to mesh axes, MaxText style. Activations are
-pinned with `constrain`, a no-op outside an active mesh, so the same model code runs on one device
-or a pod. Mesh axes are always `AxisType.Auto` (not jax's default Explicit), because the rules feed
-`with_sharding_constraint` and `jit` shardings, not sharding-in-types.
+"""One named mesh and the logical-axis rules that place parameters and activations on it (MaxText
+style); `constrain` is a no-op outside a mesh, so the same model code runs on one device or a pod.
+Axes are `AxisType.Auto`: the rules feed `with_sharding_constraint` and `jit` shardings.
 """
 from __future__ import annotations
 
@@ -53,13 +50,9 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the mesh axes; one size may be -1, meaning all remaining devices.
-
-    `data`, `fsdp`, `tensor` and `expert` are sizes within one slice (ICI). `dcn` gives, in
-    `MESH_AXES` order, how many slices each axis spans (data-centre network; on GPUs and CPUs a
-    slice is a process); an axis's full size is its within-slice size times its `dcn` size.
-    `field` is the config section that error messages name ('mesh', 'mesh.rollout').
-    """
+    """Sizes of the mesh axes within one slice, one of them may be -1 (the remaining devices);
+    `dcn`, in `MESH_AXES` order, how many slices (on GPU and CPU: processes) each axis spans.
+    `field` is the config section error messages name."""
 
     data: int = -1
     fsdp: int = 1
@@ -123,12 +116,8 @@ class MeshConfig:
 
 def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`.
-
-    Devices are laid out along the physical topology (`mesh_utils`). With `dcn` sizes, each
-    slice (devices sharing a `slice_index`; a process when all devices are in one slice, as on
-    GPU or CPU hosts) holds one within-slice block of the mesh and the `dcn` axes run across them.
-    """
+    """The ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`, laid out
+    along the physical topology; with `dcn`, each slice holds one within-slice block."""
     if config is None:
         config = MeshConfig()
     elif not isinstance(config, MeshConfig):
@@ -162,11 +151,9 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class MeshSplit:
-    """The config's `mesh` section: the training mesh's axis sizes (`train`) and the rollout
-    engine's (`rollout`), over the same devices (`rollout_devices == 0`) or with the last
-    `rollout_devices` as a disjoint rollout mesh. With several processes the rollout mesh is per
-    host (over that host's devices) and the training mesh spans every host's (remaining) devices;
-    only a shared training mesh may span slices (`dcn`)."""
+    """The config's `mesh` section: training (`train`) and rollout (`rollout`) axis sizes, one
+    shared mesh (`rollout_devices == 0`) or the last `rollout_devices` of each host as its own
+    rollout mesh. Only a shared training mesh may span slices."""
 
     train: MeshConfig = MeshConfig()
     rollout: MeshConfig = MeshConfig(field="mesh.rollout")
@@ -221,8 +208,7 @@ def make_meshes(split: MeshSplit | Mapping[str, Any],
                 devices: Sequence[jax.Device] | None = None,
                 process: int | None = None) -> tuple[Mesh, Mesh]:
     """(training mesh, this process's rollout mesh) over `devices` (default: all) as `MeshSplit`
-    describes: the same mesh twice when one process shares it with unset rollout sizes. Devices
-    keep their order within a process."""
+    describes; devices keep their order within a process."""
     if not isinstance(split, MeshSplit):
         split = MeshSplit.from_mapping(split)
     devices = list(jax.devices() if devices is None else devices)
@@ -303,9 +289,9 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
                 rules: Rules | None = None) -> PartitionSpec:
-    """The PartitionSpec of logical `names` for an array of `shape` on `mesh`: dimension by
-    dimension, the mesh axes of its rule that no earlier dimension took and that divide it (with
-    the axes kept before them); an axis one dimension cannot take stays free for the next."""
+    """The PartitionSpec of logical `names` for `shape` on `mesh`: per dimension, the axes of its
+    rule that no earlier dimension took and that divide it; an axis not taken stays free for the
+    next."""
     used: set[str] = set()
     fitted = []
     padded = tuple(names) + (None,) * (len(shape) - len(names))
@@ -327,10 +313,8 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None], shape: Sequence[int]
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
-    """A NamedSharding per variable in `state`, from each variable's `logical_axes` metadata.
-
-    A mesh axis that does not divide the dimension it would shard is dropped (the variable is
-    replicated along it), with one warning per variable naming it, the dimension and the axis."""
+    """A NamedSharding per variable in `state` from its `logical_axes`; a mesh axis that does not
+    divide its dimension is dropped (replicated), with one warning per variable."""
 
     def one(path, variable):
         shape = variable.get_value().shape
@@ -363,9 +347,8 @@ def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
 
 
 def fetch(tree):
-    """`tree`'s arrays as numpy on this host, whole even when sharded over other hosts' devices
-    (then a collective: call it on every process); arrays on this host's devices alone (a
-    per-host engine's) are read locally."""
+    """`tree`'s arrays as numpy on this host: whole when sharded over other hosts' devices (then
+    a collective), locally when on this host's devices alone."""
     local = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
     if jax.process_count() == 1 or local:
         return jax.device_get(tree)

@@ -1,16 +1,10 @@
-"""Statistics of avg@k evaluation records (`mars_jax.agents.eval.make_record`), with intervals.
+"""Statistics of avg@k evaluation records (`eval.make_record`), with percentile bootstrap intervals.
 
-avg@k: per problem, the mean over its samples of a 0/1 field; a model's avg@k is the mean over
-problems. One model's scores are a matrix `[runs, problems]`: a row per RL seed, the same held-out
-problems in the same order for every run.
-
-Intervals are percentile bootstraps that draw runs and problems independently with replacement
-(seeds and problems are crossed random factors); a difference between two models draws the problems
-once for both (paired) and each model's runs on its own.
-
-Verifier metrics treat a wrong solution as the positive class. A verification without a readable
-verdict (None) counts against both the true-positive and true-negative rates and is not a positive
-prediction.
+A model's scores are a matrix `[runs, problems]` (a row per RL seed, the same problems in the same
+order). Replicates draw runs and problems independently with replacement (crossed random factors); a
+difference between two models draws the problems once for both (paired). Verifier metrics take a
+wrong solution as the positive class; a verification without a readable verdict counts against both
+true rates and is not a positive prediction.
 """
 
 from __future__ import annotations
@@ -93,12 +87,9 @@ def _check(array: np.ndarray) -> np.ndarray:
 def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
                         resamples: int = RESAMPLES, seed: int = 0,
                         level: float = LEVEL) -> Interval:
-    """A statistic of several models' per-(run, problem) values and its percentile interval.
-
-    `arrays[i]` is model i's `[runs, problems, *features]` (or `[problems]`), all over the same
-    problems; `statistic` maps the list of each model's totals over runs x problems to values.
-    Replicates draw as the module docstring says; those where the statistic is NaN are left out
-    (`Interval.undefined` counts them), so the interval is conditional on it being defined."""
+    """A statistic of several models' per-(run, problem) values and its interval. `arrays[i]` is
+    model i's `[runs, problems, *features]` (or `[problems]`); `statistic` maps the models'
+    totals to values. Replicates where it is NaN are left out (`Interval.undefined`)."""
     arrays = [_check(a) for a in arrays]
     problems = arrays[0].shape[1]
     if any(a.shape[1] != problems for a in arrays):
@@ -234,8 +225,7 @@ def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
 def verification_pairs(records: Iterable[Record], *,
                        first_only: bool) -> list[tuple[bool, bool | None]]:
     """(candidate actually correct, verdict) of every verification in `records`, or with
-    `first_only` of each run's first one (the Solver's candidate; runs whose Solver failed have
-    none)."""
+    `first_only` of each run's first (the Solver's candidate)."""
     pairs = []
     for record in records:
         for candidate in record["candidates"][:1] if first_only else record["candidates"]:
@@ -254,10 +244,8 @@ def _wrong_revisions(record: Record) -> tuple[int, int, int]:
 
 
 def correction_rates(records: Iterable[Record]) -> dict[str, float]:
-    """Over every correction (a candidate revised into the next one): `fixed`, the share of
-    wrong candidates whose revision is correct, `unchanged`, the share of wrong ones whose
-    revision keeps their (wrong) answer, and `broken`, the share of correct ones whose revision
-    is wrong."""
+    """Over every correction: `fixed` (share of wrong candidates revised right), `unchanged`
+    (wrong ones keeping their answer) and `broken` (right ones revised wrong)."""
     records = list(records)
     wrong, fixed, unchanged = np.sum([_wrong_revisions(r) for r in records], axis=0,
                                      dtype=np.int64) if records else (0, 0, 0)
@@ -295,10 +283,8 @@ OUTCOMES = (*SOLVER_TO_SYSTEM, "never_right", "some_right")
 
 
 def run_outcome(record: Record) -> dict[str, bool]:
-    """What the V-C loop did to one run's Solver answer (exactly one of `SOLVER_TO_SYSTEM`:
-    right and kept / right and lost / wrong and fixed / wrong and not fixed), `some_right`
-    (some candidate was right: what a perfect Verifier could have returned) and `never_right`
-    (not fixed, no candidate right)."""
+    """What the V-C loop did to one run's Solver answer (one of `SOLVER_TO_SYSTEM`), `some_right`
+    (some candidate was right) and `never_right` (not fixed, no candidate right)."""
     solver, system = bool(record["solver_correct"]), bool(record["correct"])
     some_right = system or solver or any(c["correct"] for c in record["candidates"])
     return {"kept": solver and system, "lost": solver and not system,
@@ -307,9 +293,8 @@ def run_outcome(record: Record) -> dict[str, bool]:
 
 
 def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
-    """Share of runs by `run_outcome` (kept + lost + fixed + unfixed = 1): `never_right` is the
-    part of `unfixed` where no candidate was right, and `some_right` = 1 - never_right, the
-    ceiling of the System's avg@k over this Solver and Corrector. Empty: NaN."""
+    """Share of runs by `run_outcome` (summing to 1; empty: NaN); `some_right` is the ceiling of
+    the System's avg@k over this Solver and Corrector."""
     outcomes = [run_outcome(r) for r in records]
     return {name: _ratio(sum(o[name] for o in outcomes), len(records)) for name in OUTCOMES}
 

@@ -1,23 +1,15 @@
-"""The engine's device programs: one jitted program per step of serving, over the slot state.
+"""The engine's device programs, one jitted program per step of serving over the slot state
+(`SlotState`, one row per slot): `prefill`, `insert`, `decode_chunk`, and `take_slots` / `put_slots`
+to shrink to a smaller slot bucket and back.
 
-`SlotState` holds one row per slot (KV cache unless paged, logits, position, budget, sampling
-settings, PRNG key, stop ids, recorded routing). `prefill` fills a prompt cache a piece at a time;
-`insert` copies a prefilled row into a slot; `decode_chunk` runs up to `steps` decode steps over
-every slot; `take_slots` / `put_slots` shrink to a smaller slot bucket and back.
-
-Caches are stacked over the layers and written in place. With `stack_weights` each run of alike
-layers is stacked and scanned, so compile time does not grow with depth. The slot state is split
-over slots and KV heads, and every program writes it one row at a time and keeps its shardings,
-never gathering other chips' slots.
+Caches are stacked over the layers and written in place; with `stack_weights` runs of alike layers
+are scanned, so compile time does not grow with depth. Programs write the slot state one row at a
+time and keep its shardings, never gathering other chips' slots.
 
 Exactness: a slot's decode step computes what `generate`'s row computes for the same request (same
-visible keys and values, `processors.choose_tokens_per_row`, PRNG key `fold_in(fold_in(key(seed),
-sequence_seed), t)`), so tokens and log-probabilities do not depend on the other slots; they match
-`generate`'s up to float32 rounding (reductions run over the chunk's span), which changes a token
-only at a near-tie.
-
-Layout: a slot holds its request contiguously from position 0; the next token is written at `length`
-and sees `0..length`. Paged, positions live in pages `table[slot]` of its shard's pool
+visible keys, `processors.choose_tokens_per_row`, PRNG key `fold_in(fold_in(key(seed),
+sequence_seed), t)`), up to float32 rounding (reductions run over the chunk's span). A slot holds
+its request contiguously from position 0; paged, in pages `table[slot]` of its shard's pool
 (`layers.paged_kv`).
 """
 from __future__ import annotations
@@ -117,9 +109,8 @@ def _slots_sharded(num_slots: int) -> bool:
 
 
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """Row `index` of `x` along `axis`, kept with size 1. Sharded along `axis`: a masked sum
-    (exact), since XLA:GPU partitions a one-index gather as an all-gather of `x`; else a dynamic
-    slice."""
+    """Row `index` of `x` along `axis` (kept, size 1): a masked sum where `axis` is sharded
+    (XLA:GPU partitions a one-index gather as an all-gather), else a dynamic slice."""
     if not _slots_sharded(x.shape[axis]):
         return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -234,12 +225,11 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
                    donate_argnames=("state", "pool"))
 def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
                  steps: int, span: int, kernel: str = "gather"):
-    """Up to `steps` decode steps over all slots, attending over positions `0..span` only (the
-    caller guarantees every active slot's `length + steps <= span`), the cache updated in place.
-    Returns the state, the pool, tokens and log-probabilities `[slots, steps]`, and the steps
-    run. Stops early when every slot is idle or once `stop_after` (> 0) requests have ended.
-    Paged (`pool` given): row b's positions are in pages `table[b]` (0, the trash page, where it
-    owns none), attended by `kernel`."""
+    """Up to `steps` decode steps over all slots, attending over positions `0..span` (the caller
+    guarantees `length + steps <= span` for active slots); returns the state, the pool, tokens
+    and log-probabilities `[slots, steps]` and the steps run. Stops early when every slot is idle
+    or `stop_after` (> 0) requests have ended. Paged: rows read pages `table[b]` through
+    `kernel`."""
     model, stacks = merged(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
@@ -291,10 +281,9 @@ def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: j
                    donate_argnames=("cache", "logits", "experts"))
 def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
             fresh: bool):
-    """Prefills `tokens [G, T]` (right-padded prompts) at positions start..start+T into a `[G,
-    bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after each
-    row's position `last` (rows whose `last` is in this piece; others keep `logits`) and the
-    recorded routing (or None)."""
+    """Prefills right-padded `tokens [G, T]` at positions start..start+T into a `[G, bucket]`
+    prompt cache (zeros when `fresh`); returns the cache, the logits after each row's `last`
+    position (rows whose `last` is elsewhere keep `logits`) and the recorded routing (or None)."""
     model, stacks = merged(graphdef, weights)
     rows, width = tokens.shape
     if fresh:
@@ -319,9 +308,8 @@ def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, b
 
 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
-    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]` of
-    every layer (`paged_kv.write_pages`). The layer loop is unrolled: XLA partitions a
-    `fori_loop` over a KV-head-split pool with copies of the pool."""
+    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids` of every
+    layer, the layer loop unrolled (XLA partitions a `fori_loop` here with copies of the pool)."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
     layers = prompt.k.shape[0]
     block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
@@ -389,8 +377,8 @@ def deactivate(state: SlotState, slot) -> SlotState:
 
 @jax.jit
 def take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
-    """The state of slots `index` (KV cache included); rows where `live` is False are idle.
-    Copied one row at a time into a state sharded like `state` (no gather of all slots)."""
+    """The state of slots `index`, KV cache included (rows where `live` is False idle), copied
+    one row at a time (no gather of all slots)."""
     rows = index.shape[0]
     empty = lambda x, axis: jnp.zeros(x.shape[:axis] + (rows,) + x.shape[axis + 1:], x.dtype)
     part = _pinned(_map_rows(empty, state))
