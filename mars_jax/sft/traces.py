@@ -1,24 +1,14 @@
 """Generated SFT traces for the three MarsRL roles on `arith` problems, in short texts.
 
-Every role thinks in the same terse steps, one fact a line (`a op b -> c`) followed by what
-remains; thinking is stripped before a reply reaches the next agent, so a solution reaches the
-Verifier as one line. The Solver's (and Corrector's) reply:
+Every role thinks in terse steps, one fact a line (`12 - 5 -> 7: 7 + 3`, the last `7 + 3 -> 10`);
+thinking is stripped before a reply reaches the next agent, so a solution reaches the Verifier as
+one line (`12 - 5 + 3 = 10` and the boxed value). A flawed solution has one step off by 1 or 2,
+carried on to a final value with a wrong units digit; the Corrector's reply is the right solution.
 
-    <think>
-    12 - 5 -> 7: 7 + 3
-    7 + 3 -> 10
-    </think>
-    12 - 5 + 3 = 10
-    \\boxed{10}
-
-(a one-operation problem gets no thinking). A *flawed* solution has one slipped step (off by 1
-or 2) that carries on to a final value with a wrong units digit.
-
-The Verifier casts out tens instead of redoing the arithmetic: it subtracts the claim's units
-digit from the expression and reduces that modulo 10 (100 facts an operation instead of one per
-pair of values); the claim is right up to a multiple of 10 when it reaches 0. Sound for `+ - *`,
-it misses only errors that keep the units digit. The claim's digit enters as one more operand,
-so the deciding fact is an ordinary reduction line. Its Wrong reply for `12 - 5 + 3 = 12`:
+The Verifier casts out tens instead of redoing the arithmetic: it reduces the expression minus the
+claim's units digit modulo 10 (100 facts an operation instead of one per pair of values), so the
+deciding fact is an ordinary reduction line; sound for `+ - *`, it misses only errors that keep the
+units digit. Its Wrong reply for `12 - 5 + 3 = 12`:
 
     <think>
     says 12 -> 2
@@ -31,10 +21,6 @@ so the deciding fact is an ordinary reduction line. Its Wrong reply for `12 - 5 
     **List of Findings:**
     * 12 - 5 + 3 = 12: Critical Error, off by 8 mod 10
     **Correctness:** Wrong
-
-and the Corrector's reply is the right solution, thought through as the Solver's is (the report
-gives it the difference modulo 10, not the value). Operations are reduced leftmost-first among
-those whose operands are both numbers; negative numbers are written `(-7)` inside expressions.
 """
 from __future__ import annotations
 
