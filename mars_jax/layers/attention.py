@@ -1,14 +1,10 @@
 """Grouped-query attention with per-head q/k RMSNorm, RoPE and an optional KV cache.
 
-Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_attention` forms the
-`[B, heads, T, S]` scores at once; `flash_attention` works block by block in memory linear in the
-length. `impl='auto'` picks flash only when the queries span more than one block and the dense
-scores would exceed `AUTO_DENSE_MAX_SCORE_BYTES`: where they fit, dense is faster. `impl='flash'`
-still runs one-query decode steps dense, which reads the cache in its own layouts.
-
-Without a cache, and for a prefill writing at the static index 0, the dense kernel splits the
-queries into `causal_blocks`, each reading only the keys up to its end, so scores above the causal
-diagonal's blocks (and empty cache slots) are never formed.
+`dot_product_attention` forms all scores at once; `flash_attention` works blockwise in memory linear
+in the length. `impl='auto'` picks flash only when the dense scores would exceed
+`AUTO_DENSE_MAX_SCORE_BYTES` (where they fit, dense is faster); one-query decode steps always run
+dense, reading the cache in its own layouts. Self-attention and fresh prefills split the queries
+into `causal_blocks`, so scores above the causal diagonal's blocks are never formed.
 """
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ from mars_jax.layers.paged_kv import PagedKVCache
 from mars_jax.layers.params import constant_param, normal_param
 
 class KVCache(NamedTuple):
-    """One layer's cache in the layouts a decode step's two matmuls read directly: keys
-    transposed, `k [batch, kv_heads, head_dim, length]`, values `v [batch, kv_heads, length,
-    head_dim]`."""
+    """One layer's cache in the layouts a decode step's matmuls read directly: `k [B, K, D,
+    length]` (transposed), `v [B, K, length, D]`."""
 
     k: jax.Array
     v: jax.Array
@@ -51,9 +46,8 @@ def stacked_cache_layout(layers: int, batch: int, length: int, kv_heads: int, he
 
 @struct.dataclass
 class LayerKVCache:
-    """Layer `layer` of a cache stacked over layers (k `[L, B, K, D, S]`, v `[L, B, K, S, D]`).
-    Writes update the stacked arrays at that layer, so a layer loop or scan carrying them writes
-    in place."""
+    """Layer `layer` of a cache stacked over layers; writes update the stacked arrays, so a layer
+    loop or scan carrying them writes in place."""
 
     k: jax.Array
     v: jax.Array
@@ -129,9 +123,8 @@ def causal_blocks(length: int) -> int:
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                    scale: float) -> jax.Array:
-    """`dot_product_attention` of a sequence over itself (q `[B,T,N,D]`, k/v `[B,T,K,D]`, key
-    slot = query slot: `mask.offset` is 0), by `causal_blocks(T)` query blocks, each over
-    the keys up to its end (keys after it are invisible to it)."""
+    """`dot_product_attention` of a sequence over itself (`mask.offset` 0) by `causal_blocks(T)`
+    query blocks, each over the keys up to its end."""
     length = q.shape[1]
     blocks = causal_blocks(length)
     size = length // blocks
@@ -202,9 +195,9 @@ class Attention(nnx.Module):
                  cache: KVCache | LayerKVCache | PagedKVCache | None = None,
                  cache_index: jax.Array | int = 0,
                  ) -> tuple[jax.Array, KVCache | LayerKVCache | PagedKVCache | None]:
-        """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length). With
-        `cache` the new keys are written at `cache_index` (one position, or one per row). A
-        `PagedKVCache` takes one decode step (T = 1) over its table's `n * page` positions."""
+        """x `[B,T,H]`; `mask` says which keys each query sees. With `cache`, new keys are
+        written at `cache_index` (one position, or one per row); a `PagedKVCache` takes one
+        decode step."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))

@@ -1,22 +1,15 @@
-"""Mixture-of-experts SwiGLU block: softmax router, top-k, and several dispatch backends.
-
-Expert weights are stacked: `wi [E, 2, I, H]` (gate and up, out-by-in like the HF tensors) and
-`wo [E, I, H]`. Backends compute the same function; only `capacity` drops tokens:
-  dense    every expert on every token, weighted by the router (zero where unselected): the
-           reference; `auto` picks it for at most `dense_max_tokens` tokens, where reading the
-           weights dominates, and off TPU for tiny experts.
-  sorted   dropless: assignments sorted by expert into fixed-size blocks, one expert per block;
-           `auto`'s choice off TPU otherwise.
+"""Mixture-of-experts SwiGLU block: softmax router, top-k, and several dispatch backends that all
+compute the same function (only `capacity` drops tokens):
+  dense    every expert on every token: the reference; `auto`'s choice for at most
+           `dense_max_tokens` tokens (reading the weights dominates) and off TPU for tiny experts.
+  sorted   dropless, assignments sorted into one-expert blocks; `auto`'s choice elsewhere off TPU.
   ragged   dropless grouped matmuls (`grouped_matmul`); `auto`'s choice on TPU. Not on GPU:
-           XLA:GPU rewrites `ragged_dot` to a dense dot over a one-hot operand, E times the FLOPs.
-  mgpu     `ragged` with the Mosaic GPU grouped matmul, only as `moe_impl='mgpu'` where the
-           kernels take the shapes (`grouped_matmul.mgpu_fits`), else `auto`'s choice.
-  capacity GShard-style `[E, capacity, H]` buffers; chosen whenever `capacity_factor` is set.
+           XLA:GPU lowers `ragged_dot` to a dense one-hot dot, E times the FLOPs.
+  mgpu     `ragged` with the Mosaic GPU kernels, only as `moe_impl='mgpu'` where they fit.
+  capacity GShard-style `[E, capacity, H]` buffers, whenever `capacity_factor` is set.
 
-Under a mesh (`_sharded`), the dropless backends dispatch each batch shard's own tokens in a
-`shard_map` (a sort over the global token axis would replicate every token on every chip); for
-decode-sized calls on axes that split the experts, tokens are gathered to the experts instead
-(expert parallelism). The experts' `mlp` dimension is never gathered (tensor parallel).
+Under a mesh (`_sharded`) each batch shard dispatches its own tokens: a sort over the global token
+axis would replicate every token on every chip.
 """
 from __future__ import annotations
 
@@ -112,9 +105,8 @@ class MoE(nnx.Module):
 
     @staticmethod
     def _sort(ids: jax.Array, weights: jax.Array, num_experts: int):
-        """Assignments sorted by expert: (token index, expert, weight, rank within expert, counts
-        of the `num_experts` experts). Ids equal to `num_experts` (another chip's experts) sort
-        last and are not counted."""
+        """Assignments sorted by expert: (token, expert, weight, rank within expert, per-expert
+        counts); ids equal to `num_experts` (another chip's experts) sort last, uncounted."""
         flat_e = ids.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)
         sorted_e = flat_e[order]
@@ -186,16 +178,10 @@ def _flat(fn, x, ids, weights, wi, wo, chunk: int = 0):
 
 
 def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_batch: bool = False):
-    """`_flat` under the current mesh, in one `shard_map` over the mesh axes of
-
-    - the batch (with `split_batch`, where they divide B): each shard dispatches its own tokens, the
-      expert weights all-gathered inside (their gradients leave reduce-scattered); except, where
-      those axes split the experts and `_gathers_tokens`, the tokens go to the experts instead
-      (`_tokens_to_local_experts`);
-    - the experts' `mlp` dimension: each chip runs its slice of the hidden units and the partial
-      outputs are summed (SwiGLU is elementwise in `mlp`).
-
-    Without such axes it is `_flat`."""
+    """`_flat` in one `shard_map` over the mesh axes of the batch (each shard dispatches its own
+    tokens, expert weights gathered inside; or, where `_gathers_tokens`, tokens go to the
+    experts) and of the experts' `mlp` dimension (each chip runs its slice of the hidden units,
+    outputs summed). Without such axes it is `_flat`."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return _flat(fn, x, ids, weights, wi, wo, chunk)
@@ -239,18 +225,17 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
 
 def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
-    """Whether the tokens of a group of `ep` shards, in and out, are fewer elements than one
-    chip's share of the experts, so gathering them moves less than gathering the experts. A
-    chip's share, not the group's: each chip's grouped matmuls receive every gathered assignment."""
+    """Whether the tokens of `ep` shards are fewer elements than one chip's share of the experts
+    (each chip's grouped matmuls receive every gathered assignment), so gathering them moves
+    less."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
     return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // (size(ep) * size(tensor))
 
 
 def _tokens_to_local_experts(fn, x, ids, weights, wi, wo, ep: tuple[str, ...], chunk: int):
-    """Expert parallelism over the mesh axes `ep`: the shards' tokens are all-gathered, `fn` runs
-    this shard's experts on the assignments routed to them (others carry id `len(wi)`, which
-    backends skip), and the outputs are reduce-scattered back."""
+    """Expert parallelism over mesh axes `ep`: tokens all-gathered, this shard's experts run on
+    their assignments (others carry id `len(wi)`, skipped), outputs reduce-scattered back."""
     xs, all_ids, all_weights = (jax.lax.all_gather(a, ep, axis=0, tiled=True)
                                 for a in (x, ids, weights))
     num_local = wi.shape[0]
@@ -285,11 +270,9 @@ def _block_forward(xb, wi_e, wo_e):
 
 @jax.custom_vjp
 def _expert_blocks(blocks, block_expert, used, wi, wo):
-    """`[NB, bs, H]` token blocks, each through its own expert's SwiGLU (unused blocks -> 0).
-
-    The custom backward pass accumulates each block's weight gradient into its expert's slice
-    only; differentiating the indexing `wi[e]` in a scan would add a full `[E, ...]` gradient per
-    block."""
+    """`[NB, bs, H]` token blocks, each through its own expert's SwiGLU (unused blocks -> 0). The
+    custom backward adds each block's weight gradient into its expert's slice only, not a full
+    `[E, ...]`."""
     def block(_, inputs):
         xb, e, is_used = inputs
         out = jax.lax.cond(is_used, lambda: _block_forward(xb, wi[e], wo[e])[0],

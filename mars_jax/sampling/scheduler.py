@@ -1,11 +1,7 @@
-"""Host scheduling of continuous batching: the request queue, prompt groups, slots, admission and
-slot buckets, in plain Python, so that a simulated clock (`benchmarks/sim`) can drive it as well as
-the device engine (`engine.Engine`).
-
-Admission is first come, first served: queued requests take free slots once `admit_batch` are free
-(`_admission_size`), each where the subclass's `place` finds room. Requests of one `submit` share a
-`Group`, whose prompt is prefilled once. When nothing waits, running rows are gathered into the
-smallest slot bucket that holds them, each row staying in its page pool's block (`shrink_plan`).
+"""Host scheduling of continuous batching (queue, prompt groups, slots, admission, slot buckets) in
+plain Python, so a simulated clock (`benchmarks/sim`) can drive it as well as `engine.Engine`.
+Admission is first come, first served, once `_admission_size` slots are free; requests of one
+`submit` share a `Group` whose prompt is prefilled once.
 """
 from __future__ import annotations
 
@@ -70,9 +66,9 @@ class ShrinkPlan:
 def shrink_plan(slots: list[int], *, current_rows: int, row_of: Callable[[int], int],
                 block_of: Callable[[int], int], pools: int = 1, shards: int = 1
                 ) -> ShrinkPlan | None:
-    """The smaller bucket for running `slots` (sorted), if one at most half of `current_rows`
-    holds them, else None: slots of block b (`block_of`, one per page pool) fill rows
-    b * stride .., in slot order; idle rows copy the lowest slot's row."""
+    """The smaller bucket for running `slots`, if one at most half of `current_rows` holds them,
+    else None; block b's slots (one block per page pool) fill rows from b * stride, in slot
+    order."""
     blocks: list[list[int]] = [[] for _ in range(pools)]
     for slot in slots:
         blocks[block_of(slot) if pools > 1 else 0].append(slot)
@@ -159,9 +155,8 @@ class SlotScheduler:
         return max(1, self._admission_size() - self._slots.count(None))
 
     def _admit_queued(self, place: Callable[[Any], int | None]) -> list:
-        """Once `_admission_size` slots are free (or nothing runs), gives queued requests in
-        order the slot `place(request)` reserves, until it returns None or no slot is free;
-        returns them."""
+        """Once `_admission_size` slots are free (or nothing runs), seats queued requests in
+        order where `place(request)` finds room, until it returns None; returns them."""
         if not self._queue or (self._running
                                and self._slots.count(None) < self._admission_size()):
             return []
@@ -178,9 +173,8 @@ class SlotScheduler:
         return admitted
 
     def _prefill_plan(self, admitted: list, ahead: int) -> tuple[list[Group], list]:
-        """What admitting `admitted` prefills: the unprefilled groups of fresh requests, topped
-        up (if any prefill runs) to `ahead` with the next queued fresh requests' groups; and the
-        requests continuing from tokens, each prefilled with them."""
+        """What admitting `admitted` prefills: the fresh requests' unprefilled groups, topped up
+        to `ahead` from the queue; and the requests continuing from tokens."""
         fresh = [r for r in admitted if not r.tokens]
         continued = [r for r in admitted if r.tokens]
         groups = list({id(r.group): r.group for r in fresh
