@@ -1,18 +1,10 @@
 """Preemption notices: SIGTERM becomes a flag that long loops read between units of work.
 
-`catch_sigterm` yields a `Notice`; loops that take a `should_stop` callable ask it between units and
-raise `Stopped`. With several hosts they stop only where all agreed, so every host stops at the same
-unit; the job then saves and raises `Preempted` (exit code 75: rerun the same command).
-
-A watchdog exits with code 75 whatever the process is doing (a compile, a save, a hung collective)
-`Notice.watchdog_s` after the notice; it waits at least twice the longest measured unit so the
-agreed stop, which other hosts see only at their next check, has its chance first. An uncommitted
-checkpoint is then abandoned; orbax commits atomically, so the rerun resumes from the newest
-committed one.
-
-The notice also comes through `signal.set_wakeup_fd`, read by a thread of its own, because a Python
-handler runs only when the main thread returns to the interpreter, not while it is blocked in a
-native call (a device wait, a key-value get).
+Loops taking `should_stop` raise `Stopped` between units, with several hosts only where all agreed;
+the job saves and raises `Preempted` (exit 75: rerun the same command). A watchdog exits with 75
+whatever the process does, `Notice.watchdog_s` after the notice, leaving the agreed stop its chance
+first. The notice also comes through `signal.set_wakeup_fd` read by a thread, since a Python handler
+cannot run while the main thread is blocked in a native call.
 """
 from __future__ import annotations
 
@@ -124,10 +116,8 @@ def _watch_wakeup_fd(read_fd: int, notice: Notice, forward_fd: int) -> None:
 
 @contextlib.contextmanager
 def catch_sigterm(grace_s: float | None = None) -> Iterator[Notice]:
-    """Turns SIGTERM into a `Notice` while the block runs (through the handler and the wakeup
-    fd's thread); restores the previous handler and wakeup fd and stops the watchdog
-    afterwards. Outside the main thread (e.g. a notebook worker) no handler can be installed:
-    the notice then never comes."""
+    """Turns SIGTERM into a `Notice` while the block runs, then restores the previous handler and
+    wakeup fd. Outside the main thread no handler can be installed: the notice never comes."""
     notice = Notice(grace_s)
     try:
         previous = signal.signal(signal.SIGTERM, notice.handle)

@@ -1,16 +1,11 @@
 """A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang).
 
-Requests of a batch run concurrently (at most `max_concurrency`). Each attempt has a total deadline
-`timeout_s`, connection to last byte, however slowly the server sends; a reply is read up to
-`max_body_bytes` and must be a chat completion. Timeouts, connection errors, 429 and 5xx are retried
-with exponential backoff; other 4xx and malformed replies are not. Once the server has answered, a
-request that finds it unreachable keeps retrying for `reconnect_s` (a restart) without using up
-`max_retries`. A request that still fails yields `Completion(finish_reason='error')` and a warning,
-never an exception, so one bad request cannot kill an evaluation.
-
-Why httpx's asyncio client: cancelling an attempt bounds all of it (a socket timeout bounds each
-read only) and a streamed body can be cut at the cap; the `openai` package reads whole bodies and
-has its own retry rules.
+Each attempt has a total deadline `timeout_s`, however slowly the server sends, and reads at most
+`max_body_bytes`. Timeouts, connection errors, 429 and 5xx are retried with backoff; a server that
+answered before and is now unreachable (restarting) is retried for `reconnect_s` without using up
+`max_retries`. A request that still fails yields `finish_reason='error'`, never an exception, so one
+bad request cannot kill an evaluation. httpx's asyncio client, because cancelling an attempt bounds
+all of it (a socket timeout bounds each read only).
 """
 
 from __future__ import annotations
@@ -47,16 +42,9 @@ class _Fatal(Exception):
 
 
 class HttpPolicy:
-    """OpenAI-compatible chat-completions client.
-
-    Args:
-      base_url: server root including the API prefix, e.g. "http://localhost:8000/v1".
-      timeout_s: total time of one HTTP attempt; the server answers only when generation ends.
-      max_retries: extra attempts after a retryable failure.
-      extra_body: JSON fields merged into every request body (e.g. top_k); they override defaults.
-      backoff_s: wait before the first retry, doubled on each further retry.
-      reconnect_s: once the server has answered, how long a request retries while it is unreachable.
-      max_body_bytes: the largest reply body read (decoded); a larger one is an error."""
+    """OpenAI-compatible chat-completions client; `base_url` includes the API prefix (e.g.
+    "http://localhost:8000/v1"), `extra_body` fields are merged into (and override) every
+    request."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float,
                  top_p: float, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 32,
@@ -192,9 +180,8 @@ def _run(coroutine: Coroutine) -> Any:
 
 
 def _parse_reply(reply: Any) -> Completion:
-    """Maps a chat-completions reply to a `Completion`; raises `_Fatal` for any other JSON.
-    Reasoning the server returns separately is put back in front of the content inside <think>
-    tags."""
+    """Maps a chat-completions reply to a `Completion` (`_Fatal` for other JSON); reasoning
+    returned separately is put back in front of the content inside <think> tags."""
     choices = _typed(reply, "choices", list, "reply")
     choice = choices[0] if choices else None
     message = _typed(choice, "message", dict, "choices[0]")

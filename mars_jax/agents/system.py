@@ -1,21 +1,16 @@
 """The V-C reasoning system: a per-problem state machine and a round-batched driver.
 
 Rules per problem (the released MarsRL loop, `vc_reasoning_system.py`):
-  * The Solver writes the first candidate, which is verified. Then up to `max_iterations`
-    iterations: if the last verification failed, the Corrector revises the candidate with that
-    report; then the current candidate is verified.
-  * `k_accept` consecutive passing verifications accept a candidate; a failing one resets the
-    streak. When the iterations run out, the loop returns the `fallback` candidate:
-    'most_passed' (most passing verdicts, ties to the latest: the paper's rule) or
-    'most_verified' (most verdicts, ties to the earliest: the released `extract_solution.py`).
-  * An output that is truncated, errored, has no visible text or (Verifier) no parseable
-    Correctness is requested again up to `max_retries` times; retries are not verifications.
-    Still unusable: a Solver's problem fails, a Corrector's returns the fallback candidate, a
-    Verifier's counts as a failed verification with no report (verdict None).
+  * The Solver's candidate is verified; then up to `max_iterations` iterations, each: after a
+    failed verification the Corrector revises the candidate with its report; then verify.
+  * `k_accept` consecutive passes accept a candidate; a failure resets the streak. Out of
+    iterations, the `fallback` candidate is returned: 'most_passed' (ties to the latest: the
+    paper's rule) or 'most_verified' (ties to the earliest: the released code's).
+  * An unusable output (truncated, errored, no visible text, no parseable Correctness) is
+    retried up to `max_retries` times; then a Solver's problem fails, a Corrector's returns the
+    fallback, a Verifier's counts as a failed verification without report (verdict None).
 
-Rounds: `run_system` makes one policy call per round carrying the next request of every unfinished
-problem, so policy calls equal rounds, not problems x rounds. When `should_stop` says so before a
-round, `Stopped` is raised; problems in flight are dropped.
+`run_system` makes one policy call per round carrying every unfinished problem's next request.
 """
 
 from __future__ import annotations
@@ -269,12 +264,9 @@ def run_system(
     on_result: Callable[[int, SystemResult], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[SystemResult]:
-    """Runs the V-C loop on every problem, advancing all problems in flight together, and returns
-    one `SystemResult` per problem, in order.
-
-    `policy` serves all roles (`RoutedPolicy` for per-role models); `max_in_flight` caps the
-    problems per round (None: all); `on_result(index, result)` is called as each problem
-    finishes; `should_stop` is asked before each round (module docstring)."""
+    """Runs the V-C loop on every problem, all in flight together (at most `max_in_flight`), and
+    returns one `SystemResult` per problem, in order. `should_stop`, asked before each round,
+    raises `Stopped` (problems in flight dropped)."""
     config = config or LoopConfig()
     limit = len(problems) if max_in_flight is None else max_in_flight
     if limit < 1 and problems:

@@ -1,16 +1,10 @@
-"""The KV cache as page pools plus a page table per row (vLLM's layout), one pool per shard of the
-rows, and attention over it.
+"""The KV cache as page pools plus a page table per row (vLLM's layout), and attention over it.
 
-Pools `k`, `v` `[shards, kv_heads, pages, page, head_dim]` are in the layout of the Pallas
-paged-attention kernels and hold every layer's pages (layer l's in the l-th block), so a layer loop
-or scan carries one array and writes it in place. Block s of the rows owns pages of pool s only, so
-a mesh splitting the rows keeps each chip's pages on that chip. Row b's position p is at page
-`table[b, p // page]`, offset `p % page`. Page 0 of each layer's block is a trash page: table
-entries a row does not own are 0, and reads past a row's length are masked.
-
-Attention (`attend`), by `kernel`: 'gather' (XLA: each row's pages copied into one contiguous cache
-per layer), 'gpu' / 'tpu' (that backend's Pallas kernel, reading the pages in place), 'interpret'
-(the GPU kernel in Pallas' interpreter, for tests).
+Pools `[shards, kv_heads, pages, page, head_dim]` are in the Pallas paged-attention layout and hold
+every layer's pages (layer l's in the l-th block), written in place. Block s of the rows owns pages
+of pool s only, so each chip's pages stay on it. Page 0 of each block is a trash page for entries a
+row does not own. `attend` runs `kernel`: 'gather' (XLA, pages copied per layer), 'gpu' / 'tpu'
+(Pallas, pages read in place), or 'interpret' (for tests).
 """
 from __future__ import annotations
 
@@ -39,9 +33,8 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 @struct.dataclass
 class PagedKVCache:
-    """Page pools and the rows' page tables `[B, n]` (ids into the row's own pool) of layer
-    `layer` of `layers`; the ids are offset to the layer's block (`layer_table`), so reads and
-    writes address the pools in place."""
+    """Page pools and the rows' page tables `[B, n]` of layer `layer`, the ids offset to that
+    layer's block (`layer_table`), so reads and writes address the pools in place."""
 
     k: jax.Array      # [shards, kv_heads, pages, page, head_dim]
     v: jax.Array      # [shards, kv_heads, pages, page, head_dim]
@@ -126,9 +119,8 @@ class PagedKVCache:
 
 def write_pages(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array,
                 page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Pools with whole pages `k`, `v` `[K, n, page, D]` written to pages `page_ids [shards,
-    n]` of every pool (a pool the pages do not belong to gets ids 0: its trash page), each pool
-    updated on its own shard."""
+    """Pools with whole pages `[K, n, page, D]` written to pages `page_ids [shards, n]` (ids 0,
+    the trash page, in pools they do not belong to), each pool on its own shard."""
     put = jax.vmap(lambda pool, ids, pages: pool.at[:, ids].set(pages), in_axes=(0, 0, None))
     return (put(pool_k, page_ids, k.astype(pool_k.dtype)),
             put(pool_v, page_ids, v.astype(pool_v.dtype)))

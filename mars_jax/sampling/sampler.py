@@ -1,12 +1,10 @@
 """Batched KV-cache sampling on the trainer's own parameter arrays.
 
-`generate` left-pads prompts to a bucketed length P, prefills them into a KV cache of P + N
-positions (N: bucketed new-token budget) and decodes in a `lax.while_loop`, all in one jitted
-program. Row keys are `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's tokens do
-not depend on the rest of the batch. Finished rows still cost compute in a fixed-shape batch, so the
-decode is compacted into smaller batch buckets as rows finish, and a call too big for free memory is
-decoded in several programs (`static_rows`). Only the next-token logits `[batch, vocab]` live across
-steps; log-probabilities follow `processors`.
+`generate` left-pads prompts to a bucketed length, prefills and decodes in a `lax.while_loop` in one
+jitted program. Row keys are `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's
+tokens do not depend on the rest of the batch. The decode is compacted into smaller batch buckets as
+rows finish, and a call too big for free memory runs as several programs (`static_rows`).
+Log-probabilities follow `processors`.
 """
 from __future__ import annotations
 
@@ -65,9 +63,8 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class SampleResult:
-    """Per prompt: new token ids (with the stop token), their log-probabilities, why decoding
-    ended ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new,
-    k]`."""
+    """Per prompt: new token ids (stop token included), their log-probabilities, 'stop' |
+    'length', and with `record_routing` the expert ids `[L_moe, prompt + new, k]`."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -179,12 +176,10 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              sequence_seeds: Sequence[int] | None = None, record_routing: bool = False,
              mesh: jax.sharding.Mesh | None = None,
              compact_every: int | None = COMPACT_EVERY) -> SampleResult:
-    """Samples continuations of `prompts` (token-id lists of any lengths) with `model`'s arrays.
-
-    `temperature=0` is greedy; `max_new_tokens` and `eos_token_ids` may be given per prompt; row
-    i's sequence seed is `sequence_seeds[i]` (default: i). Every `compact_every` steps, rows
-    still running that fit a batch bucket at most half the current one are gathered into it
-    (tokens unchanged); `compact_every=None` decodes in one loop."""
+    """Samples continuations of `prompts` (token-id lists) with `model`'s arrays; `temperature=0`
+    is greedy, budgets and stop ids may be per prompt, row i's sequence seed is
+    `sequence_seeds[i]` (default: i). Every `compact_every` steps (None: never) live rows move to
+    a smaller bucket."""
     if compact_every is not None and compact_every < 1:
         raise ValueError(f"compact_every: must be >= 1 or None, got {compact_every}")
     n = len(prompts)
@@ -225,9 +220,9 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
 def static_rows(config, n: int, prompt_len: int, num_new: int, *, record_routing: bool,
                 mesh: jax.sharding.Mesh | None, free: int | None) -> int:
-    """Rows of one `generate` program for `n` prompts at `prompt_len` + `num_new` positions: all
-    `n`, or fewer where their batch bucket would take more than half of `free` bytes
-    (`batch_memory.static_row_bytes`); never fewer than the batch shards. `free` None: all `n`."""
+    """Rows of one `generate` program for `n` prompts: all, or fewer where their bucket would
+    take over half of `free` bytes (`batch_memory.static_row_bytes`), never fewer than the batch
+    shards."""
     if free is None:
         return n
     multiple = batch_shards(mesh)
