@@ -1,8 +1,6 @@
-"""Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API.
-
-Everything a run writes and reads takes its paths from `path()`, so a workdir on Cloud Storage works
-like a local one for every host and every rerun. Listings are never cached here: fsspec's listing
-cache would hide checkpoints that another process or tensorstore wrote.
+"""Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API, so a
+workdir on Cloud Storage works like a local one. Listings are never cached: a cache would hide
+checkpoints that another process or tensorstore wrote.
 """
 from __future__ import annotations
 
@@ -34,16 +32,15 @@ def path(location: str | os.PathLike) -> epath.Path:
 
 
 def entries(directory: str | os.PathLike) -> list[epath.Path]:
-    """The entries of `directory`; [] where it does not exist (an object store keeps no empty
-    directory: one that nothing was written under yet does not exist there)."""
+    """The entries of `directory`; [] where it does not exist (as an empty one on an object
+    store)."""
     directory = path(directory)
     return list(directory.iterdir()) if directory.exists() else []
 
 
 def write_text(target: str | os.PathLike, text: str) -> None:
-    """Writes `text` to `target` whole or not at all: locally through a temporary file renamed
-    into place, on an object store as one object upload (atomic there). Creates the parent
-    directory."""
+    """Writes `text` to `target` whole or not at all (a renamed temporary file, or one object
+    upload), creating the parent directory."""
     target = path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     if is_remote(target):
@@ -101,9 +98,8 @@ def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 class LocalStaging:
-    """A local directory for a tool that can only write local files (the profiler, a job that
-    saves an HF model), copied to `target` by `publish()`: for a local `target`, that directory
-    itself, written in place."""
+    """A local directory for a tool that writes only local files, copied to `target` by
+    `publish()`; for a local `target`, `target` itself."""
 
     def __init__(self, target: str | os.PathLike):
         self.target = path(target)

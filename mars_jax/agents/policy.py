@@ -1,8 +1,5 @@
-"""The policy interface every agent talks to: chat requests in, completions out.
-
-A policy serves a whole batch in one `complete` call; the system loop makes one call per round,
-mixing roles. `RoutedPolicy` runs the Solver and the V-C agents on different models (the paper's
-Table 3).
+"""The policy interface every agent talks to: a batch of chat requests in, completions out, in one
+`complete` call. `RoutedPolicy` runs the Solver and the V-C agents on different models.
 """
 
 from __future__ import annotations
@@ -15,13 +12,8 @@ from mars_jax.types import ROLES
 
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
-    """One chat to complete.
-
-    Attributes:
-        messages: chat turns, each {'role': 'system'|'user'|'assistant', 'content': str}.
-        role: the agent asking ('solver' | 'verifier' | 'corrector'), for routing and metrics.
-        max_new_tokens: generation budget for this request.
-    """
+    """One chat to complete: `messages` ({'role', 'content'} turns), the asking agent's `role`
+    (for routing and metrics) and its `max_new_tokens`."""
 
     messages: tuple[dict[str, str], ...]
     role: str
@@ -30,14 +22,10 @@ class ChatRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A policy's answer to one `ChatRequest`.
-
-    Attributes:
-        text: the generated text (thinking included, special tokens removed).
-        finish_reason: 'stop' (ended by itself), 'length' (hit max_new_tokens) or 'error'.
-        num_tokens: generated tokens (0 where a server reports no usage).
-        prompt_ids, token_ids, logprobs: filled by `SamplerPolicy` only.
-        thinking_open: the prompt opened a `<think>` that `text` continues."""
+    """A policy's answer to one `ChatRequest`: `text` (thinking included, special tokens
+    removed), `finish_reason` ('stop', 'length' or 'error'), `num_tokens` (0 where a server
+    reports none); ids and log-probabilities from `SamplerPolicy` only; `thinking_open` when the
+    prompt opened a `<think>` that `text` continues."""
 
     text: str
     finish_reason: str

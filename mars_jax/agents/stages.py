@@ -1,10 +1,7 @@
-"""The three agent stages: requests, and the parsing of completions.
-
-`*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a `Completion`
-into a typed result whose `usable` says whether the next agent may use it; `correct` grades
-solutions; `complete` makes one checked policy call. The paper's rules: a reply cut off by its token
-budget is never graded; thinking is stripped before text reaches the next agent; text inside an
-unclosed thought is never read as an answer or a verdict.
+"""The three agent stages: request builders (`*_request`), completion parsers whose `usable` says
+whether the next agent may use the output, `correct` for grading and `complete` for one checked
+policy call. The paper's rules: a reply cut off by its budget is never graded, and text inside
+thinking never reaches the next agent or is read as an answer or verdict.
 """
 
 from __future__ import annotations
@@ -20,13 +17,8 @@ from mars_jax.rewards.text import strip_thinking
 
 @dataclasses.dataclass(frozen=True)
 class SolutionOutput:
-    """A parsed Solver or Corrector output.
-
-    Attributes:
-      completion: the raw completion.
-      solution: its text with thinking stripped (what later agents see).
-      answer: the extracted final answer, or None.
-    """
+    """A parsed Solver or Corrector output: the raw `completion`, its `solution` text without
+    thinking (what later agents see) and the extracted `answer` (or None)."""
 
     completion: Completion
     solution: str
@@ -41,13 +33,8 @@ class SolutionOutput:
 
 @dataclasses.dataclass(frozen=True)
 class VerificationOutput:
-    """A parsed Verifier output.
-
-    Attributes:
-      completion: the raw completion.
-      passed: True for Correctness "Correct", False for "Wrong", None if unparseable.
-      report: the bug report (Final Verdict + List of Findings) for the Corrector.
-    """
+    """A parsed Verifier output: the raw `completion`, `passed` (Correctness "Correct" True,
+    "Wrong" False, unparseable None) and the bug `report` for the Corrector."""
 
     completion: Completion
     passed: bool | None

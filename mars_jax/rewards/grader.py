@@ -1,10 +1,6 @@
-"""Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector.
-
-`grade(response, gold)` is `extract_answer` + `is_equivalent`: no boxed answer, no credit;
-`grade_many` is its batched form on all cores. Model text is never evaluated (no `eval`, no
-`sympify` of strings): `normalize.cost_reason` turns away inputs that would make sympy slow, and
-every comparison reaching sympy runs in a worker with a hard deadline (`pool.GraderPool`), returning
-False on timeout. Workers start on first use; `warm_up()` pays that up front.
+"""Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector. Model
+text is never evaluated; costly inputs are turned away (`normalize.cost_reason`) and every sympy
+comparison runs in a worker with a hard deadline (`pool.GraderPool`), False on timeout.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ _pool_lock = threading.Lock()
 
 
 def extract_answer(text: str, *, thinking_open: bool = False) -> str | None:
-    """The last `\\boxed{...}` or `\\fbox{...}` content after the last `</think>`, stripped,
-    nested braces matched; None without a complete box or with thinking left open
-    (`text.strip_thinking`)."""
+    """The last `\\boxed{...}` / `\\fbox{...}` content outside thinking, stripped; None without a
+    complete box (`text.strip_thinking`)."""
     boxed = last_boxed(strip_thinking(text, thinking_open=thinking_open))
     return None if boxed is None else boxed.strip()
 
@@ -101,9 +96,8 @@ def _equivalent_pairs(pairs: list[tuple[str, str]], timeout: float, num_workers:
 
 
 def is_equivalent(pred: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
-    """Whether answer `pred` equals reference `gold` (math-verify + `normalize`'s rules). Meant
-    for bare answers; `$...$`, `\\boxed{}` and surrounding words are tolerated. Empty answers
-    never match. False on timeout."""
+    """Whether answer `pred` equals reference `gold` (`equivalence.equivalent`, in a worker
+    unless `normalize.quick_verdict` decides); empty answers never match; False on timeout."""
     return is_equivalent_many([pred], [gold], timeout=timeout)[0]
 
 

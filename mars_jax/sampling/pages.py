@@ -1,12 +1,8 @@
-"""The page allocator of a paged KV cache (host side), and its admission and preemption choices.
-
-The cache is P pages, one pool of P / S pages per batch shard of the slots; a slot takes pages of
-its shard's pool only. Page 0 of every pool is its trash page, where a slot's unowned table entries
-point (`layers.paged_kv`). A slot owns the pages its request has filled or fills in the next chunk,
-taken at admission and before each chunk and freed when it finishes. Admission takes a slot whose
-pool holds the request's first chunk beside the running requests' next chunks (`first_fit`); when a
-pool cannot hold the running requests' next chunks, its last admitted request is preempted
-(`make_room`).
+"""The page allocator of a paged KV cache (host side): one pool per batch shard of the slots, a slot
+taking pages of its shard's pool only, page 0 of each pool its trash page. A slot owns the pages its
+request has filled or fills in the next chunk. Admission takes a slot whose pool holds the request's
+first chunk beside the running requests' next chunks (`first_fit`); a pool that cannot hold those
+preempts its last admitted request (`make_room`).
 """
 from __future__ import annotations
 
@@ -70,10 +66,9 @@ class PageTable:
 
     def make_room(self, running: dict[int, tuple[int, int]],
                   preempt: Callable[[int], None]) -> None:
-        """Grows every `running` slot (slot -> (positions its next chunk fills, admission order))
-        to its next chunk, oldest admission first; when its pool runs out, calls `preempt` on the
-        pool's running slot admitted last (which must `release` it), until it fits or was itself
-        preempted."""
+        """Grows every `running` slot (slot -> (next chunk's positions, admission order)) to its
+        next chunk, oldest first; when its pool runs out, calls `preempt` (which must `release`)
+        on the pool's newest running slot, until it fits or was itself preempted."""
         live = dict(running)
         for slot in sorted(running, key=lambda s: running[s][1]):
             if slot not in live:  # preempted for an older one
@@ -87,9 +82,8 @@ class PageTable:
                     break
 
     def insert_ids(self, slot: int, positions: int, bucket: int) -> np.ndarray:
-        """Grows `slot`'s pages to `positions`; returns the page ids a prefill of a `bucket`-long
-        prompt cache is written to, `[pools, pages]`: `slot`'s in its pool, the trash page in
-        the others."""
+        """Grows `slot`'s pages to `positions`; returns the `[pools, pages]` ids a `bucket`-long
+        prompt cache is written to: `slot`'s in its pool, the trash page elsewhere."""
         if not self.grow(slot, positions):
             raise RuntimeError("kv_pages: no free page for a request's prefill")
         pages = self.pages_for(bucket)
