@@ -1,8 +1,6 @@
-"""The trainer's parameters copied to the rollout mesh (`builders.build_meshes`).
-
-With the devices split, `copy_weights` puts the parameters after each update onto the rollout mesh
-(`rollout_shardings`: the same logical axes resolved there); on one shared mesh nothing moves. With
-several processes, `HostCopies` gives every host's engine a whole copy on its own devices.
+"""The trainer's parameters copied to the rollout mesh after each update (`copy_weights`, same
+logical axes there; nothing moves on one shared mesh); with several processes, `HostCopies` gives
+every host's engine a whole copy on its own devices.
 """
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ def rollout_shardings(params: nnx.State, mesh: jax.sharding.Mesh,
 
 
 def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
-    """(total, largest per device) bytes that putting `params` (arrays, or ShapeDtypeStructs
-    with a sharding) into `shardings` writes on the destination devices; an array whose sharding
-    is already equivalent to its destination counts 0."""
+    """(total, largest per device) bytes putting `params` into `shardings` writes; arrays already
+    there count 0."""
     per_device: collections.Counter = collections.Counter()
     for x, target in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
         source = getattr(x, "sharding", None)
@@ -71,10 +68,9 @@ def rollout_model(graphdef: nnx.GraphDef, params: nnx.State) -> Qwen3:
 
 
 class HostCopies:
-    """Copies of the trainer's parameters on every host's own rollout mesh (a collective: every
-    process calls `copy` together). One jitted program on the training mesh reshards the
-    parameters into a per-host layout, replicated over hosts; this host's shards are then moved
-    to its rollout shardings (nothing moves when they already are there)."""
+    """The trainer's parameters on every host's own rollout mesh (a collective: all call `copy`
+    together): one program reshards them into a per-host layout, whose local shards then move to
+    this host's rollout shardings."""
 
     def __init__(self, params: nnx.State, train_mesh: Mesh, rollout_mesh: Mesh,
                  rules: sharding.Rules | None = None):

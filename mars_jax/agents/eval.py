@@ -1,12 +1,7 @@
-"""avg@k evaluation of the Solver alone and of the V-C system, from one run.
-
-Each (problem, sample) pair runs the V-C loop once (`run_system`), all pairs together. The
-Solver-alone score grades the first Solver output as it came (no retries), which is what the Solver
-alone would answer; the system score grades the loop's chosen candidate.
-
-Records (one JSON object per pair) are appended to `records_path` (local or `gs://`) as pairs
-finish; on an object store, which cannot append, at the end of each round. Rerunning with the same
-path skips recorded pairs (the loop config is not checked: resume with the same settings).
+"""avg@k evaluation of the Solver alone and of the V-C system, from one run: each (problem, sample)
+runs the loop once; the Solver-alone score grades the first Solver output as it came, the system
+score the loop's choice. Records are appended as pairs finish (on an object store, each round), and
+a rerun skips recorded pairs (the loop config is not checked).
 """
 
 from __future__ import annotations
@@ -48,10 +43,8 @@ def evaluate(
     on_round: Callable[[RoundInfo], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[Record], dict[str, Any]]:
-    """Runs `num_samples` V-C loops per problem (unique ids) and scores them; returns (records of
-    all requested pairs in (problem, sample) order, summary). `records_path` is written as pairs
-    finish and read back to resume; `max_in_flight`, `on_round`, `should_stop` go to
-    `run_system`."""
+    """Runs `num_samples` V-C loops per problem and returns (records in (problem, sample) order,
+    summary), resuming from `records_path`; the other arguments go to `run_system`."""
     ids = [p.id for p in problems]
     if len(set(ids)) != len(ids):
         raise ValueError("problem ids must be unique")
@@ -91,9 +84,8 @@ def evaluate(
 
 
 def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Record:
-    """The JSON record of one loop run, graded against the gold answer by `stages.correct`. The
-    Solver is graded on its first attempt, as a lone Solver sample would be; a retry counts for
-    the system."""
+    """The JSON record of one loop run, graded by `stages.correct`; the Solver on its first
+    attempt, as a lone Solver sample would be."""
     first = stages.parse_solution(result.steps[0].completion)
     outputs = [first, *(c.output for c in result.candidates)]
     solver_correct, *candidates_correct = stages.correct(outputs, [problem.answer] * len(outputs))
@@ -158,9 +150,8 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _load_records(path: str) -> dict[tuple[str, int], Record]:
-    """Records already in `path`, by (problem id, sample). Lines that do not decode (a write cut
-    short) are dropped and the file rewritten atomically without them, so appending continues
-    cleanly."""
+    """Records already in `path` by (problem id, sample); undecodable lines (a cut write) are
+    dropped and the file rewritten atomically without them."""
     if not storage.path(path).exists():
         return {}
     records: dict[tuple[str, int], Record] = {}

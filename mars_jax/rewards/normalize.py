@@ -1,9 +1,6 @@
-"""Cheap, pure-Python answer handling that runs before (and around) math-verify.
-
-`cost_reason` rejects inputs that would make sympy slow or huge before any parsing; `quick_verdict`
-decides the obvious pairs without sympy; `for_math_verify`, `comma_decimal` and `decimal_literals`
-normalise where math-verify falls short. Nothing here evaluates text: numbers are read with
-`int`/`Fraction` on strings a regex has restricted to digits.
+"""Cheap, pure-Python answer handling before and around math-verify: `cost_reason` turns away what
+would make sympy slow, `quick_verdict` decides obvious pairs, the rest normalise where math-verify
+falls short. Nothing evaluates text: numbers are read from regex-checked digits.
 """
 
 from __future__ import annotations
@@ -136,9 +133,8 @@ def _value_in_base(digits: str, base: int) -> int | None:
 
 
 def plain_number(text: str) -> tuple[Fraction, int] | None:
-    """(value, digits after the decimal point) of a plain integer, decimal or integer fraction,
-    else None. Read after `canonical`; accepts signs, leading zeros, thousands separators (`,`,
-    `{,}`, `\\,`, a space), `\\$`, `\\frac{a}{b}` and `a/b`; units, percent and symbols give
+    """(value, digits after the point) of a plain integer, decimal or integer fraction read after
+    `canonical` (signs, leading zeros, thousands separators, `\\$`, `\\frac{a}{b}`, `a/b`), else
     None."""
     text = canonical(text).replace("{,}", ",").replace("\\$", "")
     if _SPACE_THOUSANDS.fullmatch(text):
@@ -160,11 +156,10 @@ def plain_number(text: str) -> tuple[Fraction, int] | None:
 
 
 def quick_verdict(pred: str, gold: str) -> bool | None:
-    """A verdict that needs no sympy, or None when the full check must decide. False: a side
-    empty or too costly. True: identical after `canonical`. Numbers in an explicit base on both
-    sides: equal values, False if a side's decimal digits are invalid in its base (`2516_6`).
-    Plain numbers: True if equal, False if they differ and neither is a decimal, or differ by more
-    than any accepted rounding."""
+    """A verdict needing no sympy, or None. False: a side empty or too costly. True: identical
+    after `canonical`. Based numbers on both sides: equal values (False for decimal digits
+    invalid in the base). Plain numbers: True if equal, False if they differ and neither is a
+    decimal, or differ by more than any accepted rounding."""
     if cost_reason(pred) or cost_reason(gold):
         return False
     pred_core, gold_core = _unwrap(pred), _unwrap(gold)

@@ -125,9 +125,8 @@ def _substitute(expr: tuple, value: int) -> Expr:
 
 def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0,
           modulus: int | None = None) -> list[Step]:
-    """The reduction steps of `expr`, leftmost-first; step `slip_at` (if any) gets `slip` added to
-    its result, which the later steps carry on with; with `modulus`, every result is taken modulo
-    it (Python's `%`, so in `[0, modulus)`)."""
+    """The reduction steps of `expr`, leftmost-first; step `slip_at` gets `slip` added (later
+    steps carry it on); with `modulus`, every result is taken modulo it (in `[0, modulus)`)."""
     steps: list[Step] = []
     while isinstance(expr, tuple):
         left, op, right = _next_op(expr)
@@ -175,9 +174,8 @@ def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
 
 
 def verifier_text(expr: Expr, claimed: int) -> str:
-    """The Verifier's reply on a solution claiming `claimed`: thinking that reduces `expr` minus the
-    claim's units digit modulo 10, the last line marked `ok` at 0 else `bad`; then the report:
-    Correct at 0, else Wrong naming the claim and the difference."""
+    """The Verifier's reply on a solution claiming `claimed` (module docstring): the last line
+    `ok` at 0 else `bad`; the report Correct, or Wrong naming the claim and the difference."""
     says = claimed % MODULUS
     check = ("-", residues(expr), says)
     steps = solve(check, modulus=MODULUS)
@@ -197,9 +195,9 @@ def verifier_text(expr: Expr, claimed: int) -> str:
 
 def make_examples(problem: str, rng: random.Random, *, solver_error_rate: float,
                   verifier_flawed_rate: float, style: str = "compact") -> list[Example]:
-    """A Solver, a Verifier and a Corrector example for one problem. The Solver's reply is flawed
-    with probability `solver_error_rate`; the Verifier judges a flawed solution with probability
-    `verifier_flawed_rate`, else a correct one; the Corrector fixes a flawed solution."""
+    """A Solver, a Verifier and a Corrector example for one problem; the Solver's reply is flawed
+    with probability `solver_error_rate`, the Verifier's judged solution with
+    `verifier_flawed_rate`."""
     expr = parse_problem(problem)
     good, bad = solve(expr), flawed_steps(expr, rng)
     wrong = bad[-1].result

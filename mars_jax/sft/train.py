@@ -1,9 +1,6 @@
-"""Supervised fine-tuning on generated role traces: the warm start of toy MarsRL.
-
-Examples (`traces.make_examples`) are packed whole into fixed-shape batches (`pack`), each a segment
-attending only to itself with positions restarting at 0, so the step compiles once. The loss is
-next-token cross-entropy on the reply tokens (reply + `<|im_end|>`), with per-role sums for held-out
-reporting.
+"""Supervised fine-tuning on generated role traces: the warm start of toy MarsRL. Examples are
+packed whole into fixed-shape batches, each attending only to itself, so the step compiles once; the
+loss is cross-entropy on the reply tokens, with per-role sums for held-out reporting.
 """
 from __future__ import annotations
 
@@ -90,10 +87,8 @@ def example_stream(problems: Sequence[dict], tokenizer, *, seed: int, solver_err
 def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int, short_rows: int = 0,
          short_row_tokens: int = 0) -> Iterator[Batch]:
     """Packs examples in stream order into batches of one `[rows, row_tokens]` part, or with
-    `short_rows` two (`[short_rows, short_row_tokens]` first: attention costs each token as much
-    as its row is long). An example of at most `short_row_tokens` goes to the short part while it
-    has room; a batch is yielded when the next example fits nowhere, so every batch holds
-    consecutive examples. Raises if one example exceeds `row_tokens`."""
+    `short_rows` a short part first for short examples (attention costs a token its row's
+    length); every batch holds consecutive examples. Raises if an example exceeds `row_tokens`."""
     if short_rows and not 0 < short_row_tokens < row_tokens:
         raise ValueError(f"short_row_tokens={short_row_tokens} must be positive and below "
                          f"row_tokens={row_tokens}")
