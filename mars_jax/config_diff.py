@@ -1,10 +1,6 @@
-"""What changed in a run's config since the checkpoint it resumes from.
-
-A run records its resolved config in `WORKDIR/config.json` (`write_record`) and in every checkpoint
-(`record`). On resume, `check_resume` compares them field by field: a field of `RESUME_FIELDS` (or
-inside a section listed there) that both hold with different values changes what the restored state
-means, and is refused with `ConfigChanged` (exit 2) unless `allowed` lists it or its section
-(`experiments/run.py --allow_config_change`). Other changes pass with a console note.
+"""What changed in a run's config since the checkpoint it resumes from. A changed `RESUME_FIELDS`
+field (or one in a listed section) changes what the restored state means and is refused with
+`ConfigChanged` (exit 2) unless `allowed` lists it; other changes pass with a console note.
 """
 from __future__ import annotations
 
@@ -74,9 +70,8 @@ def check_allowed(allowed: Iterable[str], config: ConfigDict) -> None:
 
 def check_resume(saved: Mapping[str, Any] | None, config: ConfigDict, *, step: int,
                  allowed: Iterable[str] = ()) -> None:
-    """Compares checkpoint `step`'s config `saved` (None: the checkpoint holds none, nothing
-    compared) with `config`: raises `ConfigChanged` for changed `RESUME_FIELDS` not in `allowed`,
-    and notes every change that passes on the console."""
+    """Compares checkpoint `step`'s config `saved` (None: nothing to compare) with `config`:
+    raises `ConfigChanged` for changed `RESUME_FIELDS` not in `allowed`, notes the rest."""
     if saved is None:
         console.note(f"checkpoint {step} holds no config (written by an older version): "
                      "resuming without comparing it")

@@ -1,6 +1,5 @@
-"""Whether a training run's resident buffers fit its chips, checked before the engine is built: the
-train state's shard, the engine's weight copy and its KV cache. Programs' temporaries come on top
-and are not counted (`experiments/aot_compile.py` reports them).
+"""Whether a training run's resident buffers (train state shard, engine weight copy, KV cache) fit
+its chips, checked before the engine is built; programs' temporaries are not counted.
 """
 from __future__ import annotations
 
@@ -61,9 +60,8 @@ def resident(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: M
 
 def offloaded_phases(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: Mesh, *,
                      kv_through_update: bool) -> tuple[Resident, Resident]:
-    """`resident` while decoding and while updating with the optimizer state offloaded: the train
-    state without `opt_state` beside the KV cache, then the whole train state, beside the KV
-    cache only where it is not freed for the update (`kv_through_update`)."""
+    """`resident` while decoding and while updating with the optimizer state offloaded; the KV
+    cache stays through the update only where `kv_through_update`."""
     decoding = resident(state.replace(opt_state=None), engine_weights, kv_bytes, rollout_mesh)
     updating = resident(state, engine_weights, kv_bytes if kv_through_update else 0,
                         rollout_mesh)
@@ -71,9 +69,8 @@ def offloaded_phases(state, engine_weights: tuple | None, kv_bytes: int, rollout
 
 
 def check(parts: Resident, limit: int | None, shared: bool) -> None:
-    """Raises ConfigError naming the fields to change when `parts` exceed `limit` bytes (a
-    chip's memory; None: unknown, nothing checked). `shared`: the engine's and the trainer's
-    buffers are on the same chips (else the fuller of the two sets counts)."""
+    """Raises ConfigError naming the fields to change when `parts` exceed `limit` bytes (None:
+    nothing checked); `shared`: engine and trainer on the same chips."""
     if limit is None:
         return
     need = parts.total if shared else max(parts.train_state, parts.engine_weights + parts.kv_cache)

@@ -4,12 +4,9 @@ from a local mirror.
   python -m mars_jax.data.fetch [--out=DIR] [--datasets=a,b]   # each problem set from the HF Hub
   python -m mars_jax.data.fetch --source=MIRROR [--out=DIR]    # a local copy of the files
 
-`--out` defaults to where the loaders read (`$MARS_JAX_DATA_DIR`, else `<repo>/../shared/data`).
-From the Hub, each set's upstream files (`upstream.UPSTREAMS`) are downloaded at the named commit
-and converted, and `<dataset>.manifest.json` records licence, commit and the sha256 of every
-upstream and written file. From a mirror, files (`grader_cases.jsonl` too, which only a mirror has)
-are copied byte for byte and checked against `FILES`. Either way a failing dataset leaves neither
-its files nor its manifest in `--out`.
+From the Hub, files are downloaded at the commit `upstream.UPSTREAMS` names, converted, and recorded
+with their sha256 in `<dataset>.manifest.json`; from a mirror, copied and checked against `FILES`. A
+failing dataset leaves neither its files nor its manifest in `--out`.
 """
 
 from __future__ import annotations
@@ -127,9 +124,8 @@ def _rows(path: str) -> int:
 
 def fetch_all(out: str, fetch: Callable[[str, str], str], origin: str,
               names: Sequence[str] | None = None) -> list[str]:
-    """Fetches the files of `names` (default: every dataset) into `out`, checks each against
-    `FILES` (ValueError naming a file whose checksum differs) and writes a manifest per dataset;
-    returns the manifests' paths."""
+    """Fetches `names` (default: all) into `out`, each file checked against `FILES`, with a
+    manifest per dataset; returns the manifests' paths."""
     every = dataset_files()
     os.makedirs(out, exist_ok=True)
     manifests = []
@@ -175,9 +171,9 @@ def _write_jsonl(path: str, rows: Sequence[dict]) -> None:
 
 
 def convert_from_hub(out: str, hub: HubReader, names: Sequence[str] | None = None) -> list[str]:
-    """Converts the problem sets `names` (default: all) from the HF Hub into `out`, with a
-    manifest each; returns the manifests' paths. ValueError names the upstream row a converter
-    cannot read, or the written line the loaders would refuse; that dataset is then not written."""
+    """Converts `names` (default: all) from the HF Hub into `out`, with a manifest each; returns
+    their paths. ValueError names a row that cannot be converted or loaded; that dataset is not
+    written."""
     if GRADER_CASES in (names or ()):
         raise ValueError(f"{GRADER_CASES} has no Hub source (it is compiled from grader test "
                          "suites): copy it from a mirror with --source")

@@ -1,9 +1,6 @@
-"""Blockwise (flash) attention in plain JAX: memory linear in the sequence length, every backend.
-
-The forward pass runs an online softmax over the key blocks each query block can see, keeping only
-the output and per-query log-sum-exp; the backward pass (`custom_vjp`) recomputes the score tiles
-from those, as FlashAttention-2 does. Nothing of size `[T, S]` is stored, forward or backward. A
-query that sees no key gets a finite average instead of NaN, as in the dense kernel.
+"""Blockwise (flash) attention in plain JAX, memory linear in the length on every backend: an online
+softmax over the visible key blocks, and a `custom_vjp` backward that recomputes the score tiles
+from the log-sum-exp (FlashAttention-2). A query that sees no key gets a finite average.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Grouped matmuls for the MoE's `ragged` dispatch: `lhs [M, K]` rows in consecutive groups of
-`group_sizes [G]` times their group's matrix of `rhs`, stored out-by-in (`[G, N, K]`, as `wi` and
-HF's tensors) or in-by-out (`[G, K, N]`, `wo`).
-
-The kernel is chosen per platform at lowering (`jax.lax.platform_dependent`, so an AOT compile from
-a CPU host gets the target's): on TPU Pallas megablox `gmm` where `megablox_fits`, reading an
-out-by-in `rhs` as stored (XLA's `ragged_dot` would re-lay out every layer's expert weights first);
-on cuda with `mgpu` the Pallas Mosaic GPU kernels (untested on a GPU); elsewhere
-`jax.lax.ragged_dot_general`. Rows past the groups' sum come out unspecified (callers mask them).
+"""Grouped matmuls for the MoE's `ragged` dispatch: rows of `lhs [M, K]`, in consecutive groups of
+`group_sizes`, times their group's matrix of `rhs` (out-by-in `[G, N, K]` or in-by-out `[G, K, N]`).
+The kernel is chosen per platform at lowering (so an AOT compile gets the target's): TPU megablox
+where `megablox_fits` (reading out-by-in weights as stored), Mosaic GPU with `mgpu` (untested on a
+GPU), else `jax.lax.ragged_dot_general`. Rows past the groups' sum come out unspecified.
 """
 from __future__ import annotations
 
@@ -41,9 +37,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 
 def _manual(kernel):
-    """`kernel` in a `shard_map` over the current mesh's axes that are not manual yet, its
-    operands and result replicated over them: XLA cannot partition a Pallas Mosaic kernel
-    (the MoE's `shard_map` leaves size-1 axes automatic)."""
+    """`kernel` in a `shard_map` over the mesh axes not manual yet, replicated over them: XLA
+    cannot partition a Pallas Mosaic kernel."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
             if kind != jax.sharding.AxisType.Manual}
@@ -122,9 +117,8 @@ def _mgpu_bwd(transpose_rhs, residuals, grad):
 
 
 def _rhs_gradient(lhs, grad, group_sizes):
-    """Per group, its rows' `lhs^T @ grad` (`[G, K, N]`): Mosaic GPU's transposed grouped matmul
-    where this process's first device is a GPU (it sizes its grid by that device's SMs), else
-    XLA's."""
+    """Per group, its rows' `lhs^T @ grad` (`[G, K, N]`): Mosaic GPU's kernel where this
+    process's first device is a GPU (it sizes its grid by that device), else XLA's."""
     if jax.devices()[0].platform != "gpu":
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],

@@ -1,11 +1,6 @@
-"""Rollout queues in a checkpoint: token ids and log-probabilities as arrays, the rest as JSON.
-
-`pack(state)` takes a scheduler's `state_dict()` and replaces each rollout record's ids,
-log-probabilities, text and solution by references into arrays (`prompt_ids`, `response_ids` int32,
-`logprobs` float32; each distinct prompt once) and a table of distinct solution texts. `unpack`
-rebuilds the records exactly, a finished rollout's text re-derived from its ids with the tokenizer's
-`decode`. `host_blocks` / `from_host_blocks` lay the arrays out as `distributed.host_arrays` takes
-them.
+"""Rollout queues in a checkpoint: token ids and log-probabilities as arrays (each distinct prompt
+once), the rest as JSON. `unpack(pack(state))` rebuilds the records exactly, a finished rollout's
+text re-derived from its ids.
 """
 from __future__ import annotations
 

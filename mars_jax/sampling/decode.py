@@ -1,6 +1,5 @@
-"""What every decode user needs of an engine: the `DecodeEngine` protocol, `EngineSettings` and
-`make_engine` (every engine option), and `decode_batch`, the one adapter from a batch of requests to
-outputs.
+"""What every decode user needs of an engine: `DecodeEngine`, `EngineSettings` + `make_engine`, and
+`decode_batch`.
 """
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ ENGINE_KINDS = ("engine", "generate")
 
 
 class DecodeEngine(Protocol):
-    """Requests in, `EngineOutput`s out. Only on `Engine` is a request in flight between `stream`
-    rounds (`StaticBatchEngine` decodes each to its end), so only there do `partial` and
-    `recompute` matter."""
+    """Requests in, `EngineOutput`s out; only on `Engine` is a request in flight between `stream`
+    rounds, so only there do `partial` and `recompute` matter."""
 
     stats: collections.Counter
 
@@ -57,9 +55,8 @@ class ContinuingEngine(DecodeEngine, Protocol):
 def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
                  budgets: Sequence[int], *, stop_ids: Sequence[int], first_seed: int,
                  temperature: float, top_p: float, top_k: int = 0) -> list[EngineOutput]:
-    """Decodes request i = (`prompts[i]`, `budgets[i]`) on `engine`; outputs in request order.
-    Requests with the same prompt and budget are one `submit`; groups take sequence seeds
-    `first_seed`, `first_seed + 1`, ... in order of first appearance."""
+    """Decodes request i = (`prompts[i]`, `budgets[i]`) on `engine`, outputs in request order;
+    equal requests are one `submit`, groups taking sequence seeds from `first_seed` in order."""
     groups: dict[tuple, list[int]] = {}
     for index, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
         groups.setdefault((tuple(prompt), int(budget)), []).append(index)
@@ -77,10 +74,8 @@ def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
 
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
-    """A decode engine: `kind` 'engine' (continuous batching, `options` its other `Engine`
-    settings, compiled ahead for prompts up to `max_prompt_tokens`) or 'generate'
-    (`StaticBatchEngine`, calls of at most `max_rows` rows, 0: all). Request keys derive from
-    `seed` and each sequence seed."""
+    """A decode engine: 'engine' (continuous batching, `options` its other `Engine` settings) or
+    'generate' (`StaticBatchEngine`, calls of at most `max_rows` rows, 0: all)."""
 
     kind: str = "generate"
     seed: int = 0

@@ -1,7 +1,5 @@
-"""Compiling an `Engine`'s programs ahead of serving, on a thread pool (XLA compiles without the
-GIL). Each program is lowered as `program_plan` calls it, with the arguments serving passes, so the
-compiled programs are the ones serving looks up; a program whose input is another's output is
-lowered on the shapes and shardings that one returns.
+"""Compiling an `Engine`'s programs ahead of serving on a thread pool, each lowered as serving calls
+it (`program_plan`), so serving finds them compiled.
 """
 from __future__ import annotations
 
@@ -24,10 +22,9 @@ ARGS = plan.ServingArgs()
 
 def compile_ahead(engine: Engine, prompt_lengths: Sequence[int], *, threads: int | None = None
                   ) -> int:
-    """Compiles, `threads` at a time (default: one per host CPU, at most 16), the programs
-    `engine` reaches serving prompts (or prompt + tokens, recomputed) of `prompt_lengths` tokens;
-    returns how many. Serving may still compile the recorded-routing write-back
-    (`record_routing`)."""
+    """Compiles, `threads` at a time, the programs `engine` reaches serving prompts of
+    `prompt_lengths` tokens; returns how many. Only the routing write-back (`record_routing`) may
+    still compile later."""
     prompt_lengths = list(prompt_lengths)
     if any(n < 1 or n > engine.max_length for n in prompt_lengths):
         raise ValueError(f"prompt_lengths: each must be in [1, max_length={engine.max_length}]")

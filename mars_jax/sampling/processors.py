@@ -1,8 +1,5 @@
-"""Next-token choice from logits: temperature, top-k, top-p (nucleus), greedy.
-
-A token's log-probability is `log_softmax(logits / temperature)[token]` (unscaled when greedy),
-before top-k / top-p truncation: the quantity the trainer recomputes, so sampler and trainer agree
-on the PPO ratio's denominator.
+"""Next-token choice from logits: temperature, top-k, top-p, greedy. A token's log-probability is
+taken before truncation, `log_softmax(logits / temperature)`, as the trainer recomputes it.
 """
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int
 
 
 def truncate_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Sets logits outside the top-k set and outside the smallest nucleus of mass >= top_p to
-    -inf, row-wise over `[B, V]`; tokens tied with the last one kept are kept too. `top_k=0`
-    and `top_p=1.0` disable each filter."""
+    """Logits outside the top-k and the smallest nucleus of mass >= top_p set to -inf per row
+    (ties with the last kept are kept); `top_k=0`, `top_p=1.0` disable each."""
     if top_k > 0:
         kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
         scaled = jnp.where(scaled < kth, NEG_INF, scaled)

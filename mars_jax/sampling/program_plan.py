@@ -1,7 +1,5 @@
-"""The engine's device programs as calls to lower, written once for the two callers that compile
-them ahead of serving: `precompile` (an engine's concrete state) and `experiments/aot_compile.py`
-(abstract, sharded arguments for a target topology). `ServingArgs` makes the non-state arguments as
-serving does; `AbstractArgs` as abstract arrays placed by their logical axis names.
+"""The engine's device programs as calls to lower, written once for `precompile` (an engine's
+concrete state) and `experiments/aot_compile.py` (abstract, sharded arguments for a topology).
 """
 from __future__ import annotations
 

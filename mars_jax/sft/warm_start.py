@@ -1,11 +1,7 @@
 """A cached SFT warm start for a training run (`warm_start.sft`): built on first use, then reused.
-
-`ensure(config)` returns the HF directory of the model the `sft` job trains for the run
-(`sft_config`), cached under `warm_start.cache_dir/<fingerprint>/model`. The fingerprint hashes what
-changes its weights, including the trace and training code (`SOURCES`), so any change builds a new
-one. A build is renamed into place once complete, so an interrupted build is never read. A `gs://`
-cache_dir is shared: a complete build (`COMPLETE` marker) is copied down to a local mirror, else
-built locally and copied up.
+The cache key hashes everything that changes the weights, the trace and training code (`SOURCES`)
+included; a build is renamed into place once complete, so an interrupted one is never read. A
+`gs://` cache_dir is shared through a local mirror.
 """
 from __future__ import annotations
 
