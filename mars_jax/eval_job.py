@@ -1,9 +1,6 @@
-"""The `eval_system` job: Solver-only and full V–C system avg@k over a dataset split.
-
-Writes `workdir/eval/records.jsonl` (appended as pairs finish, so a rerun resumes), `summary.json`
-and TensorBoard scalars under `workdir/eval/`. After SIGTERM it stops before the next round and
-raises `preemption.Preempted`. With `eval.policy='http'` the key in the environment variable
-`eval.api_key_env` is sent as a Bearer token.
+"""The `eval_system` job: Solver-only and full V–C system avg@k over a dataset split, written under
+`workdir/eval/` (records appended as pairs finish, so a rerun resumes). With `eval.policy='http'`
+the key in `eval.api_key_env` is sent as a Bearer token.
 """
 from __future__ import annotations
 

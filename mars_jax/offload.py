@@ -1,8 +1,6 @@
-"""The update's state in host memory while the engine decodes (a colocated run's memory): on one
-shared mesh the optimizer state and KL reference are read only by the update, yet would hold device
-memory through every decode. `to_host` moves a pytree's arrays to their devices' `pinned_host`
-memory (shardings kept) and frees the device copy; `to_device` moves them back, bit for bit.
-Non-array leaves pass through.
+"""The update's state in host memory while the engine decodes: on one shared mesh the optimizer
+state and KL reference are read only by the update. `to_host` / `to_device` move a pytree's arrays
+to their devices' `pinned_host` memory and back, bit for bit, shardings kept.
 """
 from __future__ import annotations
 

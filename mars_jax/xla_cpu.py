@@ -1,11 +1,7 @@
-"""The XLA:CPU client's thread pool, sized before the CPU backend starts so that it cannot deadlock.
-
-XLA:CPU launches programs and runs every device's part of a program on one pool of threads
-(`PJRT_NPROC`, else the host's cores), and both can hold a thread while they wait: a launch behind a
-full device queue, a collective's part until every device's part has started. With too few threads,
-a collective's last part never gets one and the process hangs at 0% CPU. Programs launch from two
-threads at most (the main thread and the update's worker), so `reserve_threads` gives the pool three
-threads per local device.
+"""The XLA:CPU client's thread pool, sized before the CPU backend starts so that it cannot deadlock:
+launches and collective parts both hold pool threads while they wait, and with too few threads a
+collective's last part never runs. Programs launch from two threads at most (the main thread and the
+update's worker), so `reserve_threads` gives three threads per local device.
 """
 from __future__ import annotations
 

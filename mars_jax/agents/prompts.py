@@ -1,10 +1,6 @@
-"""Chat prompts of the three agents, and the bug report passed from Verifier to Corrector.
-
-After the MarsRL paper (wording our own): the Solver gets the problem; the Verifier a system turn
-asking for Final Verdict, List of Findings and Correctness, then the problem and solution; the
-Corrector the Solver's turn, the previous solution, and a request to fix it from the report. `full`
-style is for real models, `compact` for tiny CPU models with a short context. Thinking never travels
-between agents.
+"""Chat prompts of the three agents (after the MarsRL paper, wording our own) and the bug report
+passed from Verifier to Corrector. `full` style is for real models, `compact` for tiny CPU models
+with a short context. Thinking never travels between agents.
 """
 
 from __future__ import annotations

@@ -102,16 +102,10 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class SystemResult:
-    """Outcome of the loop on one problem.
-
-    Attributes:
-      status: 'accepted', 'fallback' (the config's fallback candidate) or 'failed'.
-      final: index of the chosen candidate; None when failed.
-      candidates: every candidate, in order (index 0 is the Solver's).
-      verifications: number of verifications spent (retries not counted).
-      steps: every policy call, in order.
-      failure: why the loop stopped early (an output unusable after its retries), else None.
-    """
+    """Outcome of the loop on one problem: `status` ('accepted', 'fallback' or 'failed'), `final`
+    (the chosen candidate's index, None when failed), every candidate (the Solver's first), the
+    verifications spent (retries not counted), every policy call, and `failure` (why it stopped
+    early, else None)."""
 
     status: str
     final: int | None

@@ -1,9 +1,5 @@
-"""`arith`: seeded multi-step integer arithmetic problems with exact answers.
-
-Problems read like `What is 7 + 3 * (12 - 5)?` so that a tiny model with a small vocabulary can
-learn them: a random expression tree over non-negative literals, printed with only the parentheses
-precedence requires and evaluated on the tree (no text is evaluated). Knobs: `num_ops`,
-`max_operand`, `operators` and `sizes` (train, test).
+"""`arith`: seeded multi-step integer arithmetic problems with exact answers, like `What is 7 + 3 *
+(12 - 5)?`, small enough for a tiny model; evaluated on the expression tree, never from text.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Which keys each query may see, described without a `[batch, queries, keys]` array.
-
-Query `t` of a row sits at key slot `t + offset` and sees key slot `s` iff `s <= t + offset` and
-both carry the same segment id; segment 0 marks padding keys and empty cache slots. Padding, packed
-sequences, prefills and decode steps are all this rule with other offsets and segments, and
-blockwise kernels read it block by block, keeping memory linear in the length.
+"""Which keys each query may see, without a `[batch, queries, keys]` array: query `t` sits at key
+slot `t + offset` and sees slot `s` iff `s <= t + offset` and both carry the same segment id (0:
+padding, empty cache slots). Blockwise kernels read it block by block.
 """
 from __future__ import annotations
 

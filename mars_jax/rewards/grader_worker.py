@@ -1,10 +1,7 @@
-"""Entry point of one grader worker process (`python -m mars_jax.rewards.grader_worker`).
-
-Protocol, one JSON object per line: the parent writes `{"id", "pred", "gold", "soft"}`; the worker
-writes `{"ready": true}`, then `{"id", "value", "status"}` per request, status "ok", "timeout" (the
-soft limit) or "error" (counts as not equivalent). The soft limit is a SIGALRM raising a
-BaseException, so library `except Exception` blocks cannot swallow it; code stuck in C never sees
-it, and the parent kills the worker (`pool.GraderPool`).
+"""One grader worker process (`python -m mars_jax.rewards.grader_worker`), one JSON object per line:
+requests `{"id", "pred", "gold", "soft"}` in; `{"ready": true}`, then `{"id", "value", "status"}`
+out (status "ok", "timeout" or "error"). The soft limit is a SIGALRM raising a BaseException, which
+library `except Exception` blocks cannot swallow; code stuck in C is killed by the parent.
 """
 
 from __future__ import annotations

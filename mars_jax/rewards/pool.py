@@ -1,8 +1,5 @@
-"""A persistent pool of grader worker processes with a hard time bound per comparison.
-
-Workers are started by `subprocess` (fork+exec: safe while JAX threads run, and `__main__` is never
-re-imported). A worker past its deadline (code stuck in C) is killed, the comparison counts as not
-equivalent, and a fresh worker replaces it. Start-up is not counted against the deadline.
+"""A persistent pool of grader workers (`subprocess`: safe beside JAX threads) with a hard deadline
+per comparison: a worker past it is killed and replaced, and the pair counts as not equivalent.
 """
 
 from __future__ import annotations

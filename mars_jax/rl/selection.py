@@ -1,10 +1,7 @@
-"""Choosing the parents of the next MarsRL stage from the previous stage's outputs.
-
-Verifier stage: every Solver solution is eligible; wrong ones (`is_correct=False`) are preferred.
-Corrector stage: only reports that found an error (`verdict is False`) are eligible; those judging
-an actually wrong solution are preferred. `fan_out` picks without replacement (fewer if not enough
-are eligible): 'random' uniformly, 'balanced' equal numbers of preferred and others where possible,
-'adaptive' preferred first.
+"""Choosing the parents of the next MarsRL stage. Verifier stage: every Solver solution is eligible,
+wrong ones preferred. Corrector stage: reports that found an error are eligible, those on an
+actually wrong solution preferred. `fan_out` picks without replacement: 'random', 'balanced'
+(preferred and others equally where possible) or 'adaptive' (preferred first).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""`Engine`'s request interface over `generate`: the simple, exact reference decode. Each `stream`
-round decodes every queued request to its end, one `generate` call per prompt bucket (so no short
-prompt pays for a long one's prefill), and yields the outputs in submission order. PRNG keys are
-`Engine`'s, so both decode the same tokens up to float32 rounding.
+"""`Engine`'s request interface over `generate`, the simple exact reference: each `stream` round
+decodes every queued request to its end (one call per prompt bucket) and yields outputs in
+submission order; `Engine`'s PRNG keys, so both decode alike up to float32 rounding.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The `sft` job behind experiments/run.py: trains on generated role traces, saves an HF checkpoint.
-
-Writes `workdir/metrics.jsonl` (+ TensorBoard) with the training loss and, every `sft.eval_every`
-steps, the held-out loss per role (the last `sft.holdout_problems` train problems, never trained
-on); `workdir/model/`, which an RL config loads as `model.checkpoint`; and `summary.json`. With
-`sft.probe_every` > 0, every that many steps and at the last, `probe.probe` samples each role's
-decisions (`probe/*`) and the model is saved to `workdir/model_step<N>/`. The job does not resume: a
-rerun starts over.
+"""The `sft` job behind experiments/run.py: trains on generated role traces, logs the held-out loss
+per role (the last `sft.holdout_problems` train problems, never trained on) and saves
+`workdir/model/`, which an RL config loads as `model.checkpoint`. With `sft.probe_every` > 0 it also
+probes each role's decisions and saves `workdir/model_step<N>/`. A rerun starts over.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Each role's decisions sampled on held-out problems: the warm-start bar of the toy study.
-
-A per-token loss hides a Verifier's 2-token verdict in a long reply, so `probe` samples whole
-replies and grades the decisions: the Solver's accuracy; the Verifier's recall, specificity and
-balanced accuracy on a flawed and a right solution (an unreadable verdict is a miss); the share of
-flawed solutions the Corrector fixes from the right report.
+"""Each role's decisions sampled on held-out problems, the warm-start bar of the toy study: a
+per-token loss hides a 2-token verdict, so `probe` grades whole replies (Solver accuracy, Verifier
+recall / specificity, Corrector fix rate).
 """
 from __future__ import annotations
 
