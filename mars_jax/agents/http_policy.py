@@ -1,11 +1,8 @@
-"""A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang).
-
-Each attempt has a total deadline `timeout_s`, however slowly the server sends, and reads at most
-`max_body_bytes`. Timeouts, connection errors, 429 and 5xx are retried with backoff; a server that
-answered before and is now unreachable (restarting) is retried for `reconnect_s` without using up
-`max_retries`. A request that still fails yields `finish_reason='error'`, never an exception, so one
-bad request cannot kill an evaluation. httpx's asyncio client, because cancelling an attempt bounds
-all of it (a socket timeout bounds each read only).
+"""A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang). Each
+attempt is bounded as a whole by `timeout_s` (httpx asyncio: a socket timeout bounds each read only)
+and reads at most `max_body_bytes`. Timeouts, connection errors, 429 and 5xx are retried with
+backoff, a restarting server for up to `reconnect_s`. A request that still fails yields
+`finish_reason='error'`, never an exception, so one bad request cannot kill an evaluation.
 """
 
 from __future__ import annotations

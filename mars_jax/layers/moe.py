@@ -1,15 +1,10 @@
-"""Mixture-of-experts SwiGLU block: softmax router, top-k, and several dispatch backends that all
-compute the same function (only `capacity` drops tokens):
-  dense    every expert on every token: the reference; `auto`'s choice for at most
-           `dense_max_tokens` tokens (reading the weights dominates) and off TPU for tiny experts.
-  sorted   dropless, assignments sorted into one-expert blocks; `auto`'s choice elsewhere off TPU.
-  ragged   dropless grouped matmuls (`grouped_matmul`); `auto`'s choice on TPU. Not on GPU:
-           XLA:GPU lowers `ragged_dot` to a dense one-hot dot, E times the FLOPs.
-  mgpu     `ragged` with the Mosaic GPU kernels, only as `moe_impl='mgpu'` where they fit.
-  capacity GShard-style `[E, capacity, H]` buffers, whenever `capacity_factor` is set.
-
-Under a mesh (`_sharded`) each batch shard dispatches its own tokens: a sort over the global token
-axis would replicate every token on every chip.
+"""Mixture-of-experts SwiGLU block: softmax router, top-k, and dispatch backends that compute the
+same function (only `capacity` drops tokens): `dense` (every expert on every token; `auto`'s choice
+for at most `dense_max_tokens` tokens and off TPU for tiny experts), `sorted` (one-expert blocks;
+`auto`'s choice otherwise off TPU), `ragged` (grouped matmuls; `auto`'s choice on TPU, not GPU,
+where XLA lowers `ragged_dot` to a dense one-hot dot), `mgpu` (Mosaic GPU kernels, only when asked)
+and `capacity` (GShard buffers, whenever `capacity_factor` is set). Under a mesh each batch shard
+dispatches its own tokens (`_sharded`): a global sort would replicate them.
 """
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
 """Continuous batching over fixed decode slots on the trainer's own parameter arrays.
 
-Each of `num_slots` slots holds a KV cache of `max_length` positions and one request's state.
-`stream()` alternates host admission of queued requests into free slots (prompts prefilled together)
-with one jitted chunk of up to `chunk_steps` decode steps over all slots, streaming finished
-requests out. Programs compile when first met, per bucket of slots, KV span and prompt length;
-requests coming and going change only array values.
+Each of `num_slots` slots holds one request and a KV cache of `max_length` positions. `stream()`
+alternates host admission of queued requests (prompts prefilled together) with one jitted chunk of
+up to `chunk_steps` decode steps over all slots. Programs compile once per bucket (slots, KV span,
+prompt length), so requests coming and going change only array values.
 
-Exactness: a request's tokens and log-probabilities do not depend on the other slots or on its
-admission time, and match `generate`'s up to float32 rounding. Outputs finished in one chunk are
-streamed in submission order, so callers' choices do not depend on slot placement.
-
-A request keeps the KV it was decoded under until `recompute` re-prefills it under the current
-weights; recorded routing stays that of the step that first computed a position. Paged KV
-(`kv_pages`): pages of `page_size` positions, one pool per batch shard, so `num_slots` can exceed
-what reserved slots would fit; a pool that runs out preempts its newest request, which is later
-re-prefilled with the same PRNG steps.
+A request's tokens and log-probabilities do not depend on the other slots or its admission time and
+match `generate`'s up to float32 rounding; outputs finished in one chunk stream in submission order.
+A request keeps the KV it was decoded under until `recompute`. Paged KV (`kv_pages`): pages of
+`page_size` positions, one pool per batch shard, so more slots fit; a pool that runs out preempts
+its newest request, later re-prefilled with the same PRNG steps.
 """
 from __future__ import annotations
 

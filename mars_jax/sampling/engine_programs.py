@@ -1,16 +1,9 @@
-"""The engine's device programs, one jitted program per step of serving over the slot state
-(`SlotState`, one row per slot): `prefill`, `insert`, `decode_chunk`, and `take_slots` / `put_slots`
-to shrink to a smaller slot bucket and back.
-
-Caches are stacked over the layers and written in place; with `stack_weights` runs of alike layers
-are scanned, so compile time does not grow with depth. Programs write the slot state one row at a
-time and keep its shardings, never gathering other chips' slots.
-
-Exactness: a slot's decode step computes what `generate`'s row computes for the same request (same
-visible keys, `processors.choose_tokens_per_row`, PRNG key `fold_in(fold_in(key(seed),
-sequence_seed), t)`), up to float32 rounding (reductions run over the chunk's span). A slot holds
-its request contiguously from position 0; paged, in pages `table[slot]` of its shard's pool
-(`layers.paged_kv`).
+"""The engine's device programs over the slot state (`SlotState`, one row per slot): `prefill`,
+`insert`, `decode_chunk`, and `take_slots` / `put_slots` between slot buckets. Caches are stacked
+over the layers and written in place, one row at a time, keeping their shardings (no gather of other
+chips' slots); with `stack_weights` runs of alike layers are scanned, so compile time does not grow
+with depth. A slot's decode step computes what `generate`'s row computes for the same request, PRNG
+key `fold_in(fold_in(key(seed), sequence_seed), t)` included, up to float32 rounding.
 """
 from __future__ import annotations
 
