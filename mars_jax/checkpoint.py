@@ -93,8 +93,8 @@ class Checkpointer:
         self._pending: int | None = None
 
     def save(self, step: int, state: Any, meta: dict, arrays: Any = None) -> None:
-        """Starts saving `state`, `meta` and the pytree of arrays `arrays` (if not None) as `step`
-        (raises if an earlier save failed)."""
+        """Starts saving `state`, `meta` and `arrays` (if any) as `step`; raises if a save
+        failed."""
         self.wait()
         meta = {**meta, FINGERPRINT_KEY: fingerprint(state)}
         if self.config is not None:
@@ -126,8 +126,7 @@ class Checkpointer:
         return _process_0_value(lambda: list(self.manager.all_steps()))
 
     def delete(self, step: int) -> None:
-        """Removes checkpoint `step` (to save that step again), once the pending save is
-        committed."""
+        """Removes checkpoint `step` (to save it again), once the pending save is committed."""
         self.wait()
         self.manager.delete(step)
 
@@ -202,8 +201,7 @@ class Checkpointer:
         return self._steps(), (storage.path(self.directory) / STEP_METADATA_FILE).exists()
 
     def _check_committed(self, step: int) -> None:
-        """Raises `CorruptCheckpoint` when this process sees no directory for `step`, or one
-        without its commit marker."""
+        """Raises `CorruptCheckpoint` unless this process sees `step` committed."""
         if not self._step_dir(step).is_dir():
             raise CorruptCheckpoint("its directory is missing")
         if not (self._step_dir(step) / COMMIT_MARKER).exists():
@@ -211,8 +209,7 @@ class Checkpointer:
                                     "it was not completely written")
 
     def _read_meta(self, step: int) -> dict:
-        """Checkpoint `step`'s meta, its fingerprint checked and removed (the state and arrays
-        fingerprints stay, for `_restore`)."""
+        """Checkpoint `step`'s meta, its own fingerprint checked and removed."""
         meta = dict(self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta)
         expected = meta.pop(META_FINGERPRINT_KEY, None)
@@ -308,8 +305,7 @@ def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
 
 
 def _process_0_value(read: Callable[[], Any]) -> Any:
-    """`read()` on process 0 (JSON), the same value on every process (a collective with
-    several processes)."""
+    """`read()` (JSON) on process 0, the same value on every process."""
     if jax.process_count() == 1:
         return read()
     from mars_jax.distributed import allgather_json
@@ -400,8 +396,7 @@ def meta_fingerprint(meta: dict) -> str:
 
 
 def fingerprint(state: Any) -> str:
-    """A digest of every array's shape, dtype and bits; equal states give equal digests,
-    whatever their sharding."""
+    """A digest of every array's shape, dtype and bits, whatever their sharding."""
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(state)]
     sums = np.asarray(jax.device_get(_bit_sums(leaves)))
     layout = repr([(x.shape, str(x.dtype)) for x in leaves]).encode()

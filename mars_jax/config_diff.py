@@ -58,8 +58,7 @@ def read_record(workdir: str | os.PathLike) -> dict | None:
 
 
 def check_allowed(allowed: Iterable[str], config: ConfigDict) -> None:
-    """Raises `ConfigError` for a name in `allowed` that is neither a field nor a section of
-    `config`."""
+    """Raises `ConfigError` for a name in `allowed` that is no field or section of `config`."""
     fields = _flat(record(config))
     unknown = [name for name in allowed if not any(_within(f, name) for f in fields)]
     if unknown:

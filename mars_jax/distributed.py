@@ -143,8 +143,7 @@ def _pad(x: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
 
 
 def agreed_batch_shape(shapes: np.ndarray) -> tuple[int, int]:
-    """The maxima (M, L) every process pads its `TrainBatch` `[M, b, L]` to; raises when the `b`
-    differ."""
+    """The maxima (M, L) of every process's `TrainBatch` `[M, b, L]`; raises if `b` differ."""
     shapes = np.asarray(shapes).reshape(-1, 3)
     rows = sorted(set(shapes[:, 1].tolist()))
     if len(rows) != 1:
@@ -154,8 +153,7 @@ def agreed_batch_shape(shapes: np.ndarray) -> tuple[int, int]:
 
 
 def pad_train_batch(batch: TrainBatch, num_micro: int, length: int) -> TrainBatch:
-    """`batch` (numpy) zero-padded to `num_micro` micro-batches of `length` positions; padding
-    rows and positions have zero masks."""
+    """`batch` zero-padded (masks zero) to `num_micro` micro-batches of `length`."""
     micro_and_length = {0: num_micro, 2: length}
     return TrainBatch(
         tokens=_pad(batch.tokens, micro_and_length),

@@ -22,8 +22,8 @@ class StepProfiler:
         self._staging: storage.LocalStaging | None = None
 
     def before(self, step: int) -> None:
-        """Starts the trace if `step` is the first traced step that runs (a resumed run may
-        start inside the range)."""
+        """Starts the trace if `step` is the first traced step that runs (a resume may start
+        inside)."""
         if self._staging is None and self.first <= step <= self.last:
             self._staging = storage.LocalStaging(self.logdir)
             options = jax.profiler.ProfileOptions()

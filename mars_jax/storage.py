@@ -23,8 +23,7 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 
 def path(location: str | os.PathLike) -> epath.Path:
-    """`location` as an `epath.Path`: a `gs://` URL as given, a local path with `~` expanded and
-    made absolute."""
+    """`location` as an `epath.Path`: a `gs://` URL as given, a local path made absolute."""
     text = os.fspath(location)
     if is_remote(text):
         return epath.Path(text)
@@ -32,15 +31,13 @@ def path(location: str | os.PathLike) -> epath.Path:
 
 
 def entries(directory: str | os.PathLike) -> list[epath.Path]:
-    """The entries of `directory`; [] where it does not exist (as an empty one on an object
-    store)."""
+    """The entries of `directory`; [] where it does not exist (or is empty on an object store)."""
     directory = path(directory)
     return list(directory.iterdir()) if directory.exists() else []
 
 
 def write_text(target: str | os.PathLike, text: str) -> None:
-    """Writes `text` to `target` whole or not at all (a renamed temporary file, or one object
-    upload), creating the parent directory."""
+    """Writes `text` to `target` whole or not at all, creating the parent directory."""
     target = path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     if is_remote(target):

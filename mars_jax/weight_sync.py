@@ -38,8 +38,7 @@ def rollout_shardings(params: nnx.State, mesh: jax.sharding.Mesh,
 
 
 def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
-    """(total, largest per device) bytes putting `params` into `shardings` writes; arrays already
-    there count 0."""
+    """(total, largest per device) bytes putting `params` into `shardings` writes."""
     per_device: collections.Counter = collections.Counter()
     for x, target in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
         source = getattr(x, "sharding", None)
@@ -94,8 +93,7 @@ class HostCopies:
         return sharding.make_mesh({"data": 1, "fsdp": -1}, devices)
 
     def copy(self, params: nnx.State) -> tuple[nnx.State, Transfer]:
-        """`params` on this host's rollout shardings, waited for, and the bytes written on this
-        host's rollout devices."""
+        """`params` on this host's rollout shardings, waited for, and the bytes written here."""
         leaves, treedef = jax.tree.flatten(params)
         start = time.perf_counter()
         staged = self._reshard(leaves)

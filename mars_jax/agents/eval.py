@@ -119,8 +119,7 @@ def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Reco
 
 
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
-    """avg@k of Solver and system, outcome rates, mean iterations, verifications and tokens per
-    agent."""
+    """avg@k of Solver and system, outcome rates, and means per run and per agent."""
     by_problem: dict[str, list[Record]] = {}
     for record in records:
         by_problem.setdefault(record["problem_id"], []).append(record)

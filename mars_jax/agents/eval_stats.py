@@ -181,8 +181,7 @@ class Confusion:
 
 
 def confusion(pairs: Iterable[tuple[bool, bool | None]]) -> Confusion:
-    """The confusion matrix of (solution actually correct, verdict) pairs; verdict None: no
-    readable verdict."""
+    """The confusion matrix of (solution actually correct, verdict or None) pairs."""
     tp = fn = tn = fp = none_on_correct = passed = 0
     for correct, verdict in pairs:
         passed += verdict is True
@@ -215,8 +214,7 @@ def confusion_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str], 
 
 
 def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
-    """Balanced accuracy of confusion totals `[..., 6]` (`CONFUSION_FIELDS`); NaN where a class
-    is absent."""
+    """Balanced accuracy of confusion totals `[..., 6]`; NaN where a class is absent."""
     tp, fn, tn, fp, none_on_correct = np.moveaxis(np.asarray(totals, np.float64), -1, 0)[:5]
     with np.errstate(invalid="ignore", divide="ignore"):
         return (tp / (tp + fn) + tn / (tn + fp + none_on_correct)) / 2

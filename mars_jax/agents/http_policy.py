@@ -115,8 +115,7 @@ class HttpPolicy:
         return Completion(text="", finish_reason="error", num_tokens=0)
 
     async def _post(self, client: httpx.AsyncClient, body: bytes) -> Any:
-        """One HTTP attempt within `timeout_s`: the reply's JSON; raises `_Retryable` or
-        `_Fatal`."""
+        """One HTTP attempt within `timeout_s`: the reply's JSON, or `_Retryable` / `_Fatal`."""
         status = None
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -145,8 +144,7 @@ class HttpPolicy:
 
 
 async def _read(response: httpx.Response, limit: int, *, truncate: bool = False) -> bytes:
-    """The decoded body, up to `limit` bytes: cut there with `truncate`, else `_Fatal` when
-    it is longer (read no further)."""
+    """The decoded body up to `limit` bytes: cut there with `truncate`, else `_Fatal` if longer."""
     declared = response.headers.get("content-length", "")
     if not truncate and declared.isdigit() and int(declared) > limit:
         raise _Fatal(f"reply of {declared} bytes exceeds max_body_bytes={limit}")
@@ -166,8 +164,7 @@ def _status_error(code: int, snippet: bytes) -> Exception:
 
 
 def _run(coroutine: Coroutine) -> Any:
-    """`coroutine`'s result on a new event loop, in a worker thread when the caller's thread
-    already runs one (e.g. a notebook)."""
+    """`coroutine`'s result on a new event loop (in a worker thread if one already runs here)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -26,8 +26,7 @@ class SolutionOutput:
 
     @property
     def usable(self) -> bool:
-        """Whether the output ended by itself (not truncated, no policy error) with visible
-        text (not all thinking)."""
+        """Whether the output ended by itself (no truncation or error) with visible text."""
         return self.completion.finish_reason == "stop" and bool(self.solution)
 
 
@@ -47,8 +46,7 @@ class VerificationOutput:
 
     @property
     def verdict(self) -> bool | None:
-        """The verification's outcome: `passed` when usable, else None (no verdict: a truncated
-        or unreadable report)."""
+        """`passed` when usable, else None (a truncated or unreadable report)."""
         return self.passed if self.usable else None
 
 

@@ -36,8 +36,7 @@ DSR_SUB_IDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsr_sub_
 
 @dataclasses.dataclass(frozen=True)
 class Upstream:
-    """One problem set's HF Hub dataset: the upstream file of each of our files, and how to
-    convert their rows."""
+    """One problem set's HF Hub dataset: each of our files' upstream file, and its converter."""
 
     repo: str
     revision: str

@@ -55,8 +55,7 @@ class MoE(nnx.Module):
         return logits, expert_ids.astype(jnp.int32), weights.astype(x.dtype)
 
     def backend(self, num_tokens: int, dtype: jnp.dtype = jnp.bfloat16) -> str:
-        """The dispatch backend for `num_tokens` tokens in `dtype` (static, chosen at trace
-        time)."""
+        """The dispatch backend for `num_tokens` tokens in `dtype`, chosen at trace time."""
         if self.capacity_factor is not None:
             return "capacity"
         if self.impl not in ("auto", "mgpu"):

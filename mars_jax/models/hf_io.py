@@ -171,8 +171,7 @@ def _loader(tmap: TensorMap, store: _SafetensorsDir, shape: tuple[int, ...], dty
 
 def _validate_shapes(maps: dict[tuple, TensorMap], store: _SafetensorsDir,
                      abstract: dict[tuple, Any]) -> None:
-    """Raises before any read when a stored HF tensor's shape differs from the HF shape our
-    parameter implies."""
+    """Raises before any read when a stored HF tensor's shape is not what our parameter implies."""
     for key, tmap in maps.items():
         ours = abstract[key].shape
         per = ours[1:] if tmap.num_experts is not None else ours

@@ -17,8 +17,7 @@ def kv_bytes_per_token(config) -> int:
 
 
 def device_free_bytes(devices) -> int | None:
-    """The fewest bytes free on `devices` (limit less in use), None where a device does not
-    report its memory (CPU)."""
+    """The fewest bytes free on `devices`; None where a device reports no memory (CPU)."""
     free = []
     for device in devices:
         stats = device.memory_stats()

@@ -54,8 +54,7 @@ class SlotState:
 # state was created with.
 
 def _slot_axis(name: str) -> int:
-    """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`, the cache
-    `[L, slots, ...]`)."""
+    """The slot axis of a `SlotState` field (1 for routing and the cache, else 0)."""
     return 1 if name in ("experts", "cache") else 0
 
 
@@ -84,8 +83,7 @@ def _pinned(state: SlotState) -> SlotState:
 
 
 def _pinned_pool(pool: KVCache | None) -> KVCache | None:
-    """Page pools constrained to their logical shardings (a pool per batch shard, KV heads
-    split; pages never)."""
+    """Page pools constrained to their logical shardings (per batch shard, KV heads split)."""
     if pool is None:
         return None
     return KVCache(sharding.constrain(pool.k, POOL_AXES), sharding.constrain(pool.v, POOL_AXES))
@@ -152,8 +150,7 @@ def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
 
 @functools.partial(jax.jit, static_argnames=("shardings",))
 def _stack_runs(runs, shardings):
-    """Each run's layer weights stacked on a new leading axis, pinned to `shardings` (one per
-    leaf of the result, or None)."""
+    """Each run's layer weights stacked on a new leading axis, pinned to `shardings`."""
     out = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *run) for run in runs)
     if shardings is None:
         return out
@@ -355,8 +352,7 @@ def insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def put_routing(state: SlotState, slot, routing) -> SlotState:
-    """`state` with `routing` `[L_moe, n, k]` as slot `slot`'s recorded routing of its first n
-    positions; written in place."""
+    """`state` with `routing` `[L_moe, n, k]` as slot `slot`'s first n positions' routing."""
     experts = jax.lax.dynamic_update_slice(
         state.experts, routing[:, None].astype(state.experts.dtype), (0, slot, 0, 0))
     return _pinned(state.replace(experts=experts))
@@ -387,8 +383,7 @@ def take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState
 @functools.partial(jax.jit, donate_argnames=("state",))
 def put_slots(state: SlotState, part: SlotState, rows: jax.Array, slots: jax.Array,
               count: jax.Array) -> SlotState:
-    """`state` with `part`'s rows `rows[:count]` written to slots `slots[:count]`, one row at a
-    time, in place."""
+    """`state` with `part`'s rows `rows[:count]` written in place to slots `slots[:count]`."""
     def copy(i, state):
         return _pinned(_map_rows(
             lambda x, y, axis: _set_row(x, slots[i], _row(y, rows[i], axis), axis), state, part))

@@ -10,8 +10,7 @@ NEG_INF = -jnp.inf
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
-    """Raises ValueError naming the settings unless temperature >= 0, 0 < top_p <= 1 and
-    0 <= top_k <= vocab_size (NaN fails)."""
+    """Raises ValueError unless temperature >= 0, 0 < top_p <= 1, 0 <= top_k <= vocab_size."""
     if not (temperature >= 0 and 0 < top_p <= 1 and 0 <= top_k <= vocab_size):
         raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= top_k <= "
                          f"vocab ({vocab_size}); got {temperature}, {top_p}, {top_k}")

@@ -39,8 +39,7 @@ def bucket_rows(per_block: int, *, pools: int = 1, shards: int = 1) -> int:
 
 
 def slot_bucket(rows: int, *, pools: int = 1, shards: int = 1) -> int:
-    """The smallest slot bucket that holds `rows` running requests in a block (a power of two
-    per block)."""
+    """The smallest slot bucket (a power of two per block) holding `rows` requests a block."""
     return bucket_rows(pow2_at_least(rows, 1), pools=pools, shards=shards)
 
 
@@ -124,8 +123,7 @@ class SlotScheduler:
         return dict(self.stream())
 
     def _step(self) -> bool:
-        """Admits what fits and decodes one chunk (or event); False, decoding nothing, when no
-        request runs."""
+        """Admits what fits and decodes one chunk (or event); False when no request runs."""
         raise NotImplementedError
 
     def _new_id(self) -> int:

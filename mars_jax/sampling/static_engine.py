@@ -55,8 +55,7 @@ class StaticBatchEngine:
 
     def stream(self, stop: Callable[[], bool] | None = None
                ) -> Iterator[tuple[int, EngineOutput]]:
-        """Decodes everything queued (unless `stop()` already holds) and yields
-        `(request_id, output)` in submission order."""
+        """Decodes everything queued (unless `stop()`) and yields outputs in submission order."""
         if (stop is not None and stop()) or not self._queue:
             return
         queued, self._queue = self._queue, []

@@ -44,8 +44,8 @@ MODULUS = 10
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One reduction `left op right -> result` (a slipped one's result is off); `rest` is the
-    expression left after it."""
+    """One reduction `left op right -> result` (off when slipped); `rest`: the expression after
+    it."""
 
     left: int
     op: str

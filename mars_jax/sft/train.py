@@ -135,8 +135,7 @@ class _Part:
 
 
 def loss_terms(model: Qwen3, batch: Batch) -> dict[str, jax.Array]:
-    """Summed reply-token negative log-likelihood and token count, overall and per role, over
-    the batch's parts."""
+    """Summed reply-token NLL and token count, overall and per role, over the batch's parts."""
     parts = [_part_terms(model, part) for part in batch]
     return {key: sum(terms[key] for terms in parts) for key in parts[0]}
 

@@ -43,8 +43,7 @@ def sft_config(config: ConfigDict) -> ConfigDict:
 
 
 def fingerprint(config: ConfigDict) -> str:
-    """16 hex digits of SHA-256 over the SFT config's fields that train it, the tokenizer's
-    chat template and `SOURCES`."""
+    """16 hex digits of SHA-256 over what trains the SFT model, its chat template and `SOURCES`."""
     sft = sft_config(config)
     fields = {"tokenizer": sft.tokenizer, "seed": sft.seed,
               "prompt_style": sft.rollout.prompt_style,
@@ -112,8 +111,7 @@ def _ensure_local(config: ConfigDict) -> Path:
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
-    """Renames the complete build `tmp` to `target`, or drops it when another process finished
-    the same build first."""
+    """Renames build `tmp` to `target`, or drops it when another process finished first."""
     try:
         os.replace(tmp, target)
     except OSError:  # another process finished the same build first: keep its copy
