@@ -75,8 +75,7 @@ class CheckpointUnavailable(RuntimeError):
 
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints under `directory`; `config` (JSON), when given, is saved
-    in every checkpoint's meta under `CONFIG_KEY`."""
+    """Keeps the last `keep` checkpoints under `directory`, `config` (if any) in each meta."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
                  config: dict | None = None):
@@ -93,7 +92,7 @@ class Checkpointer:
         self._pending: int | None = None
 
     def save(self, step: int, state: Any, meta: dict, arrays: Any = None) -> None:
-        """Starts saving `state`, `meta` and `arrays` (if any) as `step`; raises if a save
+        """Starts saving `state`, `meta` and `arrays` as `step`; raises if an earlier save
         failed."""
         self.wait()
         meta = {**meta, FINGERPRINT_KEY: fingerprint(state)}
@@ -120,8 +119,7 @@ class Checkpointer:
         self._pending = None
 
     def steps(self) -> list[int]:
-        """The steps checkpointed, once the pending save is committed: process 0's list on
-        every process (a collective with several processes)."""
+        """The committed steps: process 0's list on every process (a collective)."""
         self.wait()
         return _process_0_value(lambda: list(self.manager.all_steps()))
 
@@ -313,8 +311,7 @@ def _process_0_value(read: Callable[[], Any]) -> Any:
 
 
 def _listed(read: Callable[[], Any], what: str) -> Any:
-    """Process 0's `read()` (JSON, with retries) on every process; a failure there raises
-    `CheckpointUnavailable` with the same message on every process."""
+    """Process 0's `read()` (JSON, retried) on every process, or the same error on every one."""
     def read_or_error():
         value, error = _read_with_retries(read, what)
         if error is not None and not isinstance(error, CheckpointUnavailable):
@@ -423,8 +420,7 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """The steps under `directory` whose save was committed, newest first (read only: nothing
-    is cleaned up or set aside, so a run may keep saving there)."""
+    """The committed steps under `directory`, newest first (read only: nothing set aside)."""
     path = epath.Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {path}")

@@ -42,8 +42,7 @@ def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:
-    """The rows of `workdir/metrics.jsonl` in step order ([] when there is none), up to a line
-    cut short by a crash (`metrics.read_rows`)."""
+    """The rows of `workdir/metrics.jsonl` in step order, up to a line a crash cut."""
     path = storage.path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []

@@ -61,8 +61,7 @@ def cluster_detected(environ: dict[str, str] | None = None) -> bool:
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, mode: str = "auto",
                heartbeat_timeout_s: int = 60) -> bool:
-    """Starts `jax.distributed` when this is one of several processes (unset arguments: jax's
-    cluster detection); returns whether it runs."""
+    """Starts `jax.distributed` when this is one of several processes; whether it runs."""
     if mode not in MODES:
         raise ValueError(f"distributed: {mode!r} is not one of {MODES}")
     if num_processes is not None and num_processes < 1:
@@ -79,8 +78,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def initialize_from_flags() -> bool:
-    """`initialize` from the `--distributed`, `--coordinator_address`, `--num_processes`,
-    `--process_id` and `--heartbeat_timeout_s` flags."""
+    """`initialize` from this module's flags."""
     return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MODE.value,
                       _HEARTBEAT.value)
 
@@ -309,8 +307,8 @@ class HostGroup:
     def __init__(self, name: str, timeout_s: float | None = None, *,
                  log_every_s: float = LOG_EVERY_S, client=None, process: int | None = None,
                  processes: int | None = None):
-        """`client`, `process`, `processes`: the coordination service client, this process's
-        index and the process count (default: jax's)."""
+        """The coordination service `client`, this `process` and the `processes` (default:
+        jax's)."""
         self.name = name
         self.count = jax.process_count() if processes is None else processes
         self.index = jax.process_index() if process is None else process
@@ -373,8 +371,8 @@ class HostGroup:
         return sorted(set(range(self.count)) - written)
 
     def _wait(self, key: str, missing) -> str:
-        """`key`'s value once written, waiting in slices of `log_every_s` that log the hosts
-        `missing()` names; the run ends (`end_run`) after `timeout_s`."""
+        """`key`'s value once written, logging the `missing()` hosts; `end_run` after
+        `timeout_s`."""
         start = time.monotonic()
         while True:
             left = self.timeout_s - (time.monotonic() - start)

@@ -13,8 +13,7 @@ from mars_jax import storage
 
 
 class StepProfiler:
-    """Traces from the start of the first step in `steps` = (first, last) that runs to the end
-    of step `last`; `steps` empty: nothing is traced."""
+    """Traces the steps `steps` = (first, last) that run (empty: none)."""
 
     def __init__(self, steps: Sequence[int], logdir: str | os.PathLike):
         self.first, self.last = (tuple(steps) or (0, -1))
@@ -23,7 +22,7 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         """Starts the trace if `step` is the first traced step that runs (a resume may start
-        inside)."""
+        late)."""
         if self._staging is None and self.first <= step <= self.last:
             self._staging = storage.LocalStaging(self.logdir)
             options = jax.profiler.ProfileOptions()

@@ -207,8 +207,7 @@ class MeshSplit:
 def make_meshes(split: MeshSplit | Mapping[str, Any],
                 devices: Sequence[jax.Device] | None = None,
                 process: int | None = None) -> tuple[Mesh, Mesh]:
-    """(training mesh, this process's rollout mesh) over `devices` (default: all) as `MeshSplit`
-    describes; devices keep their order within a process."""
+    """(training mesh, this process's rollout mesh) over `devices` as `MeshSplit` says."""
     if not isinstance(split, MeshSplit):
         split = MeshSplit.from_mapping(split)
     devices = list(jax.devices() if devices is None else devices)
@@ -347,8 +346,7 @@ def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
 
 
 def fetch(tree):
-    """`tree`'s arrays as numpy on this host: whole when sharded over other hosts' devices (then
-    a collective), locally when on this host's devices alone."""
+    """`tree`'s arrays as numpy on this host (a collective where other hosts hold shards)."""
     local = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
     if jax.process_count() == 1 or local:
         return jax.device_get(tree)

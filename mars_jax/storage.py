@@ -73,8 +73,7 @@ def files(directory: str | os.PathLike) -> list[str]:
 
 
 def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Copies every file under directory `source` to the same relative path under `target`
-    (either side local or remote); existing files are overwritten."""
+    """Copies every file under `source` to the same path under `target`, overwriting."""
     source, target = path(source), path(target)
     for name in files(source):
         destination = target / name
@@ -83,8 +82,7 @@ def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Moves directory `source` to `target` (same storage); an object store has no rename, so
-    there every file is copied, then `source` deleted."""
+    """Moves directory `source` to `target` (same storage; objects copied, then deleted)."""
     source, target = path(source), path(target)
     if is_remote(source):
         copy_tree(source, target)
@@ -95,8 +93,7 @@ def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 class LocalStaging:
-    """A local directory for a tool that writes only local files, copied to `target` by
-    `publish()`; for a local `target`, `target` itself."""
+    """A local directory for a tool that writes only local files, copied up by `publish()`."""
 
     def __init__(self, target: str | os.PathLike):
         self.target = path(target)

@@ -84,8 +84,7 @@ def evaluate(
 
 
 def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Record:
-    """The JSON record of one loop run, graded by `stages.correct`; the Solver on its first
-    attempt, as a lone Solver sample would be."""
+    """The JSON record of one loop run, graded by `stages.correct` (the Solver's first try)."""
     first = stages.parse_solution(result.steps[0].completion)
     outputs = [first, *(c.output for c in result.candidates)]
     solver_correct, *candidates_correct = stages.correct(outputs, [problem.answer] * len(outputs))
@@ -149,8 +148,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _load_records(path: str) -> dict[tuple[str, int], Record]:
-    """Records already in `path` by (problem id, sample); undecodable lines (a cut write) are
-    dropped and the file rewritten atomically without them."""
+    """Records in `path` by (problem id, sample), undecodable lines dropped from the file."""
     if not storage.path(path).exists():
         return {}
     records: dict[tuple[str, int], Record] = {}

@@ -122,8 +122,7 @@ def bootstrap(scores: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
 
 def bootstrap_difference(a: np.ndarray, b: np.ndarray, *, resamples: int = RESAMPLES,
                          seed: int = 0, level: float = LEVEL) -> Interval:
-    """mean(a) - mean(b) and its interval: the same problem draws for both (paired; columns are
-    the same problems), each model's runs drawn independently."""
+    """mean(a) - mean(b) and its interval, problems drawn paired, runs apart."""
     a, b = _check(a), _check(b)
     return bootstrap_statistic([a, b], lambda t: t[0] / a.size - t[1] / b.size,
                                resamples=resamples, seed=seed, level=level)
@@ -222,8 +221,7 @@ def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
 
 def verification_pairs(records: Iterable[Record], *,
                        first_only: bool) -> list[tuple[bool, bool | None]]:
-    """(candidate actually correct, verdict) of every verification in `records`, or with
-    `first_only` of each run's first (the Solver's candidate)."""
+    """(candidate correct, verdict) of every verification, or of each run's first."""
     pairs = []
     for record in records:
         for candidate in record["candidates"][:1] if first_only else record["candidates"]:

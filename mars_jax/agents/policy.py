@@ -12,8 +12,7 @@ from mars_jax.types import ROLES
 
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
-    """One chat to complete: `messages` ({'role', 'content'} turns), the asking agent's `role`
-    (for routing and metrics) and its `max_new_tokens`."""
+    """One chat to complete: `messages`, the asking agent's `role`, its `max_new_tokens`."""
 
     messages: tuple[dict[str, str], ...]
     role: str
@@ -44,8 +43,7 @@ class Policy(Protocol):
 
 
 class RoutedPolicy:
-    """Sends each request to the policy registered for its role: one `complete` call per distinct
-    policy, completions merged back in request order."""
+    """Sends each request to the policy registered for its role, keeping request order."""
 
     def __init__(self, default: Policy, by_role: Mapping[str, Policy]):
         unknown = set(by_role) - set(ROLES)

@@ -76,8 +76,7 @@ def parse_verification(completion: Completion) -> VerificationOutput:
 
 
 def correct(outputs: list[SolutionOutput], golds: list[str]) -> list[bool]:
-    """Per output: usable, and its boxed answer equivalent to its gold (`grader`, in parallel);
-    an unusable output is never graded."""
+    """Per output: usable and its boxed answer equivalent to its gold (`grader`)."""
     graded = [i for i, out in enumerate(outputs) if out.usable and out.answer is not None]
     result = [False] * len(outputs)
     hits = is_equivalent_many([outputs[i].answer for i in graded], [golds[i] for i in graded])

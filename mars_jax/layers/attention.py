@@ -23,8 +23,7 @@ from mars_jax.layers.paged_kv import PagedKVCache
 from mars_jax.layers.params import constant_param, normal_param
 
 class KVCache(NamedTuple):
-    """One layer's cache in the layouts a decode step's matmuls read directly: `k [B, K, D,
-    length]` (transposed), `v [B, K, length, D]`."""
+    """One layer's cache as a decode step's matmuls read it: `k [B, K, D, S]`, `v [B, K, S, D]`."""
 
     k: jax.Array
     v: jax.Array
@@ -46,8 +45,7 @@ def stacked_cache_layout(layers: int, batch: int, length: int, kv_heads: int, he
 
 @struct.dataclass
 class LayerKVCache:
-    """Layer `layer` of a cache stacked over layers; writes update the stacked arrays, so a layer
-    loop or scan carrying them writes in place."""
+    """Layer `layer` of a cache stacked over layers, read and written in place."""
 
     k: jax.Array
     v: jax.Array
@@ -61,8 +59,7 @@ class LayerKVCache:
         return k[0], v[0]
 
     def write(self, k: jax.Array, v: jax.Array, index: jax.Array | int) -> "LayerKVCache":
-        """New keys and values `[B, T, K, D]` written at positions index.. index+T of the
-        layer (`index`: one position, or one per row `[B]`)."""
+        """New keys and values `[B, T, K, D]` written at `index` (one position, or one per row)."""
         at = self.layer
         if jnp.ndim(index) == 1:  # one scatter into the stacks (no transposed copy of them)
             rows = jnp.arange(k.shape[0])[:, None]
@@ -123,8 +120,7 @@ def causal_blocks(length: int) -> int:
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                    scale: float) -> jax.Array:
-    """`dot_product_attention` of a sequence over itself (`mask.offset` 0) by `causal_blocks(T)`
-    query blocks, each over the keys up to its end."""
+    """`dot_product_attention` of a sequence over itself, by `causal_blocks(T)` query blocks."""
     length = q.shape[1]
     blocks = causal_blocks(length)
     size = length // blocks
@@ -184,8 +180,7 @@ class Attention(nnx.Module):
         return y
 
     def _use_flash(self, q: jax.Array, keys: int) -> bool:
-        """Whether `impl` runs the blockwise kernel for queries `q` `[B, T, heads, D]` over
-        `keys` keys (see the module docstring)."""
+        """Whether `impl` runs the blockwise kernel for queries `q` over `keys` keys."""
         batch, length, heads, _ = q.shape
         if self.impl != "auto":
             return self.impl == "flash" and length > 1

@@ -37,8 +37,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 
 def _manual(kernel):
-    """`kernel` in a `shard_map` over the mesh axes not manual yet, replicated over them: XLA
-    cannot partition a Pallas Mosaic kernel."""
+    """`kernel` in a `shard_map` over the automatic mesh axes: XLA cannot partition it."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
             if kind != jax.sharding.AxisType.Manual}

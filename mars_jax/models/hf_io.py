@@ -32,8 +32,7 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    """How one of our parameters is stored in HF tensors: `names(e)` (per expert `e` when
-    stacked), `to_ours` and its inverse `to_hf`."""
+    """How one of our parameters is stored in HF tensors (`names`, `to_ours`, `to_hf`)."""
 
     names: Callable[[int | None], tuple[str, ...]]
     to_ours: Callable[[list[np.ndarray]], np.ndarray]

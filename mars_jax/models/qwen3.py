@@ -37,8 +37,7 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
 
 
 def positions_from_segments(segments: jax.Array) -> jax.Array:
-    """Position ids of packed rows `[B, T]` (each example a run of one segment id): they restart
-    at 0 where the segment id changes."""
+    """Position ids of packed rows `[B, T]`, restarting at 0 where the segment id changes."""
     index = jnp.broadcast_to(jnp.arange(segments.shape[-1]), segments.shape)
     changed = jnp.concatenate([jnp.ones_like(segments[..., :1], bool),
                                segments[..., 1:] != segments[..., :-1]], axis=-1)

@@ -21,8 +21,7 @@ _pool_lock = threading.Lock()
 
 
 def extract_answer(text: str, *, thinking_open: bool = False) -> str | None:
-    """The last `\\boxed{...}` / `\\fbox{...}` content outside thinking, stripped; None without a
-    complete box (`text.strip_thinking`)."""
+    """The last complete `\\boxed{}` / `\\fbox{}` content outside thinking, stripped, or None."""
     boxed = last_boxed(strip_thinking(text, thinking_open=thinking_open))
     return None if boxed is None else boxed.strip()
 
@@ -119,8 +118,7 @@ def is_equivalent_many(
 
 def grade(response: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT,
           thinking_open: bool = False) -> bool:
-    """Whether a whole model `response` boxes an answer equivalent to `gold` (outside thinking;
-    `thinking_open` as in `extract_answer`)."""
+    """Whether `response` boxes an answer equivalent to `gold` outside thinking."""
     return grade_many([response], [gold], timeout=timeout, num_workers=None,
                       thinking_open=thinking_open)[0]
 

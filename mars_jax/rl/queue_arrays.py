@@ -18,8 +18,7 @@ def _is_record(value) -> bool:
 
 
 def pack(state) -> tuple[dict, dict[str, np.ndarray]]:
-    """(`state` with its rollout records' ids, log-probabilities and texts replaced by
-    references, the arrays they refer to)."""
+    """(`state` with its records' ids, log-probabilities and texts as references, the arrays)."""
     prompts: dict[tuple[int, ...], int] = {}
     solutions: dict[str, int] = {}
     prompt_ids: list[list[int]] = []
@@ -98,8 +97,7 @@ def unpack(packed: dict, arrays: dict[str, np.ndarray],
 
 
 def host_blocks(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`pack`'s arrays as `distributed.host_arrays` takes them: each `[1, n, 1]`, the 32-bit
-    words of its values as uint32."""
+    """`pack`'s arrays as `distributed.host_arrays` takes them: uint32 words, `[1, n, 1]`."""
     return {name: np.ascontiguousarray(x, ARRAYS[name]).view(np.uint32)[None, :, None]
             for name, x in arrays.items()}
 

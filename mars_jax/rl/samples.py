@@ -38,8 +38,7 @@ class SampleRules:
 
 def training_samples(groups: Sequence[list[Rollout]], *, rules: SampleRules,
                      normalize_std: bool) -> list[TrainSample]:
-    """The `TrainSample`s of complete `groups` by `rules`, with GRPO advantages within each group
-    (`advantages.group_advantages_np`)."""
+    """The `TrainSample`s of complete `groups` by `rules`, with GRPO advantages per group."""
     if not groups:
         return []
     members = [r for g in groups for r in g]

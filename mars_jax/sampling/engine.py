@@ -265,8 +265,7 @@ class Engine(SlotScheduler):
         return ids
 
     def recompute(self, request_ids: Sequence[int]) -> None:
-        """Re-prefills the KV of requests in slots from prompt + tokens so far under the current
-        weights; they go on with the same PRNG steps and budgets."""
+        """Re-prefills `request_ids` (in slots) under the current weights; same PRNG steps."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
@@ -355,8 +354,7 @@ class Engine(SlotScheduler):
         self.stats["shrinks"] += 1
 
     def _room_for(self, rows: int) -> bool:
-        """Whether `rows` gathered rows of the slot state fit in each device's free memory (True
-        where the backend does not report memory)."""
+        """Whether `rows` gathered rows of the slot state fit each device's free memory."""
         free = device_free_bytes(self._devices())
         if free is None or bytes_per_row(self.state, self.state.length.shape[0]) * rows <= free:
             return True
@@ -389,8 +387,7 @@ class Engine(SlotScheduler):
         return slot
 
     def _admit(self) -> None:
-        """Fills free slots from the queue (`_admit_queued`), prefilling new prompts together in
-        the parts `kv_memory.prefill_parts` makes."""
+        """Fills free slots from the queue, prefilling new prompts together (`_admit_queued`)."""
         admitted = self._admit_queued(self._place)
         if not admitted:
             return
@@ -516,8 +513,7 @@ class Engine(SlotScheduler):
         self.page_table.make_room(running, self._preempt)
 
     def _preempt(self, slot: int) -> None:
-        """Stops `slot`'s request, freeing its slot and pages; it waits at the front of the
-        queue, to be re-prefilled from prompt + tokens."""
+        """Stops `slot`'s request, freeing slot and pages; it waits at the queue's front."""
         request = self._requests[self._slots[slot]]
         request.routing = self._recorded_routing(request)
         self.state = programs.deactivate(self.state, np.int32(self._row(slot)))

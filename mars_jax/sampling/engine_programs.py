@@ -90,8 +90,7 @@ def _pinned_pool(pool: KVCache | None) -> KVCache | None:
 
 
 def _slots_sharded(num_slots: int) -> bool:
-    """Whether the current mesh (if any) splits a slot axis of `num_slots` rows into more than
-    one shard (mesh axes of size 1 split nothing)."""
+    """Whether the current mesh splits a slot axis of `num_slots` rows."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return False
@@ -175,8 +174,7 @@ def stack_weights(model: Qwen3):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "shards", "pages", "page_size"))
 def init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int) -> KVCache:
-    """Zeroed page pools of every layer, `shards` of `pages` pages a layer each
-    (`paged_kv`'s layouts: layer l's pages are the l-th block of a pool's)."""
+    """Zeroed page pools of every layer: `shards` pools of `pages` pages a layer."""
     cfg = merged(graphdef, weights)[0].config
     shape = (shards, cfg.num_key_value_heads, cfg.num_hidden_layers * pages, page_size,
              cfg.head_dim)
@@ -321,8 +319,7 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
 def insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
            budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
            ) -> tuple[SlotState, KVCache | None]:
-    """`state` with slot `slot` holding row `row` of the prompt cache (paged: in pages
-    `page_ids`) and the request's settings, active; written in place."""
+    """`state` with slot `slot` holding prompt-cache row `row` and the request, active."""
     if pool is None:
         c = state.cache
         span = min(cache.v.shape[3], c.v.shape[3])  # what a slot holds
@@ -366,8 +363,7 @@ def deactivate(state: SlotState, slot) -> SlotState:
 
 @jax.jit
 def take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
-    """The state of slots `index`, KV cache included (rows where `live` is False idle), copied
-    one row at a time (no gather of all slots)."""
+    """The state of slots `index` (idle where not `live`), copied one row at a time."""
     rows = index.shape[0]
     empty = lambda x, axis: jnp.zeros(x.shape[:axis] + (rows,) + x.shape[axis + 1:], x.dtype)
     part = _pinned(_map_rows(empty, state))

@@ -14,8 +14,7 @@ from mars_jax.sampling.sampler import prompt_bucket
 
 
 def bytes_per_row(tree: Any, rows: int) -> float:
-    """Bytes one of the `rows` rows of `tree`'s arrays takes on the fullest device (every leaf's
-    largest shard, summed, over `rows`)."""
+    """Bytes one of the `rows` rows of `tree`'s arrays takes on the fullest device."""
     return sum(max(shard.data.nbytes for shard in leaf.addressable_shards)
                for leaf in jax.tree.leaves(tree)) / rows
 

@@ -35,8 +35,7 @@ class PageTable:
         return min(-(-positions // self.page_size), self.pages_per_slot)
 
     def grow(self, slot: int, positions: int) -> bool:
-        """Extends `slot`'s pages to hold `positions`; False, taking none, if its pool lacks
-        them."""
+        """Extends `slot`'s pages to hold `positions`; False, taking none, if its pool is short."""
         owned, free = self.owned[slot], self.free[self.pool(slot)]
         need = self.pages_for(positions) - len(owned)
         if need > len(free):

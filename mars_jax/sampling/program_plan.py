@@ -114,8 +114,7 @@ def deactivate(args: Args, state) -> Program:
 
 
 class AbstractArgs:
-    """Abstract arrays on `mesh` (for lowering without devices), each placed by its logical
-    axis names; scalars replicated."""
+    """Abstract arrays on `mesh` placed by their logical axis names; scalars replicated."""
 
     def __init__(self, mesh: jax.sharding.Mesh):
         self.mesh = mesh

@@ -148,8 +148,7 @@ def continue_decode(graphdef, weights, state, temperature, end_step, *, params: 
 
 
 def batch_shards(mesh: jax.sharding.Mesh | None) -> int:
-    """How many shards the mesh's batch axes split a decode batch (or an engine's slots) into:
-    its rows must be a multiple of this; 1 without a mesh."""
+    """How many shards the mesh's batch axes split a decode batch into (1 without a mesh)."""
     if mesh is None:
         return 1
     axes = sharding.spec_axes(sharding.logical_to_spec(("batch",))[0])
@@ -312,8 +311,7 @@ class _Row:
 
 
 def _host_rows(state: DecodeState, rows: dict[int, int]) -> dict[int, _Row]:
-    """`{prompt index: _Row}` for `rows` = `{state row: prompt index}` (a collective on several
-    processes: every host reads the whole state)."""
+    """`{prompt index: _Row}` for `rows` = `{state row: prompt index}` (a collective)."""
     tokens, logprobs, lengths, hit_stop, prompt_lengths = sharding.fetch(
         (state.tokens, state.logprobs, state.lengths, state.hit_stop, state.prompt_lengths))
     experts = None if state.experts is None else np.asarray(sharding.fetch(state.experts))

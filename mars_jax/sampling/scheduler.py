@@ -15,8 +15,7 @@ from mars_jax.buckets import pow2_at_least
 
 @dataclasses.dataclass
 class Group:
-    """A prompt shared by `waiting` queued requests; `prefilled` (the engine's prefill of it, or
-    None) is kept until every member has a slot."""
+    """A prompt shared by `waiting` queued requests; `prefilled` kept until all have a slot."""
 
     prompt: list[int]
     waiting: int
@@ -33,8 +32,7 @@ class Request(Protocol):
 
 
 def bucket_rows(per_block: int, *, pools: int = 1, shards: int = 1) -> int:
-    """Rows of a slot bucket holding `per_block` requests in each of `pools` blocks, rounded up
-    to a multiple of the mesh's `shards` batch shards."""
+    """Rows of a slot bucket: `per_block` in each of `pools` blocks, a multiple of `shards`."""
     return -(-per_block * pools // shards) * shards
 
 
@@ -84,8 +82,7 @@ def shrink_plan(slots: list[int], *, current_rows: int, row_of: Callable[[int], 
 
 
 class SlotScheduler:
-    """Requests queued for `num_slots` decode slots (module docstring). Subclasses implement
-    `_step`; `_running` holds the ids of the requests decoding."""
+    """Requests queued for `num_slots` decode slots; subclasses implement `_step`."""
 
     def __init__(self, num_slots: int, *, admit_batch: int = 1):
         self.num_slots, self.admit_batch = num_slots, max(1, admit_batch)

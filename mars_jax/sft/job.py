@@ -55,16 +55,14 @@ def build_model(config: ConfigDict) -> Qwen3:
 
 
 def _save_model(model: Qwen3, target: str | os.PathLike) -> None:
-    """`save_pretrained` to `target`, a local path or `gs://` URL (there: written to a local
-    directory, then copied up)."""
+    """`save_pretrained` to `target`, local or `gs://` (staged locally, then copied up)."""
     staging = storage.LocalStaging(target)
     save_pretrained(model, staging.local)
     staging.publish()
 
 
 def run(config: ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `sft.steps` steps (`sft.stop_at` when set) and returns the final held-out losses
-    (also in `summary.json`)."""
+    """Trains `sft.steps` steps (`sft.stop_at` if set); returns the final held-out losses."""
     s, out = config.sft, storage.path(workdir)
     last = s.stop_at or s.steps
     out.mkdir(parents=True, exist_ok=True)

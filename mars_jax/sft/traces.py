@@ -44,8 +44,7 @@ MODULUS = 10
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One reduction `left op right -> result` (off when slipped); `rest`: the expression after
-    it."""
+    """One reduction `left op right -> result` (off when slipped); `rest`: what is left after it."""
 
     left: int
     op: str
@@ -167,8 +166,7 @@ def solution_text(expr: Expr, value: int) -> str:
 
 
 def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
-    """The Solver / Corrector reply: thinking through `steps` (when there are several), then the
-    solution with the value they reach."""
+    """The Solver / Corrector reply: thinking through `steps` (if several), then the solution."""
     solution = solution_text(expr, steps[-1].result)
     return solution if len(steps) == 1 else thinking_text([s.line for s in steps]) + solution
 
