@@ -368,9 +368,8 @@ def is_damage(error: BaseException) -> bool:
 
 
 def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:
-    """Up to `limit` differences between the paths, shapes and dtypes of checkpoint metadata
-    `saved` and abstract state `target` (leaves without a dtype by path only); empty when they
-    agree."""
+    """Up to `limit` differences in paths, shapes and dtypes between checkpoint metadata `saved`
+    and abstract state `target`; empty when they agree."""
     have, want = ocp.tree.to_flat_dict(saved), ocp.tree.to_flat_dict(target)
     name = lambda path: ".".join(map(str, path))
     found = [f"{name(p)} is missing from the checkpoint" for p in want if p not in have]

@@ -27,9 +27,9 @@ def _finite(value) -> bool:
 
 
 def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
-    """The progress bar's postfix: this step's mean reward per role with samples, the share cut
-    off by the token budget (`cut 75%`) and the Verifier replies without a readable verdict (`no
-    verdict 40%`), each when not zero."""
+    """The progress bar's postfix: this step's mean reward per role, and where not zero the share
+    cut off by the token budget (`cut 75%`) and of Verifier replies without a verdict (`no
+    verdict 40%`)."""
     out = {}
     for role in ROLES:
         reward, cut = metrics.get(f"reward/{role}"), metrics.get(f"truncated/{role}")

@@ -98,9 +98,8 @@ def end_run(message: str) -> NoReturn:
 
 
 def exit_process(code: int, within_s: float | None = None) -> NoReturn:
-    """Flushes logs, leaves `jax.distributed` with the other processes, then `os._exit(code)` (at
-    the latest after `within_s`): a normal exit's teardown would make each host wait for the
-    slowest."""
+    """Leaves `jax.distributed` with the other processes, then `os._exit(code)` (at the latest
+    after `within_s`): a normal exit's teardown would make each host wait for the slowest."""
     _flush()
     if within_s is not None:
         timer = threading.Timer(within_s, _force_exit, [code, within_s])

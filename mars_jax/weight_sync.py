@@ -51,9 +51,8 @@ def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
 
 
 def copy_weights(params: nnx.State, shardings: nnx.State) -> tuple[nnx.State, Transfer]:
-    """`params` put into `shardings` (`rollout_shardings`), waited for, and what the copy moved.
-    Sources are not donated; an array already in its destination sharding is returned as is, so a
-    later donation of the source reaches it too."""
+    """`params` put into `shardings`, waited for, and what the copy moved. An array already in
+    place is returned as is, not copied: donating the source later donates it too."""
     total, per_device = transfer_bytes(params, shardings)
     start = time.perf_counter()
     copied = jax.block_until_ready(jax.device_put(params, shardings))

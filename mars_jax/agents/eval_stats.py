@@ -87,9 +87,8 @@ def _check(array: np.ndarray) -> np.ndarray:
 def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
                         resamples: int = RESAMPLES, seed: int = 0,
                         level: float = LEVEL) -> Interval:
-    """A statistic of several models' per-(run, problem) values and its interval. `arrays[i]` is
-    model i's `[runs, problems, *features]` (or `[problems]`); `statistic` maps the models'
-    totals to values. Replicates where it is NaN are left out (`Interval.undefined`)."""
+    """A statistic of several models' per-(run, problem) values `arrays` and its interval;
+    replicates where it is NaN are left out (`Interval.undefined`)."""
     arrays = [_check(a) for a in arrays]
     problems = arrays[0].shape[1]
     if any(a.shape[1] != problems for a in arrays):

@@ -39,9 +39,8 @@ class _Fatal(Exception):
 
 
 class HttpPolicy:
-    """OpenAI-compatible chat-completions client; `base_url` includes the API prefix (e.g.
-    "http://localhost:8000/v1"), `extra_body` fields are merged into (and override) every
-    request."""
+    """OpenAI-compatible chat-completions client; `base_url` includes the API prefix,
+    `extra_body` fields are merged into every request."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float,
                  top_p: float, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 32,

@@ -14,9 +14,8 @@ if TYPE_CHECKING:  # the agents package does not pull in JAX and the model code 
 
 
 class SamplerPolicy:
-    """In-process policy over `model` and its `tokenizer` (with the model's chat template);
-    `engine` is the decode engine (`sampling.EngineSettings`), `enable_thinking` renders the
-    template in thinking mode."""
+    """In-process policy over `model` and its `tokenizer`, decoding on `engine`
+    (`sampling.EngineSettings`)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, temperature: float, top_p: float,
                  top_k: int = 0, engine: "EngineSettings", enable_thinking: bool = False):

@@ -62,9 +62,8 @@ def generate_problems(
     id_prefix: str | None = None,
     exclude: frozenset[str] = frozenset(),
 ) -> list[dict]:
-    """`num` distinct problems, each {`id`, `problem`, `answer` (exact integer as a string),
-    `num_ops`}, the same for the same arguments, avoiding the texts in `exclude`. ValueError if
-    the knobs allow fewer than `num` distinct problems."""
+    """`num` distinct problems, each {`id`, `problem`, `answer`, `num_ops`}, deterministic in the
+    arguments, avoiding `exclude`; ValueError if the knobs allow fewer."""
     if not isinstance(num_ops, int) and len(num_ops) != 2:
         raise ValueError(f"num_ops: an int or a (low, high) pair, got {num_ops!r}")
     low, high = (num_ops, num_ops) if isinstance(num_ops, int) else num_ops
@@ -94,9 +93,8 @@ def generate_problems(
 
 
 def load_split(split: str, *, sizes: tuple[int, int] | None = None, **knobs) -> list[dict]:
-    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from the test split drawn
-    with the same `sizes` and `knobs` (`generate_problems`' difficulty knobs); `sizes` (train,
-    test) replaces `SPLITS`' sizes."""
+    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from test drawn with the
+    same `sizes` and `knobs`."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} of 'arith'; valid splits: {', '.join(SPLITS)}")
     unknown = set(knobs) - {"num_ops", "max_operand", "operators"}

@@ -171,7 +171,7 @@ def _write_jsonl(path: str, rows: Sequence[dict]) -> None:
 
 
 def convert_from_hub(out: str, hub: HubReader, names: Sequence[str] | None = None) -> list[str]:
-    """Converts `names` (default: all) from the HF Hub into `out`, with a manifest each; returns
+    """Converts `names` (default: all) from the HF Hub into `out` with a manifest each; returns
     their paths. ValueError names a row that cannot be converted or loaded; that dataset is not
     written."""
     if GRADER_CASES in (names or ()):

@@ -219,9 +219,8 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
 
 def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
-    """Whether the tokens of `ep` shards are fewer elements than one chip's share of the experts
-    (each chip's grouped matmuls receive every gathered assignment), so gathering them moves
-    less."""
+    """Whether the tokens of `ep` shards are fewer elements than one chip's share of the experts,
+    so gathering them moves less."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
     return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // (size(ep) * size(tensor))
@@ -264,9 +263,8 @@ def _block_forward(xb, wi_e, wo_e):
 
 @jax.custom_vjp
 def _expert_blocks(blocks, block_expert, used, wi, wo):
-    """`[NB, bs, H]` token blocks, each through its own expert's SwiGLU (unused blocks -> 0). The
-    custom backward adds each block's weight gradient into its expert's slice only, not a full
-    `[E, ...]`."""
+    """`[NB, bs, H]` token blocks, each through its expert's SwiGLU; the custom backward adds a
+    block's weight gradient into its expert's slice only."""
     def block(_, inputs):
         xb, e, is_used = inputs
         out = jax.lax.cond(is_used, lambda: _block_forward(xb, wi[e], wo[e])[0],

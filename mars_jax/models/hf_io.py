@@ -187,9 +187,8 @@ def _validate_shapes(maps: dict[tuple, TensorMap], store: _SafetensorsDir,
 def from_pretrained(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
                     **config_overrides: Any) -> Qwen3:
-    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory (config: `model.config`);
-    `config_overrides` set `Qwen3Config` fields (e.g. `param_dtype`, `dtype`, `moe_impl`); with
-    `mesh`, parameters load into their shardings."""
+    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory; `config_overrides` set `Qwen3Config`
+    fields; with `mesh`, parameters load into their shardings."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")

@@ -178,9 +178,8 @@ class Engine(SlotScheduler):
         return 0 if self.page_table is None else self.page_table.pages_for(positions)
 
     def update_weights(self, model: Qwen3) -> None:
-        """Reads `model`'s current arrays for later steps, prefills and `recompute`s, dropping
-        queued prefills. With `scan_layers` the engine keeps its own stacked copy of the layer
-        weights."""
+        """Reads `model`'s current arrays for later steps, dropping queued prefills; with
+        `scan_layers` the engine keeps its own stacked copy of the layer weights."""
         self.weights = None  # the old stacked copy freed before the new one is made
         if self.scan_layers:
             self.graphdef, self.weights = stack_weights(model)
@@ -374,8 +373,7 @@ class Engine(SlotScheduler):
 
     def _place(self, request: _Request) -> int | None:
         """A free slot for `request`, or None; paged, the first whose pool holds its first chunk
-        beside the running requests' next chunks (so admitting it preempts nobody), those pages
-        taken."""
+        beside the running requests' next chunks (so admitting it preempts nobody)."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self.page_table is None:
             return free[0] if free else None

@@ -23,8 +23,7 @@ ARGS = plan.ServingArgs()
 def compile_ahead(engine: Engine, prompt_lengths: Sequence[int], *, threads: int | None = None
                   ) -> int:
     """Compiles, `threads` at a time, the programs `engine` reaches serving prompts of
-    `prompt_lengths` tokens; returns how many. Only the routing write-back (`record_routing`) may
-    still compile later."""
+    `prompt_lengths` tokens; returns how many."""
     prompt_lengths = list(prompt_lengths)
     if any(n < 1 or n > engine.max_length for n in prompt_lengths):
         raise ValueError(f"prompt_lengths: each must be in [1, max_length={engine.max_length}]")

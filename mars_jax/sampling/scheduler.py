@@ -63,9 +63,8 @@ class ShrinkPlan:
 def shrink_plan(slots: list[int], *, current_rows: int, row_of: Callable[[int], int],
                 block_of: Callable[[int], int], pools: int = 1, shards: int = 1
                 ) -> ShrinkPlan | None:
-    """The smaller bucket for running `slots`, if one at most half of `current_rows` holds them,
-    else None; block b's slots (one block per page pool) fill rows from b * stride, in slot
-    order."""
+    """The smaller bucket for running `slots` if one at most half of `current_rows` holds them,
+    each page pool's slots in its own block of rows; else None."""
     blocks: list[list[int]] = [[] for _ in range(pools)]
     for slot in slots:
         blocks[block_of(slot) if pools > 1 else 0].append(slot)

@@ -193,9 +193,8 @@ def verifier_text(expr: Expr, claimed: int) -> str:
 
 def make_examples(problem: str, rng: random.Random, *, solver_error_rate: float,
                   verifier_flawed_rate: float, style: str = "compact") -> list[Example]:
-    """A Solver, a Verifier and a Corrector example for one problem; the Solver's reply is flawed
-    with probability `solver_error_rate`, the Verifier's judged solution with
-    `verifier_flawed_rate`."""
+    """A Solver, a Verifier and a Corrector example for one problem, flawed with probabilities
+    `solver_error_rate` (Solver) and `verifier_flawed_rate` (the Verifier's judged solution)."""
     expr = parse_problem(problem)
     good, bad = solve(expr), flawed_steps(expr, rng)
     wrong = bad[-1].result
