@@ -1,10 +1,9 @@
 """Preemption notices: SIGTERM becomes a flag that long loops read between units of work.
 
-Loops taking `should_stop` raise `Stopped` between units, with several hosts only where all agreed;
-the job saves and raises `Preempted` (exit 75: rerun the same command). A watchdog exits with 75
-whatever the process does, `Notice.watchdog_s` after the notice, leaving the agreed stop its chance
-first. The notice also comes through `signal.set_wakeup_fd` read by a thread, since a Python handler
-cannot run while the main thread is blocked in a native call.
+Loops taking `should_stop` raise `Stopped` between units (with several hosts, only where all
+agreed); the job saves and raises `Preempted` (exit 75: rerun the same command). A watchdog exits
+with 75 whatever the process does, `Notice.watchdog_s` after the notice. The notice also comes
+through `signal.set_wakeup_fd`, since a Python handler cannot run during a blocking native call.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Statistics of avg@k evaluation records (`eval.make_record`), with percentile bootstrap intervals.
-
-A model's scores are a matrix `[runs, problems]` (a row per RL seed, the same problems in the same
-order). Replicates draw runs and problems independently with replacement (crossed random factors); a
-difference between two models draws the problems once for both (paired). Verifier metrics take a
-wrong solution as the positive class; a verification without a readable verdict counts against both
-true rates and is not a positive prediction.
+"""Statistics of avg@k evaluation records (`eval.make_record`), with percentile bootstrap intervals
+over `[runs, problems]` score matrices: runs and problems are drawn independently (crossed random
+factors), and paired across models compared on the same problems. Verifier metrics take a wrong
+solution as the positive class; an unreadable verdict counts against both true rates.
 """
 
 from __future__ import annotations

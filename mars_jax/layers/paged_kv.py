@@ -1,10 +1,9 @@
 """The KV cache as page pools plus a page table per row (vLLM's layout), and attention over it.
 
-Pools `[shards, kv_heads, pages, page, head_dim]` are in the Pallas paged-attention layout and hold
-every layer's pages (layer l's in the l-th block), written in place. Block s of the rows owns pages
-of pool s only, so each chip's pages stay on it. Page 0 of each block is a trash page for entries a
-row does not own. `attend` runs `kernel`: 'gather' (XLA, pages copied per layer), 'gpu' / 'tpu'
-(Pallas, pages read in place), or 'interpret' (for tests).
+Pools `[shards, kv_heads, pages, page, head_dim]` (the Pallas kernels' layout) hold every layer's
+pages, layer l's in the l-th block; block s of the rows owns pages of pool s only, so each chip's
+pages stay on it. Page 0 of each block is a trash page for entries a row does not own. `attend` runs
+`kernel`: 'gather' (XLA, pages copied per layer), 'gpu' / 'tpu' (Pallas) or 'interpret'.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Batched KV-cache sampling on the trainer's own parameter arrays.
-
-`generate` left-pads prompts to a bucketed length, prefills and decodes in a `lax.while_loop` in one
-jitted program. Row keys are `fold_in(fold_in(key(seed), sequence_seed), step)`, so a sequence's
-tokens do not depend on the rest of the batch. The decode is compacted into smaller batch buckets as
-rows finish, and a call too big for free memory runs as several programs (`static_rows`).
-Log-probabilities follow `processors`.
+"""Batched KV-cache sampling on the trainer's own parameter arrays: `generate` prefills left-padded
+prompts and decodes in one jitted `lax.while_loop`, compacting live rows into smaller batch buckets,
+with row keys `fold_in(fold_in(key(seed), sequence_seed), step)` so a sequence's tokens do not
+depend on the rest of the batch.
 """
 from __future__ import annotations
 
