@@ -1,6 +1,8 @@
-"""What changed in a run's config since the checkpoint it resumes from. A changed `RESUME_FIELDS`
-field (or one in a listed section) changes what the restored state means and is refused with
-`ConfigChanged` (exit 2) unless `allowed` lists it; other changes pass with a console note.
+"""What changed in a run's config since the checkpoint it resumes from.
+
+A changed `RESUME_FIELDS` field (or one in a listed section) changes what the restored state means
+and is refused with `ConfigChanged` (exit 2) unless `allowed` lists it; other changes pass with a
+console note.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Multi-host runs: one JAX process per host, one global mesh, each host its own data shard.
+
 `initialize` must run before anything touches a backend; collectives here must be called on every
 process. `HostGroup` agrees on host-side decisions through the coordination service's key-value
 store, with no device program.

@@ -1,6 +1,7 @@
-"""The `eval_system` job: Solver-only and full V–C system avg@k over a dataset split, written under
-`workdir/eval/` (records appended as pairs finish, so a rerun resumes). With `eval.policy='http'`
-the key in `eval.api_key_env` is sent as a Bearer token.
+"""The `eval_system` job: Solver-only and full V–C system avg@k over a dataset split.
+
+Written under `workdir/eval/` (records appended as pairs finish, so a rerun resumes). With
+`eval.policy='http'` the key in `eval.api_key_env` is sent as a Bearer token.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Whether a training run's resident buffers (train state shard, engine weight copy, KV cache) fit
-its chips, checked before the engine is built; programs' temporaries are not counted.
+"""Whether a training run's resident buffers fit its chips, checked before the engine is built.
+
+Counted: the train state shard, the engine's weight copy and KV cache; not programs' temporaries.
 """
 from __future__ import annotations
 

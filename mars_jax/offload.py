@@ -1,6 +1,8 @@
 """The update's state in host memory while the engine decodes: on one shared mesh the optimizer
-state and KL reference are read only by the update. `to_host` / `to_device` move a pytree's arrays
-to their devices' `pinned_host` memory and back, bit for bit, shardings kept.
+state and KL reference are read only by the update.
+
+`to_host` / `to_device` move a pytree's arrays to their devices' `pinned_host` memory and back, bit
+for bit, shardings kept.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""One named mesh and the logical-axis rules that place parameters and activations on it (MaxText
-style); `constrain` is a no-op outside a mesh, so the same model code runs on one device or a pod.
-Axes are `AxisType.Auto`: the rules feed `with_sharding_constraint` and `jit` shardings.
+"""One named mesh and the logical-axis rules that place parameters and activations on it.
+
+`constrain` is a no-op outside a mesh, so the same model code runs on one device or a pod. Axes are
+`AxisType.Auto`: the rules feed `with_sharding_constraint` and `jit` shardings.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API, so a
-workdir on Cloud Storage works like a local one. Listings are never cached: a cache would hide
-checkpoints that another process or tensorstore wrote.
+workdir on Cloud Storage works like a local one.
+
+Listings are never cached: a cache would hide checkpoints that another process or tensorstore wrote.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The trainer's parameters copied to the rollout mesh after each update (`copy_weights`, same
-logical axes there; nothing moves on one shared mesh); with several processes, `HostCopies` gives
-every host's engine a whole copy on its own devices.
+"""The trainer's parameters copied to the rollout mesh (`builders.build_meshes`).
+
+`copy_weights` after each update (nothing moves on one shared mesh); with several processes,
+`HostCopies` gives every host's engine a whole copy on its own devices.
 """
 from __future__ import annotations
 

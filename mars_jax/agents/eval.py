@@ -1,7 +1,8 @@
-"""avg@k evaluation of the Solver alone and of the V-C system, from one run: each (problem, sample)
-runs the loop once; the Solver-alone score grades the first Solver output as it came, the system
-score the loop's choice. Records are appended as pairs finish (on an object store, each round), and
-a rerun skips recorded pairs (the loop config is not checked).
+"""avg@k evaluation of the Solver alone and of the V-C system, from one run.
+
+Each (problem, sample) runs the loop once; the Solver-alone score grades the first Solver output as
+it came, the system score the loop's choice. Records are appended as pairs finish (on an object
+store, each round); a rerun skips recorded pairs (the loop config is not checked).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Statistics of avg@k evaluation records (`eval.make_record`), with percentile bootstrap intervals
-over `[runs, problems]` score matrices: runs and problems are drawn independently (crossed random
-factors), and paired across models compared on the same problems. Verifier metrics take a wrong
-solution as the positive class; an unreadable verdict counts against both true rates.
+"""Statistics of avg@k evaluation records (`eval.make_record`), with percentile bootstrap intervals.
+
+Over `[runs, problems]` score matrices, runs and problems are drawn independently (crossed random
+factors), paired across models compared on the same problems. Verifier metrics take a wrong solution
+as the positive class; an unreadable verdict counts against both true rates.
 """
 
 from __future__ import annotations

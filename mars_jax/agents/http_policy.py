@@ -1,6 +1,7 @@
-"""A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang). Each
-attempt is bounded as a whole by `timeout_s` (httpx asyncio: a socket timeout bounds each read only)
-and reads at most `max_body_bytes`. Timeouts, connection errors, 429 and 5xx are retried with
+"""A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang).
+
+Each attempt is bounded as a whole by `timeout_s` (httpx asyncio: a socket timeout bounds each read
+only) and reads at most `max_body_bytes`. Timeouts, connection errors, 429 and 5xx are retried with
 backoff, a restarting server for up to `reconnect_s`. A request that still fails yields
 `finish_reason='error'`, never an exception, so one bad request cannot kill an evaluation.
 """

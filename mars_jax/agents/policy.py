@@ -1,5 +1,7 @@
 """The policy interface every agent talks to: a batch of chat requests in, completions out, in one
-`complete` call. `RoutedPolicy` runs the Solver and the V-C agents on different models.
+`complete` call.
+
+`RoutedPolicy` runs the Solver and the V-C agents on different models.
 """
 
 from __future__ import annotations

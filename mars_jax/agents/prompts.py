@@ -1,6 +1,8 @@
 """Chat prompts of the three agents (after the MarsRL paper, wording our own) and the bug report
-passed from Verifier to Corrector. `full` style is for real models, `compact` for tiny CPU models
-with a short context. Thinking never travels between agents.
+passed from Verifier to Corrector.
+
+`full` style is for real models, `compact` for tiny CPU models with a short context. Thinking never
+travels between agents.
 """
 
 from __future__ import annotations

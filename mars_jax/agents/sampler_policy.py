@@ -1,6 +1,8 @@
 """A policy that samples from the in-process JAX model, through `sampling.decode_batch` on one
-engine that lives as long as the policy (`sampling.make_engine`). Request j of the run draws from
-sequence seed j under the engine's seed, so repeated calls differ while a run is reproducible.
+engine that lives as long as the policy (`sampling.make_engine`).
+
+Request j of the run draws from sequence seed j under the engine's seed, so repeated calls differ
+while a run is reproducible.
 """
 
 from __future__ import annotations

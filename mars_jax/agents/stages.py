@@ -1,7 +1,8 @@
-"""The three agent stages: request builders (`*_request`), completion parsers whose `usable` says
-whether the next agent may use the output, `correct` for grading and `complete` for one checked
-policy call. The paper's rules: a reply cut off by its budget is never graded, and text inside
-thinking never reaches the next agent or is read as an answer or verdict.
+"""The three agent stages: requests, and the parsing of completions.
+
+Parsers' `usable` says whether the next agent may use an output; `correct` grades, `complete` makes
+one checked policy call. The paper's rules: a reply cut off by its budget is never graded, and text
+inside thinking never reaches the next agent or is read as an answer or verdict.
 """
 
 from __future__ import annotations

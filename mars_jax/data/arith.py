@@ -1,5 +1,7 @@
-"""`arith`: seeded multi-step integer arithmetic problems with exact answers, like `What is 7 + 3 *
-(12 - 5)?`, small enough for a tiny model; evaluated on the expression tree, never from text.
+"""`arith`: seeded multi-step integer arithmetic problems with exact answers.
+
+Like `What is 7 + 3 * (12 - 5)?`, small enough for a tiny model; answers are evaluated on the
+expression tree, never from text.
 """
 
 from __future__ import annotations

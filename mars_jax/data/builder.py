@@ -1,6 +1,7 @@
 """TFDS builder `mars_problems`: the problem sets of shared/data as array_record files, one config
-per set, read back with `tfds.data_source` in file order. The metadata records each split's source
-sha256 and the malformed rows skipped.
+per set, read back with `tfds.data_source` in file order.
+
+The metadata records each split's source sha256 and the malformed rows skipped.
 """
 
 from __future__ import annotations

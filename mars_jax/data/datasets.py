@@ -1,7 +1,9 @@
 """`load(name, split)`: problem sets as random-access sequences of dicts with at least `id`,
-`problem` and `answer` (str). File-backed sets are built once into a TFDS data dir from the JSONL
-files of a manual dir (`manual_dir`, else `$MARS_JAX_DATA_DIR`, else `<repo root>/../shared/data`);
-`arith` is generated in memory.
+`problem` and `answer` (str).
+
+File-backed sets are built once into a TFDS data dir from the JSONL files of a manual dir
+(`manual_dir`, else `$MARS_JAX_DATA_DIR`, else `<repo root>/../shared/data`); `arith` is generated
+in memory.
 """
 
 from __future__ import annotations

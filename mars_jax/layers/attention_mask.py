@@ -1,6 +1,7 @@
-"""Which keys each query may see, without a `[batch, queries, keys]` array: query `t` sits at key
-slot `t + offset` and sees slot `s` iff `s <= t + offset` and both carry the same segment id (0:
-padding, empty cache slots). Blockwise kernels read it block by block.
+"""Which keys each query may see, described without a `[batch, queries, keys]` array.
+
+Query `t` sits at key slot `t + offset` and sees slot `s` iff `s <= t + offset` and both carry the
+same segment id (0: padding, empty cache slots); blockwise kernels read it block by block.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Blockwise (flash) attention in plain JAX, memory linear in the length on every backend: an online
-softmax over the visible key blocks, and a `custom_vjp` backward that recomputes the score tiles
-from the log-sum-exp (FlashAttention-2). A query that sees no key gets a finite average.
+"""Blockwise (flash) attention in plain JAX: memory linear in the sequence length, every backend.
+
+An online softmax over the visible key blocks, and a `custom_vjp` backward recomputing the score
+tiles from the log-sum-exp (FlashAttention-2). A query that sees no key gets a finite average.
 """
 from __future__ import annotations
 

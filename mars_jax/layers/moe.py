@@ -1,10 +1,11 @@
-"""Mixture-of-experts SwiGLU block: softmax router, top-k, and dispatch backends that compute the
-same function (only `capacity` drops tokens): `dense` (every expert on every token; `auto`'s choice
-for at most `dense_max_tokens` tokens and off TPU for tiny experts), `sorted` (one-expert blocks;
-`auto`'s choice otherwise off TPU), `ragged` (grouped matmuls; `auto`'s choice on TPU, not GPU,
-where XLA lowers `ragged_dot` to a dense one-hot dot), `mgpu` (Mosaic GPU kernels, only when asked)
-and `capacity` (GShard buffers, whenever `capacity_factor` is set). Under a mesh each batch shard
-dispatches its own tokens (`_sharded`): a global sort would replicate them.
+"""Mixture-of-experts SwiGLU block: softmax router, top-k, and several dispatch backends.
+
+All compute the same function (only `capacity` drops tokens): `dense` (every expert on every token;
+`auto`'s choice for at most `dense_max_tokens` tokens and off TPU for tiny experts), `sorted`
+(one-expert blocks; `auto`'s choice otherwise off TPU), `ragged` (grouped matmuls; `auto`'s on TPU,
+not GPU, where XLA lowers `ragged_dot` to a dense one-hot dot), `mgpu` (Mosaic GPU kernels, when
+asked and they fit) and `capacity` (GShard buffers, when `capacity_factor` is set). Under a mesh
+each batch shard dispatches its own tokens: a global sort would replicate them.
 """
 from __future__ import annotations
 

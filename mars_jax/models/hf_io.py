@@ -1,5 +1,6 @@
-"""Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model. Each
-device reads only the slice of a parameter it holds, so a large model is never whole on one.
+"""Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model.
+
+Each device reads only the slice of a parameter it holds, so a large model is never whole on one.
 """
 from __future__ import annotations
 

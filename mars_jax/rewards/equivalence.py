@@ -1,6 +1,8 @@
-"""The full answer-equivalence check: math-verify plus our normalisation. It has no time bound of
-its own: it runs inside the grader workers (`grader_worker`), which bound every call. Math-verify
-never evaluates text (an ANTLR grammar into sympy objects, or regex-checked digits).
+"""The full answer-equivalence check: math-verify plus our normalisation.
+
+It has no time bound of its own: it runs inside the grader workers (`grader_worker`), which bound
+every call. Math-verify never evaluates text (an ANTLR grammar into sympy objects, or regex-checked
+digits).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector. Model
-text is never evaluated; costly inputs are turned away (`normalize.cost_reason`) and every sympy
-comparison runs in a worker with a hard deadline (`pool.GraderPool`), False on timeout.
+"""Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector.
+
+Model text is never evaluated; costly inputs are turned away (`normalize.cost_reason`) and every
+sympy comparison runs in a worker with a hard deadline (`pool.GraderPool`), False on timeout.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""One grader worker process (`python -m mars_jax.rewards.grader_worker`), one JSON object per line:
-requests `{"id", "pred", "gold", "soft"}` in; `{"ready": true}`, then `{"id", "value", "status"}`
-out (status "ok", "timeout" or "error"). The soft limit is a SIGALRM raising a BaseException, which
-library `except Exception` blocks cannot swallow; code stuck in C is killed by the parent.
+"""Entry point of one grader worker process (`python -m mars_jax.rewards.grader_worker`).
+
+One JSON object per line: requests `{"id", "pred", "gold", "soft"}` in; `{"ready": true}`, then
+`{"id", "value", "status"}` out ("ok", "timeout" or "error"). The soft limit is a SIGALRM raising a
+BaseException, which `except Exception` cannot swallow; code stuck in C is killed by the parent.
 """
 
 from __future__ import annotations

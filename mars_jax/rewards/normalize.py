@@ -1,6 +1,7 @@
-"""Cheap, pure-Python answer handling before and around math-verify: `cost_reason` turns away what
-would make sympy slow, `quick_verdict` decides obvious pairs, the rest normalise where math-verify
-falls short. Nothing evaluates text: numbers are read from regex-checked digits.
+"""Cheap, pure-Python answer handling that runs before (and around) math-verify.
+
+`cost_reason` turns away what would make sympy slow, `quick_verdict` decides obvious pairs, the rest
+normalise where math-verify falls short. Numbers are read from regex-checked digits only.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""A persistent pool of grader workers (`subprocess`: safe beside JAX threads) with a hard deadline
-per comparison: a worker past it is killed and replaced, and the pair counts as not equivalent.
+"""A persistent pool of grader worker processes with a hard time bound per comparison.
+
+Workers run under `subprocess` (safe beside JAX threads); one past its deadline is killed and
+replaced, and the pair counts as not equivalent.
 """
 
 from __future__ import annotations

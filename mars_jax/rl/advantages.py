@@ -1,6 +1,7 @@
-"""Group-normalised (GRPO / Dr.GRPO) advantages over groups of samples sharing an integer id: `A =
-(r - mean) / (std + eps)` (population std), or `A = r - mean` (Dr.GRPO). Groups whose rewards are
-all equal (singletons too) get `A = 0` exactly and are flagged in `zero_variance`.
+"""Group-normalised (GRPO / Dr.GRPO) advantages.
+
+Within a group of samples sharing an integer id, `A = (r - mean) / (std + eps)` (population std), or
+`A = r - mean` (Dr.GRPO); groups of equal rewards get `A = 0` exactly, flagged in `zero_variance`.
 """
 
 from __future__ import annotations

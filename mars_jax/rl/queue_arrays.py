@@ -1,6 +1,8 @@
 """Rollout queues in a checkpoint: token ids and log-probabilities as arrays (each distinct prompt
-once), the rest as JSON. `unpack(pack(state))` rebuilds the records exactly, a finished rollout's
-text re-derived from its ids.
+once), the rest as JSON.
+
+`unpack(pack(state))` rebuilds the records exactly, a finished rollout's text re-derived from its
+ids.
 """
 from __future__ import annotations
 

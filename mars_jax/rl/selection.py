@@ -1,7 +1,9 @@
-"""Choosing the parents of the next MarsRL stage. Verifier stage: every Solver solution is eligible,
-wrong ones preferred. Corrector stage: reports that found an error are eligible, those on an
-actually wrong solution preferred. `fan_out` picks without replacement: 'random', 'balanced'
-(preferred and others equally where possible) or 'adaptive' (preferred first).
+"""Choosing the parents of the next MarsRL stage.
+
+Verifier stage: every Solver solution is eligible, wrong ones preferred. Corrector stage: reports
+that found an error are eligible, those on an actually wrong solution preferred. `fan_out` picks
+without replacement: 'random', 'balanced' (preferred and others equally where possible) or
+'adaptive' (preferred first).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The engine's device programs over the slot state (`SlotState`, one row per slot): `prefill`,
-`insert`, `decode_chunk`, and `take_slots` / `put_slots` between slot buckets. Caches are stacked
-over the layers and written in place, one row at a time, keeping their shardings (no gather of other
-chips' slots); with `stack_weights` runs of alike layers are scanned, so compile time does not grow
-with depth. A slot's decode step computes what `generate`'s row computes for the same request, PRNG
-key `fold_in(fold_in(key(seed), sequence_seed), t)` included, up to float32 rounding.
+"""The engine's device programs: one jitted program per step of serving, over the slot state.
+
+Caches are stacked over the layers and written in place; inserts and slot moves write one row at a
+time, keeping the state's shardings (no gather of other chips' slots). With `stack_weights` runs of
+alike layers are scanned, so compile time does not grow with depth. A slot's decode step computes
+what `generate`'s row computes for the same request, PRNG key `fold_in(fold_in(key(seed),
+sequence_seed), t)` included, up to float32 rounding.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Next-token choice from logits: temperature, top-k, top-p, greedy. A token's log-probability is
-taken before truncation, `log_softmax(logits / temperature)`, as the trainer recomputes it.
+"""Next-token choice from logits: temperature, top-k, top-p, greedy.
+
+A token's log-probability is taken before truncation, `log_softmax(logits / temperature)`, as the
+trainer recomputes it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Batched KV-cache sampling on the trainer's own parameter arrays: `generate` prefills left-padded
-prompts and decodes in one jitted `lax.while_loop`, compacting live rows into smaller batch buckets,
-with row keys `fold_in(fold_in(key(seed), sequence_seed), step)` so a sequence's tokens do not
-depend on the rest of the batch.
+"""Batched KV-cache sampling on the trainer's own parameter arrays.
+
+`generate` prefills left-padded prompts and decodes in one jitted `lax.while_loop`, compacting live
+rows into smaller batch buckets; row keys `fold_in(fold_in(key(seed), sequence_seed), step)` keep a
+sequence's tokens independent of the rest of the batch.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""`Engine`'s request interface over `generate`, the simple exact reference: each `stream` round
-decodes every queued request to its end (one call per prompt bucket) and yields outputs in
-submission order; `Engine`'s PRNG keys, so both decode alike up to float32 rounding.
+"""`Engine`'s request interface over `generate`: the simple, exact reference decode.
+
+Each `stream` round decodes every queued request to its end (one call per prompt bucket) and yields
+outputs in submission order; `Engine`'s PRNG keys, so both decode alike up to rounding.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The `sft` job behind experiments/run.py: trains on generated role traces, logs the held-out loss
-per role (the last `sft.holdout_problems` train problems, never trained on) and saves
-`workdir/model/`, which an RL config loads as `model.checkpoint`. With `sft.probe_every` > 0 it also
+"""The `sft` job behind experiments/run.py: trains on generated role traces, saves an HF checkpoint.
+
+Logs the held-out loss per role (the last `sft.holdout_problems` train problems, never trained on)
+and saves `workdir/model/` for an RL config's `model.checkpoint`. With `sft.probe_every` > 0 it
 probes each role's decisions and saves `workdir/model_step<N>/`. A rerun starts over.
 """
 from __future__ import annotations

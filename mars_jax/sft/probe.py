@@ -1,5 +1,6 @@
-"""Each role's decisions sampled on held-out problems, the warm-start bar of the toy study: a
-per-token loss hides a 2-token verdict, so `probe` grades whole replies (Solver accuracy, Verifier
+"""Each role's decisions sampled on held-out problems: the warm-start bar of the toy study.
+
+A per-token loss hides a 2-token verdict, so `probe` grades whole replies (Solver accuracy, Verifier
 recall / specificity, Corrector fix rate).
 """
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Supervised fine-tuning on generated role traces: the warm start of toy MarsRL. Examples are
-packed whole into fixed-shape batches, each attending only to itself, so the step compiles once; the
-loss is cross-entropy on the reply tokens, with per-role sums for held-out reporting.
+"""Supervised fine-tuning on generated role traces: the warm start of toy MarsRL.
+
+Examples are packed whole into fixed-shape batches, each attending only to itself, so the step
+compiles once; the loss is cross-entropy on the reply tokens, with per-role sums for held-out
+reporting.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """A cached SFT warm start for a training run (`warm_start.sft`): built on first use, then reused.
+
 The cache key hashes everything that changes the weights, the trace and training code (`SOURCES`)
 included; a build is renamed into place once complete, so an interrupted one is never read. A
 `gs://` cache_dir is shared through a local mirror.
