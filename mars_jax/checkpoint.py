@@ -68,8 +68,7 @@ class CheckpointMismatch(ValueError):
 
 
 class CheckpointUnavailable(RuntimeError):
-    """Checkpoints exist but none could be restored: a read failed without proof of damage
-    (nothing was set aside), or every checkpoint was damaged (each was set aside)."""
+    """Checkpoints exist but none could be restored (a read failed, or every one was damaged)."""
 
     exit_code = 74  # EX_IOERR: rerun the same command (a launcher may restart it) to resume
 

@@ -48,8 +48,7 @@ def load_eval_problems(config: ConfigDict) -> list[EvalProblem]:
 
 
 def run(config: ConfigDict, workdir: str) -> dict:
-    """Evaluates and returns the summary (also written to `workdir/eval/summary.json`). One
-    process only: its records file is written and resumed by that process alone."""
+    """Evaluates and returns the summary; one process only (it alone writes its records)."""
     if jax.process_count() > 1:
         raise ValueError(f"eval_system runs on one process, not {jax.process_count()}: for a "
                          "model larger than one host, serve it and set eval.policy='http'")

@@ -43,8 +43,7 @@ def _largest_shard(tree, shardings=None) -> int:
 
 
 def engine_kv_bytes(engine: EngineSettings, model_config, shards: int) -> int:
-    """The KV cache of the `sampling.Engine` that `engine` describes, as it allocates it: its
-    slots' positions, or `shards` page pools, each with a trash page."""
+    """The KV cache bytes of the `sampling.Engine` `engine` describes, as it allocates them."""
     per_token = kv_bytes_per_token(model_config)
     if engine.options.get("kv_pages"):
         return per_token * engine.options["page_size"] * (engine.options["kv_pages"] + shards)

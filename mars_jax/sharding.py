@@ -227,8 +227,7 @@ def make_meshes(split: MeshSplit | Mapping[str, Any],
 
 
 def devices_by_process(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
-    """`devices` grouped by `process_index`, in process order, each group in `devices` order;
-    raises ValueError when processes hold different numbers of them."""
+    """`devices` grouped by process, in order; ValueError when the groups' sizes differ."""
     groups: dict[int, list[jax.Device]] = {}
     for device in devices:
         groups.setdefault(getattr(device, "process_index", 0), []).append(device)
@@ -330,8 +329,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) ->
 
 def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
                   fitted: PartitionSpec, mesh, rules: Rules | None) -> None:
-    """Logs a warning naming each mesh axis that the rules of `names` ask for and that no
-    dimension of `fitted` kept, with the dimensions it did not divide."""
+    """Warns of each mesh axis the rules of `names` ask for that no dimension of `fitted` kept."""
     kept = {axis for entry in fitted for axis in spec_axes(entry)}
     tried: dict[str, list[str]] = {}
     for i, (dim, wanted) in enumerate(zip(shape, _rule_axes(names, rules))):

@@ -50,8 +50,7 @@ def write_text(target: str | os.PathLike, text: str) -> None:
 
 
 def append_text(target: str | os.PathLike, text: str) -> None:
-    """Appends `text` to `target` (created if absent). Objects cannot be appended to: on an object
-    store the whole object is read and written again, atomically."""
+    """Appends `text` to `target` (an object store's object is rewritten whole, atomically)."""
     target = path(target)
     if is_remote(target):
         write_text(target, (target.read_text() if target.exists() else "") + text)
@@ -62,8 +61,8 @@ def append_text(target: str | os.PathLike, text: str) -> None:
 
 
 def files(directory: str | os.PathLike) -> list[str]:
-    """The relative paths ('a/b.txt') of every file under `directory`, sorted; [] where it does
-    not exist. (epath's `walk` drops the `gs://` of the paths it yields.)"""
+    """The sorted relative paths of every file under `directory` ([] if absent); epath's `walk`
+    drops `gs://`."""
     found = []
     for entry in entries(directory):
         if entry.is_dir():

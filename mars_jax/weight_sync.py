@@ -33,8 +33,7 @@ class Transfer:
 
 def rollout_shardings(params: nnx.State, mesh: jax.sharding.Mesh,
                       rules: sharding.Rules | None = None) -> nnx.State:
-    """A NamedSharding on `mesh` per parameter, from each one's `logical_axes` (the layout
-    `create_model` / `from_pretrained` give a model built on `mesh`)."""
+    """A NamedSharding on `mesh` per parameter, from its `logical_axes`."""
     return sharding.state_shardings(params, mesh, rules)
 
 

@@ -110,8 +110,7 @@ def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
 
 def bootstrap(scores: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
               level: float = LEVEL) -> Interval:
-    """The mean of `scores` (`[runs, problems]`, or `[problems]`) and its percentile bootstrap
-    interval (runs and problems resampled, see the module docstring)."""
+    """The mean of `scores` (`[runs, problems]` or `[problems]`) and its bootstrap interval."""
     scores = _check(scores)
     return bootstrap_statistic([scores], lambda t: t[0] / scores.size,
                                resamples=resamples, seed=seed, level=level)
@@ -198,8 +197,8 @@ CONFUSION_FIELDS = ("tp", "fn", "tn", "fp", "no_verdict_on_correct", "passed")
 
 def confusion_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str], *,
                      first_only: bool) -> np.ndarray:
-    """`[runs, problems, 6]` confusion counts (`CONFUSION_FIELDS`) of each run's verifications
-    of each problem (see `verification_pairs`), for `bootstrap_statistic`."""
+    """`[runs, problems, 6]` confusion counts of each run's verifications, for
+    `bootstrap_statistic`."""
     column = {p: i for i, p in enumerate(problems)}
     counts = np.zeros((len(runs), len(problems), len(CONFUSION_FIELDS)))
     for i, records in enumerate(runs):

@@ -140,8 +140,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
 
 def generation_opens_thinking(tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool,
                               encode: Callable[..., list[int]] = encode_chat) -> bool:
-    """Whether the generation prompt of `tokenizer`'s chat template leaves a `<think>` open, read
-    from the ids `add_generation_prompt=True` adds to a one-turn chat."""
+    """Whether `tokenizer`'s chat template's generation prompt leaves a `<think>` open."""
     probe = [{"role": "user", "content": "?"}]
     with_prompt = encode(tokenizer, probe, enable_thinking=enable_thinking,
                          add_generation_prompt=True)

@@ -46,8 +46,7 @@ class Upstream:
 
 
 def read_rows(path: str) -> Rows:
-    """Rows of a `.parquet` file, or of a JSON file (one list of objects, or one object a line);
-    ValueError names the file (and line) of what is not a JSON object."""
+    """Rows of a `.parquet` or JSON(L) file; ValueError names the file and line of a non-object."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()

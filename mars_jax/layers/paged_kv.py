@@ -74,8 +74,8 @@ class PagedKVCache:
             v=put(self.v, page, offset, _by_shard(v[:, 0].astype(self.v.dtype), shards)))
 
     def view(self) -> tuple[jax.Array, jax.Array]:
-        """Each row's first `n * page` positions as one contiguous cache, keys `[B, K, D, S]`
-        and values `[B, K, S, D]` (`attention.KVCache`'s layouts), S = n * page."""
+        """Each row's first `n * page` positions as one contiguous cache in `attention.KVCache`'s
+        layouts."""
         rows, n = self.table.shape
         shards, heads, _, page, dim = self.k.shape
         gather = jax.vmap(lambda pool, ids: pool[:, ids])  # [S, K, B / S, n, page, D]

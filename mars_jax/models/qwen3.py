@@ -159,8 +159,7 @@ class Qwen3(nnx.Module):
             cache=None if cache is None else tuple(new_cache))
 
     def _scan_layers(self, x, cos, sin, mask, expert_ids):
-        """All layers as one `lax.scan` over their parameters stacked on a leading axis, so XLA
-        compiles one layer; the stacking copies the layer weights per call."""
+        """All layers as one `lax.scan` over their stacked parameters, so XLA compiles one layer."""
         graphdef = nnx.graphdef(self.layers[0])
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                                *[nnx.state(layer) for layer in self.layers])

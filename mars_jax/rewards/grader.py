@@ -51,8 +51,7 @@ def warm_up(num_workers: int | None = None) -> None:
 
 
 def worker_stats() -> dict[str, int]:
-    """Outcome counts of the comparisons the current workers ran: "ok", "timeout"
-    (the worker's alarm), "killed" (past the hard deadline), "error", "crashed"."""
+    """Outcome counts of the current workers' comparisons, by status."""
     return {} if _pool is None else dict(_pool.stats)
 
 

@@ -90,8 +90,7 @@ class EngineSettings:
 
 def make_engine(settings: EngineSettings, model, stop_ids: Sequence[int], *, mesh=None
                 ) -> DecodeEngine:
-    """The engine `settings` describe over `model`'s arrays (on `mesh`); a recomputed request's
-    prompt + tokens past `max_prompt_tokens` compile when met."""
+    """The engine `settings` describe over `model`'s arrays (on `mesh`)."""
     if settings.kind not in ENGINE_KINDS:
         raise ValueError(f"kind: {settings.kind!r} is not one of {ENGINE_KINDS}")
     if settings.kind == "generate":

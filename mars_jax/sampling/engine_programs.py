@@ -140,8 +140,7 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
 
 
 def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
-    """The model of an engine's `weights` and its stacked layer weights: `(state, None)` (layers
-    unrolled) or `(rest, stacks)` (`stack_weights`: layers scanned)."""
+    """The model of an engine's `weights`: `(state, None)` unrolled, or `(rest, stacks)` scanned."""
     state, stacks = weights
     if stacks is None:
         return nnx.merge(graphdef, state), None

@@ -91,8 +91,8 @@ class PageTable:
         return ids
 
     def chunk_table(self, slot_of_row: dict[int, int], rows: int, span: int) -> np.ndarray:
-        """The page table of a decode chunk over `span` positions, `[rows, pages]`: each row's
-        slot's first pages (`slot_of_row`), the trash page for the other rows."""
+        """A decode chunk's page table `[rows, pages]` over `span`: each row's slot's pages, else
+        trash."""
         pages = span // self.page_size
         table = np.zeros((rows, pages), np.int32)
         for row, slot in slot_of_row.items():

@@ -36,8 +36,7 @@ def truncate_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, *, greedy: bool, temperature: jax.Array,
                   top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
-    """Chosen tokens `[B]` and their log-probabilities `[B]` (convention above); one PRNG key per
-    row so a row's draw does not depend on the other rows."""
+    """Chosen tokens `[B]` and their log-probabilities, each row drawn with its own PRNG key."""
     logits = logits.astype(jnp.float32)
     if greedy:
         tokens = jnp.argmax(logits, axis=-1)

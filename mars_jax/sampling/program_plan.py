@@ -85,8 +85,7 @@ def insert(args: Args, state, pool, prefilled: tuple, *, pages: int, shards: int
 
 def decode_chunk(args: Args, graphdef, weights, state, pool, *, steps: int, span: int,
                  kernel: str, page_size: int) -> Program:
-    """A decode chunk of up to `steps` steps over `state`'s rows attending over `span`
-    positions (paged: `span` is whole pages of `page_size`, read by `kernel`)."""
+    """A decode chunk of up to `steps` steps over `state` attending over `span` positions."""
     table = None
     if pool is not None:
         table = args.host((state.length.shape[0], span // page_size), jnp.int32, (None, None))

@@ -249,8 +249,7 @@ def _decode_batch(graphdef, weights, prompts, max_new: list[int], stops: list[tu
                   seeds: list[int], *, seed: int, temperature: float, shape: tuple[int, int],
                   params: SamplingParams, mesh: jax.sharding.Mesh | None,
                   compact_every: int | None) -> dict[int, _Row]:
-    """One program's decode of `prompts` at the whole call's padded shape `shape`, so every part
-    of a split call decodes as the whole would: `_Row`s by index in `prompts`."""
+    """One program's decode of `prompts` at the whole call's padded `shape`: `_Row`s by index."""
     n, (prompt_len, num_new) = len(prompts), shape
     multiple = batch_shards(mesh)
     batch = batch_bucket(n, multiple)

@@ -104,8 +104,8 @@ class SlotScheduler:
         return done
 
     def stream(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, Any]]:
-        """Runs until no request decodes (or, with `stop`, until `stop()` is true after a decode
-        chunk), yielding `(request_id, output)` as each one finishes."""
+        """Runs until no request decodes (or `stop()` after a chunk), yielding `(id, output)` as
+        each ends."""
         while True:
             while self._done:
                 yield self._done.popleft()
