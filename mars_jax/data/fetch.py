@@ -1,5 +1,5 @@
-r"""Write every problem set the loaders know into a data dir, from its public source on the HF Hub or
-from a local mirror.
+r"""Write every problem set the loaders know into a data dir, from its public source on the HF Hub
+or from a local mirror.
 
   python -m mars_jax.data.fetch [--out=DIR] [--datasets=a,b]   # each problem set from the HF Hub
   python -m mars_jax.data.fetch --source=MIRROR [--out=DIR]    # a local copy of the files
