@@ -4,21 +4,15 @@ r"""Entry point of every mars_jax job: MarsRL training, V–C system evaluation 
   python experiments/run.py --config=experiments/configs/eval_system.py --workdir=/tmp/eval
   python experiments/run.py --config=experiments/configs/study.py:sft --workdir=/tmp/mars_study/sft
 
-`--config.<field>=value` overrides any config field. Rerunning a training command on the same
-workdir resumes it. A training config with `warm_start.sft` first builds (or reuses) its cached SFT
-model (`mars_jax.sft.warm_start`). The console shows notes, progress bars and, after training, a
-summary (`mars_jax.console`); library INFO logs (orbax, absl) appear only with `--verbosity=0`
-(the default here shows warnings and errors). A resumed training run whose config changes a
-field that changes what its checkpoint means (`mars_jax.config_diff.RESUME_FIELDS`: mode,
-group size, model, data, ...) stops, naming each field, unless `--allow_config_change=field,...`
-lists it; other changes are noted. Exit codes: 2 the config is invalid (checked before anything
-is built; the message lists each field with its fix: unknown or mistyped `--config.` overrides,
-values out of range, a resume that changes such fields or does not fit the checkpoint), 65 too
-many steps with non-finite updates in a row, 74 a checkpoint could not be saved, or checkpoints
-exist but none could be read (storage unavailable, or all damaged and set aside): rerun to
-resume, 75 preempted (SIGTERM) after a final checkpoint (eval_system: after the records of the
-pairs finished so far). A job that ended, with any of these codes or 0, exits as soon as its
-outputs are written (`distributed.exit_process`: the hosts leave together, with no teardown).
+`--config.<field>=value` overrides any config field (`experiments/configs/common.py`). Rerunning
+a training command on the same workdir resumes it; a resume whose config changes a field of
+`mars_jax.config_diff.RESUME_FIELDS` stops unless `--allow_config_change=field,...` lists it. A
+config with `warm_start.sft` first builds (or reuses) its cached SFT model. Library INFO logs
+appear only with `--verbosity=0`.
+
+Exit codes: 2 invalid config (each field named with its fix, before anything is built); 65 too
+many non-finite updates in a row; 74 a checkpoint could not be saved, or none could be read:
+rerun to resume; 75 preempted after a final checkpoint: rerun to resume.
 """
 import os
 import re
@@ -106,8 +100,8 @@ def _preempted(e: preemption.Preempted) -> None:
 
 
 def _as_validated(config):
-    """`sft` reads the train job's fields (data, model, optimizer), so it is checked as 'train'
-    until mars_jax.config_validation lists 'sft' among the jobs."""
+    """An `sft` config as validated: as 'train', since `sft` reads the train job's fields (data,
+    model, optimizer)."""
     if config.job != "sft":
         return config
     checked = config.copy_and_resolve_references()

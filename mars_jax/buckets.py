@@ -10,9 +10,8 @@ def pow2_at_least(n: int, minimum: int) -> int:
 
 
 def length_bucket(n: int, minimum: int) -> int:
-    """`n` rounded up to the next 2^k or 3 * 2^(k-1), at least `minimum`: above `minimum`, at
-    most a third of a bucket is padding (a power of two alone pads a 330-token prompt to 512),
-    for two programs per doubling of the length."""
+    """`n` rounded up to the next 2^k or 3 * 2^(k-1), at least `minimum`: at most a third of a
+    bucket is padding, for two programs per doubling of the length."""
     power = pow2_at_least(n, minimum)
     three_quarters = 3 * power // 4
     return three_quarters if n <= three_quarters and three_quarters >= minimum else power

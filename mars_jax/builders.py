@@ -55,8 +55,7 @@ def load_problems(data: ConfigDict, split: str | None = None):
 
 
 def load_eval_records(config: ConfigDict, count: int) -> list[dict]:
-    """The first `count` records (0: all) of `eval.dataset`'s `eval.split`, read with the `data`
-    section's other settings."""
+    """The first `count` records (0: all) of `eval.dataset`'s `eval.split`."""
     data = ConfigDict(dict(config.data))
     data.name = config.eval.dataset
     records = load_problems(data, config.eval.split)

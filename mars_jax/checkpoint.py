@@ -1,45 +1,14 @@
-"""Orbax checkpoints of a training run: train state (params, optimizer, update count) + JSON meta
-(step, data iterator position, the scheduler's queue, counters) + optional per-host arrays
-(`distributed.host_arrays`: routing, queued rollouts).
+"""Orbax checkpoints of a training run: train state + JSON meta + optional per-host arrays.
 
 Integrity rules:
-  * Saves are asynchronous and atomic: orbax writes to `<step>.orbax-checkpoint-tmp` and renames
-    it on commit, so a save killed midway leaves a temporary directory that restore ignores (and
-    the next manager removes), never a damaged earlier checkpoint.
-  * A save that fails (disk full, I/O error) raises `CheckpointSaveError` at the next `save`,
-    `wait` or `close`, naming the step that failed and the previous intact one; the manager is
-    re-read from disk, so it never points at the failed step.
-  * Every checkpoint stores a fingerprint of the state, and of the arrays when it has some (a
-    position-weighted sum of the bits of every array, computed on device), and one of its JSON
-    meta (a digest of its canonical text, the other fingerprints included).
-  * Only proof of damage sets a checkpoint aside: a step directory without orbax's commit marker
-    (`commit_success.txt`), bytes that do not decode (JSON, UTF-8, tensorstore's decoding
-    errors and damage status codes, `is_damage`), a file missing from a committed step, or a
-    fingerprint mismatch. Restore walks back from the newest step and moves each damaged one to
-    `<directory>.unreadable/` (so that the resumed run can save that step again). Any other
-    read error (storage unavailable, permissions, an unrecognised error) is tried
-    1 + len(`READ_RETRY_WAITS`) times and then raises `CheckpointUnavailable`, setting nothing
-    aside: rerun when the storage is back. A fingerprint mismatch is not retried.
-  * Restore returns None only when the directory holds no step directory: when every one is
-    damaged it raises `CheckpointUnavailable` after setting them aside, so a run never starts
-    from step 0 beside checkpoints.
-  * Before reading a checkpoint's arrays, restore compares the layout its metadata records (tree
-    paths, shapes, dtypes of the state) with the state to restore into, and raises
-    `CheckpointMismatch` naming the step and the differences when they differ; such a
-    checkpoint is left in place, never skipped.
-  * A directory with no step directories but one step's files at its top (a step directory
-    copied to the wrong level) raises `ValueError` instead of restoring nothing.
-  * Several processes restore the same step: process 0 lists the directory and every process
-    walks its listing (another host's listing may be stale: gcsfuse, NFS attribute caches).
-    Damage that process 0 proves sets a step aside on every process; a step that process 0
-    reads but another process cannot raises `CheckpointUnavailable` on every process with the
-    same message, setting nothing aside. Each step's directory and commit marker are checked
-    on every process before orbax reads it (its reads end at a barrier of all processes).
-
-The directory is a local path or a `gs://` URL (`mars_jax.storage`; orbax writes the arrays
-through tensorstore, which reads either). On Cloud Storage orbax writes a step in place and
-marks it committed with `commit_success.txt` (no rename); a step without it (a save cut short)
-is removed when the manager opens, as a local save's temporary directory is.
+  * Saves are asynchronous and atomic: a save killed midway never damages an earlier checkpoint;
+    a failed save raises `CheckpointSaveError` at the next `save`, `wait` or `close`.
+  * Only proof of damage (`is_damage`: no commit marker, undecodable bytes, a missing file, a
+    fingerprint mismatch) sets a checkpoint aside into `<directory>.unreadable/`; restore then
+    tries the next newest. Other read errors are retried, then raise `CheckpointUnavailable`.
+  * Restore returns None only for a directory with no step directory, so a run never starts
+    from step 0 beside checkpoints; another state layout raises `CheckpointMismatch`.
+  * With several processes, all walk process 0's listing and get the same outcome.
 """
 from __future__ import annotations
 
@@ -99,15 +68,13 @@ class CheckpointMismatch(ValueError):
 
 
 class CheckpointUnavailable(RuntimeError):
-    """Checkpoints exist but none could be restored: a read failed without proof of damage
-    (nothing was set aside), or every checkpoint was damaged (each was set aside)."""
+    """Checkpoints exist but none could be restored (a read failed, or every one was damaged)."""
 
     exit_code = 74  # EX_IOERR: rerun the same command (a launcher may restart it) to resume
 
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints under `directory`; `config` (JSON), when given, is saved
-    in every checkpoint's meta under `CONFIG_KEY`."""
+    """Keeps the last `keep` checkpoints under `directory`, `config` (if any) in each meta."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True,
                  config: dict | None = None):
@@ -124,8 +91,8 @@ class Checkpointer:
         self._pending: int | None = None
 
     def save(self, step: int, state: Any, meta: dict, arrays: Any = None) -> None:
-        """Starts saving `state`, `meta` and the pytree of arrays `arrays` (if not None) as `step`
-        (raises if an earlier save failed)."""
+        """Starts saving `state`, `meta` and `arrays` as `step`; raises if an earlier save
+        failed."""
         self.wait()
         meta = {**meta, FINGERPRINT_KEY: fingerprint(state)}
         if self.config is not None:
@@ -151,14 +118,12 @@ class Checkpointer:
         self._pending = None
 
     def steps(self) -> list[int]:
-        """The steps checkpointed, once the pending save is committed: process 0's list on
-        every process (a collective with several processes)."""
+        """The committed steps: process 0's list on every process (a collective)."""
         self.wait()
         return _process_0_value(lambda: list(self.manager.all_steps()))
 
     def delete(self, step: int) -> None:
-        """Removes checkpoint `step` (to save that step again), once the pending save is
-        committed."""
+        """Removes checkpoint `step` (to save it again), once the pending save is committed."""
         self.wait()
         self.manager.delete(step)
 
@@ -175,16 +140,9 @@ class Checkpointer:
                        check_meta: Callable[[int, dict], None] | None = None
                        ) -> Restored | None:
         """(step, state, meta, arrays) of the newest intact checkpoint, or None when the
-        directory holds no step directory.
-
-        `check_meta(step, meta)` sees each checkpoint's meta (fingerprint checked) before its
-        state is read; what it raises propagates. `arrays_target(meta)` gives the abstract pytree
-        (shapes, dtypes, shardings) of a checkpoint's arrays item from its meta; without it,
-        arrays are not read. Raises `CheckpointUnavailable` when a read fails without proof of
-        damage, or every checkpoint was damaged; `CheckpointMismatch` when the newest readable
-        checkpoint's state has another layout (tree paths, shapes, dtypes) than
-        `abstract_state`, or `arrays_target` raises for its meta (e.g. written by another number
-        of hosts); `ValueError` for one checkpoint's files copied to the top of the directory."""
+        directory holds no step directory. `check_meta(step, meta)` sees each meta before its
+        state is read; `arrays_target(meta)` gives the arrays' abstract pytree (without it they
+        are not read). Raises as the module docstring's rules say."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         steps, stray = _listed(self._listing, f"the checkpoint directory {self.directory}")
         if not steps and stray:
@@ -240,8 +198,7 @@ class Checkpointer:
         return self._steps(), (storage.path(self.directory) / STEP_METADATA_FILE).exists()
 
     def _check_committed(self, step: int) -> None:
-        """Raises `CorruptCheckpoint` when this process sees no directory for `step`, or one
-        without its commit marker."""
+        """Raises `CorruptCheckpoint` unless this process sees `step` committed."""
         if not self._step_dir(step).is_dir():
             raise CorruptCheckpoint("its directory is missing")
         if not (self._step_dir(step) / COMMIT_MARKER).exists():
@@ -249,8 +206,7 @@ class Checkpointer:
                                     "it was not completely written")
 
     def _read_meta(self, step: int) -> dict:
-        """Checkpoint `step`'s meta, its fingerprint checked and removed (the state and arrays
-        fingerprints stay, for `_restore`)."""
+        """Checkpoint `step`'s meta, its own fingerprint checked and removed."""
         meta = dict(self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta)
         expected = meta.pop(META_FINGERPRINT_KEY, None)
@@ -316,13 +272,8 @@ class Checkpointer:
 
 def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
             ) -> tuple[Any, Exception | None]:
-    """(`read()`, None), or (None, the damage) when reading `what` failed with proof of damage
-    (`_read_with_retries`). A `CheckpointUnavailable` or `CheckpointMismatch` is raised.
-
-    With several processes (a collective) every process gets the same outcome: either error on
-    any process is raised on every one with the same message; damage on process 0 is damage on
-    every process (all skip the checkpoint together); damage on another process only (process
-    0, whose listing every process walks, read it) raises `CheckpointUnavailable`."""
+    """(`read()`, None), or (None, the damage) on proof of damage; raises `CheckpointUnavailable`
+    or `CheckpointMismatch`, the same outcome on every process."""
     value, error = _read_with_retries(read, what)
     if jax.process_count() == 1:
         if isinstance(error, (CheckpointUnavailable, CheckpointMismatch)):
@@ -351,8 +302,7 @@ def _agreed(read: Callable[[], Any], what: str = "a checkpoint"
 
 
 def _process_0_value(read: Callable[[], Any]) -> Any:
-    """`read()` on process 0 (JSON), the same value on every process (a collective with
-    several processes)."""
+    """`read()` (JSON) on process 0, the same value on every process."""
     if jax.process_count() == 1:
         return read()
     from mars_jax.distributed import allgather_json
@@ -360,9 +310,7 @@ def _process_0_value(read: Callable[[], Any]) -> Any:
 
 
 def _listed(read: Callable[[], Any], what: str) -> Any:
-    """`read()` (JSON) of process 0, read with retries (`_read_with_retries`), on every process;
-    any failure on process 0 raises `CheckpointUnavailable` with the same message on every
-    process (a collective with several processes)."""
+    """Process 0's `read()` (JSON, retried) on every process, or the same error on every one."""
     def read_or_error():
         value, error = _read_with_retries(read, what)
         if error is not None and not isinstance(error, CheckpointUnavailable):
@@ -384,9 +332,8 @@ def _listed(read: Callable[[], Any], what: str) -> Any:
 
 def _read_with_retries(read: Callable[[], Any], what: str = "a checkpoint"
                        ) -> tuple[Any, Exception | None]:
-    """(`read()`, None); (None, the error) for a `CheckpointMismatch` or proof of damage
-    (`is_damage`), at once; (None, `CheckpointUnavailable`) when every attempt failed otherwise,
-    waiting `READ_RETRY_WAITS` between attempts."""
+    """(`read()`, None); (None, the error) at once for a mismatch or damage; (None,
+    `CheckpointUnavailable`) once every attempt (`READ_RETRY_WAITS` apart) failed otherwise."""
     for attempt, wait in enumerate((*READ_RETRY_WAITS, None)):
         try:
             return read(), None
@@ -407,9 +354,8 @@ def _read_with_retries(read: Callable[[], Any], what: str = "a checkpoint"
 
 
 def is_damage(error: BaseException) -> bool:
-    """Whether `error` (or an error it was raised from) proves that a checkpoint's files are
-    damaged: a fingerprint mismatch, bytes that do not decode, a file missing from a committed
-    step, or a tensorstore status saying so. Anything else may be the storage's fault."""
+    """Whether `error` (or its cause) proves a checkpoint's files damaged: a fingerprint
+    mismatch, undecodable bytes, a missing file, or a tensorstore status saying so."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -421,9 +367,8 @@ def is_damage(error: BaseException) -> bool:
 
 
 def _layout_differences(saved: Any, target: Any, limit: int = 5) -> list[str]:
-    """Up to `limit` differences (then a count of the rest) between the tree paths, shapes and
-    dtypes of checkpoint metadata `saved` and the abstract state `target`; empty when they agree.
-    Leaves of `target` without a dtype (Python scalars) are compared by path only."""
+    """Up to `limit` differences in paths, shapes and dtypes between checkpoint metadata `saved`
+    and abstract state `target`; empty when they agree."""
     have, want = ocp.tree.to_flat_dict(saved), ocp.tree.to_flat_dict(target)
     name = lambda path: ".".join(map(str, path))
     found = [f"{name(p)} is missing from the checkpoint" for p in want if p not in have]
@@ -446,8 +391,7 @@ def meta_fingerprint(meta: dict) -> str:
 
 
 def fingerprint(state: Any) -> str:
-    """A digest of every array's shape, dtype and bits; equal states give equal digests,
-    whatever their sharding."""
+    """A digest of every array's shape, dtype and bits, whatever their sharding."""
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(state)]
     sums = np.asarray(jax.device_get(_bit_sums(leaves)))
     layout = repr([(x.shape, str(x.dtype)) for x in leaves]).encode()
@@ -474,8 +418,7 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """The steps under `directory` whose save was committed, newest first (read only: nothing
-    is cleaned up or set aside, so a run may keep saving there)."""
+    """The committed steps under `directory`, newest first (read only: nothing set aside)."""
     path = epath.Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {path}")
@@ -499,10 +442,8 @@ def read_meta(directory: str | os.PathLike, step: int) -> dict:
 
 
 def restore_params(directory: str | os.PathLike, step: int, target: Any) -> Any:
-    """The `params` subtree alone of checkpoint `step`'s train state, read into `target`'s
-    structure, shapes, dtypes and shardings (`jax.ShapeDtypeStruct` leaves): the optimizer state
-    is neither read nor built. Raises `CheckpointMismatch` naming the differences when the saved
-    parameters have another layout."""
+    """The `params` subtree of checkpoint `step`'s train state, read into `target`'s structure
+    and shardings without the optimizer state; `CheckpointMismatch` for another layout."""
     path = epath.Path(directory) / str(step) / "state"
     handler = ocp.StandardCheckpointHandler()
     try:

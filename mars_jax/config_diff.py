@@ -1,14 +1,8 @@
 """What changed in a run's config since the checkpoint it resumes from.
 
-A training run records its resolved config in `WORKDIR/config.json` at start (`write_record`,
-local or `gs://`), and every checkpoint holds a copy (`record`). On resume, `check_resume`
-compares the workdir's record (`read_record`; the checkpoint's copy where the workdir has none,
-e.g. a run from before config.json) field by field with the current config. A changed field of `RESUME_FIELDS` (or one
-inside a section listed there) changes what the restored state means (the data position, the
-queued rollouts and their groups, the weights and the tokens they read) and is refused with
-`ConfigChanged` (exit 2) naming each such field, unless `allowed` lists it or its section
-(`experiments/run.py --allow_config_change=field,...`). Any other change (learning-rate schedule
-length, total steps, logging, checkpoint cadence, ...) passes with one console note.
+A changed `RESUME_FIELDS` field (or one in a listed section) changes what the restored state means
+and is refused with `ConfigChanged` (exit 2) unless `allowed` lists it; other changes pass with a
+console note.
 """
 from __future__ import annotations
 
@@ -66,8 +60,7 @@ def read_record(workdir: str | os.PathLike) -> dict | None:
 
 
 def check_allowed(allowed: Iterable[str], config: ConfigDict) -> None:
-    """Raises `ConfigError` for a name in `allowed` that is neither a field nor a section of
-    `config`."""
+    """Raises `ConfigError` for a name in `allowed` that is no field or section of `config`."""
     fields = _flat(record(config))
     unknown = [name for name in allowed if not any(_within(f, name) for f in fields)]
     if unknown:
@@ -78,9 +71,8 @@ def check_allowed(allowed: Iterable[str], config: ConfigDict) -> None:
 
 def check_resume(saved: Mapping[str, Any] | None, config: ConfigDict, *, step: int,
                  allowed: Iterable[str] = ()) -> None:
-    """Compares checkpoint `step`'s config `saved` (None: written before checkpoints held one)
-    with `config`: raises `ConfigChanged` for changed `RESUME_FIELDS` not in `allowed`, and
-    notes every change that passes on the console."""
+    """Compares checkpoint `step`'s config `saved` (None: nothing to compare) with `config`:
+    raises `ConfigChanged` for changed `RESUME_FIELDS` not in `allowed`, notes the rest."""
     if saved is None:
         console.note(f"checkpoint {step} holds no config (written by an older version): "
                      "resuming without comparing it")

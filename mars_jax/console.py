@@ -1,8 +1,5 @@
-"""What a run prints to the console: notes, the progress bar's per-role rewards and truncation,
-the summary.
-
-The summary is read back from what the training job wrote in its workdir (`metrics.jsonl`, the
-`tensorboard/` and `checkpoints/` directories), so it describes a resumed run as a whole.
+"""What a run prints to the console: notes, the progress bar's per-role rewards and truncation, and
+the summary, read back from the workdir so that it describes a resumed run as a whole.
 """
 from __future__ import annotations
 
@@ -30,10 +27,9 @@ def _finite(value) -> bool:
 
 
 def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
-    """The progress bar's postfix: this step's mean reward of each role that had samples, the
-    share of its outputs cut off by the token budget when any was (`cut 75%`: a reward lost to
-    the budget, not to a wrong answer) and the Verifier's replies without a readable verdict
-    when any (`no verdict 40%`, the cut ones included: no reward whatever it judged)."""
+    """The progress bar's postfix: this step's mean reward per role, and where not zero the share
+    cut off by the token budget (`cut 75%`) and of Verifier replies without a verdict (`no
+    verdict 40%`)."""
     out = {}
     for role in ROLES:
         reward, cut = metrics.get(f"reward/{role}"), metrics.get(f"truncated/{role}")
@@ -46,8 +42,7 @@ def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:
-    """The rows of `workdir/metrics.jsonl` in step order ([] when there is none), up to a line
-    cut short by a crash (`metrics.read_rows`)."""
+    """The rows of `workdir/metrics.jsonl` in step order, up to a line a crash cut."""
     path = storage.path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []

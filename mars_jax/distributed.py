@@ -1,21 +1,8 @@
 """Multi-host runs: one JAX process per host, one global mesh, each host its own data shard.
 
-`initialize` starts `jax.distributed` from arguments (`--coordinator_address`, `--num_processes`,
-`--process_id`), from `JAX_COORDINATOR_ADDRESS`, or from a detected cluster (Cloud TPU pods,
-Slurm, Open MPI); a single-process run starts nothing. It must run before anything touches a JAX
-backend. Every process then executes the same jitted programs on global arrays:
-
-  * `global_train_batch` joins each host's share of every micro-batch into one global batch
-    split over the mesh's batch axes (hosts first agree on its padded shape);
-  * `gather_process_meta` / `local_process_meta` keep per-host checkpoint metadata in the JSON
-    item orbax writes from process 0; `host_arrays` / `unpack_host_arrays` carry each host's own
-    named arrays (routing, queued rollouts) as one global array with a block per host;
-  * `any_process` and `allgather_json` are collectives over every device: hosts stop loops
-    together, agree on a restore and read process 0's values;
-  * `HostGroup` lets the streaming scheduler's per-host engines agree on host-side decisions
-    through the coordination service's key-value store, with no device program; a host that
-    does not answer within `--exchange_timeout_s` ends the run (exit 1, named), and one whose
-    heartbeats stop for `--heartbeat_timeout_s` ends every process (jax's service).
+`initialize` must run before anything touches a backend; collectives here must be called on every
+process. `HostGroup` agrees on host-side decisions through the coordination service's key-value
+store, with no device program.
 """
 from __future__ import annotations
 
@@ -75,10 +62,7 @@ def cluster_detected(environ: dict[str, str] | None = None) -> bool:
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, mode: str = "auto",
                heartbeat_timeout_s: int = 60) -> bool:
-    """Starts `jax.distributed` when this is one of several processes; returns whether it runs.
-    A process whose heartbeats stop for `heartbeat_timeout_s` ends every process.
-
-    Unset arguments come from the environment (jax's cluster detection)."""
+    """Starts `jax.distributed` when this is one of several processes; whether it runs."""
     if mode not in MODES:
         raise ValueError(f"distributed: {mode!r} is not one of {MODES}")
     if num_processes is not None and num_processes < 1:
@@ -95,8 +79,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def initialize_from_flags() -> bool:
-    """`initialize` from the `--distributed`, `--coordinator_address`, `--num_processes`,
-    `--process_id` and `--heartbeat_timeout_s` flags."""
+    """`initialize` from this module's flags."""
     return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MODE.value,
                       _HEARTBEAT.value)
 
@@ -116,16 +99,8 @@ def end_run(message: str) -> NoReturn:
 
 
 def exit_process(code: int, within_s: float | None = None) -> NoReturn:
-    """Ends this process with `code` once its work is done and written: flushes the logs and
-    standard streams, leaves `jax.distributed` together with the other processes (jax's
-    shutdown barrier: process 0's coordination service stays up until every host has left),
-    then `os._exit`. With `within_s`, a process still waiting in that barrier `within_s`
-    seconds from now exits with `code` all the same.
-
-    What a normal exit adds is skipped: jax's atexit teardown frees every compiled program
-    (`clear_backends`: one LLVM JIT session unmapped per executable, hundreds in a run) before
-    the barrier, so each host also waits for the slowest host's teardown, and the
-    interpreter's final garbage collection follows; together 4-20 s per host after a run."""
+    """Leaves `jax.distributed` with the other processes, then `os._exit(code)` (at the latest
+    after `within_s`): a normal exit's teardown would make each host wait for the slowest."""
     _flush()
     if within_s is not None:
         timer = threading.Timer(within_s, _force_exit, [code, within_s])
@@ -166,9 +141,7 @@ def _pad(x: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
 
 
 def agreed_batch_shape(shapes: np.ndarray) -> tuple[int, int]:
-    """(micro-batches M, length L) every process pads its `TrainBatch` to, from each process's
-    `[M, b, L]` (one row per process): the maxima. Raises when the rows per micro-batch `b`
-    differ."""
+    """The maxima (M, L) of every process's `TrainBatch` `[M, b, L]`; raises if `b` differ."""
     shapes = np.asarray(shapes).reshape(-1, 3)
     rows = sorted(set(shapes[:, 1].tolist()))
     if len(rows) != 1:
@@ -178,8 +151,7 @@ def agreed_batch_shape(shapes: np.ndarray) -> tuple[int, int]:
 
 
 def pad_train_batch(batch: TrainBatch, num_micro: int, length: int) -> TrainBatch:
-    """`batch` (numpy) zero-padded to `num_micro` micro-batches of `length` positions; padding
-    rows and positions have zero masks."""
+    """`batch` zero-padded (masks zero) to `num_micro` micro-batches of `length`."""
     micro_and_length = {0: num_micro, 2: length}
     return TrainBatch(
         tokens=_pad(batch.tokens, micro_and_length),
@@ -193,12 +165,9 @@ def pad_train_batch(batch: TrainBatch, num_micro: int, length: int) -> TrainBatc
 
 
 def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch:
-    """Each process's own `TrainBatch` (numpy, `[M, b, L]`, same `b` everywhere) as one global
-    batch of `b x processes` rows per micro-batch, split over the mesh's batch axes.
-
-    Processes first agree on the number of micro-batches `M` and the length `L` (the maxima,
-    `agreed_batch_shape`) and pad to them (`pad_train_batch`); padding rows and positions have
-    zero masks and change nothing. Call on every process."""
+    """Each process's `TrainBatch` (numpy `[M, b, L]`) as one global batch of `b x processes`
+    rows per micro-batch over the mesh's batch axes, padded to the agreed shape with zero-mask
+    rows."""
     local = jax.tree.map(np.asarray, batch)
     agreed = multihost_utils.process_allgather(np.asarray(local.tokens.shape))
     local = pad_train_batch(local, *agreed_batch_shape(agreed))
@@ -227,8 +196,7 @@ def global_train_batch(batch: TrainBatch, mesh: jax.sharding.Mesh) -> TrainBatch
 
 def batch_split(rows: int, mesh: jax.sharding.Mesh) -> int:
     """Into how many parts the current rules' `batch` axes of `mesh` split a micro-batch of
-    `rows` rows (the product of those axes that divide it, as `global_train_batch` places it);
-    each process's rows land on its own devices only when the processes divide this."""
+    `rows` rows (the product of the axes that divide it, as `global_train_batch` places it)."""
     spec = sharding.fitted_spec(["batch"], [rows], mesh)
     return int(np.prod([mesh.shape[a] for a in sharding.spec_axes(spec[0])], dtype=int))
 
@@ -277,12 +245,10 @@ def _host_block_sharding() -> jax.sharding.NamedSharding:
 
 
 def host_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict | None, jax.Array | None]:
-    """This process's non-negative integer `arrays`, equal in shape but on axis 1 (e.g. expert ids
-    `[L, T, k]`), packed along axis 1 into one global array `[processes, rows, L, k]`: process
-    i's block at index i, its rows split over its own devices, stored in the smallest unsigned
-    dtype that holds every process's values. Returns this process's JSON index (name -> rows,
-    layout, dtypes) for the checkpoint meta and the array; (None, None) when no process has any
-    array. A collective: call on every process."""
+    """Packs this process's non-negative integer `arrays` `[L, T, k]` (equal but in T) into one
+    global array `[processes, rows, L, k]` in the smallest unsigned dtype that holds every value.
+    Returns (this process's JSON index for the checkpoint meta, the array), or (None, None) when
+    no process has any."""
     names = list(arrays)
     shapes = [arrays[n].shape for n in names]
     if any(len(a) != 3 or a[::2] != shapes[0][::2] for a in shapes):
@@ -332,31 +298,17 @@ def unpack_host_arrays(index: dict, array: jax.Array) -> dict[str, np.ndarray]:
 
 
 class HostGroup:
-    """Every process of the job exchanging small JSON values in numbered rounds: `gather(value)`
-    returns each process's value of the same round, in process order. Values travel through
-    `jax.distributed`'s key-value store (no device program runs); each process must call
-    `gather` equally often, and create its groups of one `name` in the same order. One process:
-    `[value]`, nothing exchanged. `seconds` adds up the time spent in `gather`.
-
-    A round: each host writes its value into the round's directory and counts itself in the
-    round's counter; the host whose count completes the round reads the directory (one read),
-    publishes the list under one key and deletes the values, and then the round before (every
-    host has read that: each counted this round after); the others read the list (one blocking
-    read). So each host reads once a round, and at most two rounds' keys exist. Keys live under
-    `mars_jax/exchange/{attempt}/{name}.{instance}/`: `attempt` is a token process 0 publishes at
-    the first exchange of this coordination service (one per start of the job), `instance`
-    counts this process's groups of that name.
-
-    A wait names the hosts that have not written the round every `log_every_s` seconds (a log
-    line) and after `timeout_s` (default `--exchange_timeout_s`) ends the run with exit 1 and a
-    message naming them (`end_run`). A host that dies stops its heartbeats: the coordination
-    service then ends every process within `--heartbeat_timeout_s`, naming it."""
+    """The job's processes exchanging small JSON values in rounds through `jax.distributed`'s
+    key-value store: `gather(value)` returns every process's value of the round, in process
+    order. Every process must call `gather` equally often and create its groups of one `name` in
+    the same order. At most two rounds' keys exist; a host missing past `timeout_s` ends the run
+    naming it."""
 
     def __init__(self, name: str, timeout_s: float | None = None, *,
                  log_every_s: float = LOG_EVERY_S, client=None, process: int | None = None,
                  processes: int | None = None):
-        """`client`, `process`, `processes`: the coordination service client, this process's
-        index and the process count (default: `jax.distributed`'s, and jax's)."""
+        """The coordination service `client`, this `process` and the `processes` (default:
+        jax's)."""
         self.name = name
         self.count = jax.process_count() if processes is None else processes
         self.index = jax.process_index() if process is None else process
@@ -419,8 +371,8 @@ class HostGroup:
         return sorted(set(range(self.count)) - written)
 
     def _wait(self, key: str, missing) -> str:
-        """`key`'s value once written, waiting in slices of `log_every_s` that log the hosts
-        `missing()` names; the run ends (`end_run`) after `timeout_s`."""
+        """`key`'s value once written, logging the `missing()` hosts; `end_run` after
+        `timeout_s`."""
         start = time.monotonic()
         while True:
             left = self.timeout_s - (time.monotonic() - start)
@@ -440,13 +392,9 @@ class HostGroup:
 
 
 class CompiledTogether:
-    """`jitted` (a `jax.jit` function whose program has cross-host collectives) called so that
-    every process has compiled a program before any process runs it: with several processes a
-    call whose shapes, shardings and static arguments are new lowers and compiles ahead, waits
-    for every host at a `HostGroup` barrier, then runs the compiled program (kept for the next
-    calls of that key). XLA:CPU's gloo collectives give the other hosts 30 s to join a
-    program's first run, less than one host's compile can lag another's. One process: plain
-    `jitted`. Every process must make the same calls in the same order."""
+    """Calls `jitted` so that every process has compiled a new program before any runs it (a
+    `HostGroup` barrier after compiling): XLA:CPU's gloo collectives give other hosts only 30 s
+    to join a program's first run. Every process must make the same calls in the same order."""
 
     def __init__(self, jitted, name: str):
         self.jitted, self.name = jitted, name

@@ -1,12 +1,7 @@
 """The `eval_system` job: Solver-only and full V–C system avg@k over a dataset split.
 
-Writes `workdir/eval/records.jsonl` (every candidate, verdict, chosen answer, correctness, tokens
-per agent; appended as pairs finish, so a rerun resumes), `workdir/eval/summary.json` and
-TensorBoard scalars under `workdir/eval/tensorboard`; `workdir` may be a local path or a `gs://`
-URL (`storage`). After SIGTERM it stops before the next V–C round and raises
-`preemption.Preempted` (exit 75) within `preemption_grace_s`: the recorded pairs are kept, a
-rerun evaluates the rest. With `eval.policy='http'` the servers get the key in
-the environment variable `eval.api_key_env` (`OPENAI_API_KEY` by default) as a Bearer token.
+Written under `workdir/eval/` (records appended as pairs finish, so a rerun resumes). With
+`eval.policy='http'` the key in `eval.api_key_env` is sent as a Bearer token.
 """
 from __future__ import annotations
 
@@ -53,9 +48,7 @@ def load_eval_problems(config: ConfigDict) -> list[EvalProblem]:
 
 
 def run(config: ConfigDict, workdir: str) -> dict:
-    """Evaluates and returns the summary (also written to `workdir/eval/summary.json`). One
-    process only: its records file is written and resumed by that process alone. Raises
-    `preemption.Preempted` after SIGTERM (module docstring)."""
+    """Evaluates and returns the summary; one process only (it alone writes its records)."""
     if jax.process_count() > 1:
         raise ValueError(f"eval_system runs on one process, not {jax.process_count()}: for a "
                          "model larger than one host, serve it and set eval.policy='http'")

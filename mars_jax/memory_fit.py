@@ -1,10 +1,6 @@
 """Whether a training run's resident buffers fit its chips, checked before the engine is built.
 
-Resident per chip: the train state's shard (parameters, optimizer state), the engine's copy of
-the weights (when it decodes on a copy) and its KV cache (reserved slots or the page pools,
-spread over the rollout mesh's devices). Programs' temporaries (the update's activations, a
-decode step's attention over one layer) come on top and are not counted here:
-`experiments/aot_compile.py` compiles the programs and reports them.
+Counted: the train state shard, the engine's weight copy and KV cache; not programs' temporaries.
 """
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ def _largest_shard(tree, shardings=None) -> int:
 
 
 def engine_kv_bytes(engine: EngineSettings, model_config, shards: int) -> int:
-    """The KV cache of the `sampling.Engine` that `engine` describes, as it allocates it: its
-    slots' positions, or `shards` page pools, each with a trash page."""
+    """The KV cache bytes of the `sampling.Engine` `engine` describes, as it allocates them."""
     per_token = kv_bytes_per_token(model_config)
     if engine.options.get("kv_pages"):
         return per_token * engine.options["page_size"] * (engine.options["kv_pages"] + shards)
@@ -65,10 +60,8 @@ def resident(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: M
 
 def offloaded_phases(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: Mesh, *,
                      kv_through_update: bool) -> tuple[Resident, Resident]:
-    """`resident` while decoding and while updating, with the optimizer state offloaded
-    (`learner.offload_optimizer`): the train state less its `opt_state` beside the KV cache,
-    then the whole train state, beside the KV cache only where it stays through the update
-    (`kv_through_update`: not freed, `Engine.free_kv`)."""
+    """`resident` while decoding and while updating with the optimizer state offloaded; the KV
+    cache stays through the update only where `kv_through_update`."""
     decoding = resident(state.replace(opt_state=None), engine_weights, kv_bytes, rollout_mesh)
     updating = resident(state, engine_weights, kv_bytes if kv_through_update else 0,
                         rollout_mesh)
@@ -76,9 +69,8 @@ def offloaded_phases(state, engine_weights: tuple | None, kv_bytes: int, rollout
 
 
 def check(parts: Resident, limit: int | None, shared: bool) -> None:
-    """Raises ConfigError naming the fields to change when `parts` exceed `limit` bytes (a
-    chip's memory; None: unknown, nothing checked). `shared`: the engine's and the trainer's
-    buffers are on the same chips (else the fuller of the two sets counts)."""
+    """Raises ConfigError naming the fields to change when `parts` exceed `limit` bytes (None:
+    nothing checked); `shared`: engine and trainer on the same chips."""
     if limit is None:
         return
     need = parts.total if shared else max(parts.train_state, parts.engine_weights + parts.kv_cache)

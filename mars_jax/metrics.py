@@ -27,12 +27,10 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends metrics to `workdir/metrics.jsonl` and `workdir/tensorboard`. On resume from step
-    `resume_step`, lines for later steps (written after that checkpoint) are dropped first
-    (`resume_step=-1`: a run with no checkpoint starts the file over); the file is rewritten
-    atomically (`storage.write_text`), so a crash then loses nothing. On `gs://` each row
-    rewrites the object (objects cannot be appended to), and TensorBoard's event file is
-    uploaded whole at each flush (tensorboardX's writer, through google-cloud-storage)."""
+    """Appends metrics to `workdir/metrics.jsonl` and `workdir/tensorboard`. Resuming from
+    `resume_step`, lines of later steps are first dropped (atomically; -1: the file starts over).
+    On `gs://` each row rewrites the object and TensorBoard's event file is uploaded at each
+    flush."""
 
     def __init__(self, workdir: str | os.PathLike, *, resume_step: int = 0, tensorboard: bool = True):
         self.path = storage.path(workdir) / "metrics.jsonl"

@@ -1,11 +1,8 @@
-"""The update's state in host memory while the engine decodes (a colocated run's memory).
+"""The update's state in host memory while the engine decodes: on one shared mesh the optimizer
+state and KL reference are read only by the update.
 
-On one shared mesh the optimizer state (AdamW mu and nu: twice the bf16 weights) and the KL
-reference parameters are read only by the update, yet they hold device memory through every
-decode. `to_host` moves every array of a pytree to the `pinned_host` memory of the devices that
-hold it (jax memory kinds: each shard to its own device's host, the partition spec kept) and
-frees the device copy; `to_device` moves it back the same way. A copy between memory kinds is
-a byte copy: values come back bit for bit. `None` and non-array leaves pass through.
+`to_host` / `to_device` move a pytree's arrays to their devices' `pinned_host` memory and back, bit
+for bit, shardings kept.
 """
 from __future__ import annotations
 

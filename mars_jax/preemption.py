@@ -1,26 +1,9 @@
 """Preemption notices: SIGTERM becomes a flag that long loops read between units of work.
 
-`catch_sigterm` installs the handler for the length of a job and yields its `Notice`; calling the
-notice says whether SIGTERM came. Loops that take a `should_stop` callable (decode rounds of
-`rl.streaming`, generator calls of the per-step scheduler, mini-batches of `rl.learner`, rounds of
-the V-C loop in `agents.system`) ask it between units and raise `Stopped` where they stopped; with
-several hosts they ask at points every host reaches in the same order and stop only where all
-agreed, so every host stops at the same unit. The job then saves what it can resume from and
-raises `Preempted` (exit code 75: rerun the same command).
-
-From the signal on, the process has `grace_s` seconds to stop, save and exit. A watchdog is the
-last resort: it exits the process with code 75, whatever it is doing (a long compile, a save still
-writing, a collective or key-value wait that never returns), once `Notice.watchdog_s` has passed
-since the notice: `grace_s`, or twice the longest unit of work measured between two stop checks
-(`Notice.measured`) where that is longer, so that the agreed stop, which other hosts only see at
-their next check, had its chance first; a host that learns of another's notice (`stop_agreed`)
-arms its own. A checkpoint not committed by then is abandoned: orbax commits a step atomically,
-so the newest committed one is what the rerun resumes from.
-
-A Python signal handler runs only when the main thread returns to the interpreter. The notice
-also comes through `signal.set_wakeup_fd`, which the signal's C handler writes to at once, read
-by a thread of its own: the notice and its watchdog arrive while the main thread is blocked in a
-native call that releases the GIL (a device wait, a key-value get).
+Loops taking `should_stop` raise `Stopped` between units (with several hosts, only where all
+agreed); the job saves and raises `Preempted` (exit 75: rerun the same command). A watchdog exits
+with 75 whatever the process does, `Notice.watchdog_s` after the notice. The notice also comes
+through `signal.set_wakeup_fd`, since a Python handler cannot run during a blocking native call.
 """
 from __future__ import annotations
 
@@ -132,10 +115,8 @@ def _watch_wakeup_fd(read_fd: int, notice: Notice, forward_fd: int) -> None:
 
 @contextlib.contextmanager
 def catch_sigterm(grace_s: float | None = None) -> Iterator[Notice]:
-    """Turns SIGTERM into a `Notice` while the block runs (through the handler and the wakeup
-    fd's thread); restores the previous handler and wakeup fd and stops the watchdog
-    afterwards. Outside the main thread (e.g. a notebook worker) no handler can be installed:
-    the notice then never comes."""
+    """Turns SIGTERM into a `Notice` while the block runs, then restores the previous handler and
+    wakeup fd. Outside the main thread no handler can be installed: the notice never comes."""
     notice = Notice(grace_s)
     try:
         previous = signal.signal(signal.SIGTERM, notice.handle)

@@ -1,10 +1,6 @@
-"""A `jax.profiler` trace of a range of a run's steps (`profile_steps=(first, last)`), written
-where TensorBoard's profile tab reads it: `<logdir>/plugins/profile/<run>/`.
-
-The profiler writes local files only, so for a `gs://` logdir it traces into a local staging
-directory and copies the trace up when it stops (`storage.LocalStaging`). Python function calls
-are not traced (`python_tracer_level=0`: they made a 2-step CPU run's trace 140 MB); device
-programs, XLA ops and jax's own host annotations are.
+"""A `jax.profiler` trace of a range of a run's steps (`profile_steps=(first, last)`), written where
+TensorBoard's profile tab reads it (staged locally for a `gs://` logdir). Python calls are not
+traced (`python_tracer_level=0`), which keeps traces small; device programs are.
 """
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ from mars_jax import storage
 
 
 class StepProfiler:
-    """Traces from the start of the first step in `steps` = (first, last) that runs to the end
-    of step `last`; `steps` empty: nothing is traced."""
+    """Traces the steps `steps` = (first, last) that run (empty: none)."""
 
     def __init__(self, steps: Sequence[int], logdir: str | os.PathLike):
         self.first, self.last = (tuple(steps) or (0, -1))
@@ -26,8 +21,8 @@ class StepProfiler:
         self._staging: storage.LocalStaging | None = None
 
     def before(self, step: int) -> None:
-        """Starts the trace if `step` is the first traced step that runs (a resumed run may
-        start inside the range)."""
+        """Starts the trace if `step` is the first traced step that runs (a resume may start
+        late)."""
         if self._staging is None and self.first <= step <= self.last:
             self._staging = storage.LocalStaging(self.logdir)
             options = jax.profiler.ProfileOptions()

@@ -1,12 +1,7 @@
 """One named mesh and the logical-axis rules that place parameters and activations on it.
 
-Parameters carry logical axis names (``nnx.Param(..., logical_axes=('embed', 'mlp'))``); the rules
-below map each logical name to mesh axes, MaxText style. Activations are pinned with
-:func:`constrain`, a no-op outside an active mesh, so the same model code runs on one CPU device,
-a fake 8-device CPU mesh and a TPU pod.
-
-The mesh always uses ``AxisType.Auto`` axes (jax >= 0.10 defaults ``jax.make_mesh`` to Explicit),
-because logical rules feed ``with_sharding_constraint`` and ``jit`` shardings, not sharding-in-types.
+`constrain` is a no-op outside a mesh, so the same model code runs on one device or a pod. Axes are
+`AxisType.Auto`: the rules feed `with_sharding_constraint` and `jit` shardings.
 """
 from __future__ import annotations
 
@@ -56,13 +51,9 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the mesh axes; one size may be -1, meaning all remaining devices.
-
-    `data`, `fsdp`, `tensor` and `expert` are sizes within one slice (ICI). `dcn` gives, in
-    `MESH_AXES` order, how many slices each axis spans (data-centre network; on GPUs and CPUs a
-    slice is a process); an axis's full size is its within-slice size times its `dcn` size.
-    `field` is the config section that error messages name ('mesh', 'mesh.rollout').
-    """
+    """Sizes of the mesh axes within one slice, one of them may be -1 (the remaining devices);
+    `dcn`, in `MESH_AXES` order, how many slices (on GPU and CPU: processes) each axis spans.
+    `field` is the config section error messages name."""
 
     data: int = -1
     fsdp: int = 1
@@ -126,12 +117,8 @@ class MeshConfig:
 
 def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`.
-
-    Devices are laid out along the physical topology (`mesh_utils`). With `dcn` sizes, each
-    slice (devices sharing a `slice_index`; a process when all devices are in one slice, as on
-    GPU or CPU hosts) holds one within-slice block of the mesh and the `dcn` axes run across them.
-    """
+    """The ('data', 'fsdp', 'tensor', 'expert') mesh with Auto axes over `devices`, laid out
+    along the physical topology; with `dcn`, each slice holds one within-slice block."""
     if config is None:
         config = MeshConfig()
     elif not isinstance(config, MeshConfig):
@@ -165,15 +152,9 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class MeshSplit:
-    """The config's `mesh` section: the training mesh's axis sizes (`train`) and the rollout
-    engine's (`rollout`), over the same devices (`rollout_devices == 0`) or the devices split
-    into two disjoint meshes: a training mesh over the first devices and a rollout mesh over
-    the last `rollout_devices`. With several processes the engine is per host: its mesh is
-    over that host's own devices (all of them, or its last `rollout_devices`), and the
-    training mesh over every host's (remaining) devices. Each resolves its own -1 axis; only a
-    shared training mesh may span slices (`dcn`). Unset rollout sizes on a shared mesh: one
-    process decodes on the training mesh itself; several take data=-1 per host.
-    """
+    """The config's `mesh` section: training (`train`) and rollout (`rollout`) axis sizes, one
+    shared mesh (`rollout_devices == 0`) or the last `rollout_devices` of each host as its own
+    rollout mesh. Only a shared training mesh may span slices."""
 
     train: MeshConfig = MeshConfig()
     rollout: MeshConfig = MeshConfig(field="mesh.rollout")
@@ -227,11 +208,7 @@ class MeshSplit:
 def make_meshes(split: MeshSplit | Mapping[str, Any],
                 devices: Sequence[jax.Device] | None = None,
                 process: int | None = None) -> tuple[Mesh, Mesh]:
-    """(training mesh, this process's rollout mesh) over `devices` (default: all), as
-    `MeshSplit` describes: the same mesh twice when one process shares it with unset rollout
-    sizes, else a rollout mesh of its own over `process`'s devices (default: this process;
-    one process: all) or their last `rollout_devices`, and a training mesh over the rest of
-    every process's devices. Devices keep their order within a process."""
+    """(training mesh, this process's rollout mesh) over `devices` as `MeshSplit` says."""
     if not isinstance(split, MeshSplit):
         split = MeshSplit.from_mapping(split)
     devices = list(jax.devices() if devices is None else devices)
@@ -250,8 +227,7 @@ def make_meshes(split: MeshSplit | Mapping[str, Any],
 
 
 def devices_by_process(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
-    """`devices` grouped by `process_index`, in process order, each group in `devices` order;
-    raises ValueError when processes hold different numbers of them."""
+    """`devices` grouped by process, in order; ValueError when the groups' sizes differ."""
     groups: dict[int, list[jax.Device]] = {}
     for device in devices:
         groups.setdefault(getattr(device, "process_index", 0), []).append(device)
@@ -312,9 +288,9 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 def fitted_spec(names: Sequence[str | None], shape: Sequence[int], mesh,
                 rules: Rules | None = None) -> PartitionSpec:
-    """The PartitionSpec of logical `names` for an array of `shape` on `mesh`: dimension by
-    dimension, the mesh axes of its rule that no earlier dimension took and that divide it (with
-    the axes kept before them); an axis one dimension cannot take stays free for the next."""
+    """The PartitionSpec of logical `names` for `shape` on `mesh`: per dimension, the axes of its
+    rule that no earlier dimension took and that divide it; an axis not taken stays free for the
+    next."""
     used: set[str] = set()
     fitted = []
     padded = tuple(names) + (None,) * (len(shape) - len(names))
@@ -336,10 +312,8 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None], shape: Sequence[int]
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
-    """A NamedSharding per variable in `state`, from each variable's `logical_axes` metadata.
-
-    A mesh axis that does not divide the dimension it would shard is dropped (the variable is
-    replicated along it), with one warning per variable naming it, the dimension and the axis."""
+    """A NamedSharding per variable in `state` from its `logical_axes`; a mesh axis that does not
+    divide its dimension is dropped (replicated), with one warning per variable."""
 
     def one(path, variable):
         shape = variable.get_value().shape
@@ -355,8 +329,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) ->
 
 def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
                   fitted: PartitionSpec, mesh, rules: Rules | None) -> None:
-    """Logs a warning naming each mesh axis that the rules of `names` ask for and that no
-    dimension of `fitted` kept, with the dimensions it did not divide."""
+    """Warns of each mesh axis the rules of `names` ask for that no dimension of `fitted` kept."""
     kept = {axis for entry in fitted for axis in spec_axes(entry)}
     tried: dict[str, list[str]] = {}
     for i, (dim, wanted) in enumerate(zip(shape, _rule_axes(names, rules))):
@@ -372,9 +345,7 @@ def _warn_dropped(name: str, shape: Sequence[int], names: Sequence[str | None],
 
 
 def fetch(tree):
-    """`tree`'s arrays as numpy on this host, whole even when sharded over other hosts' devices
-    (then a collective: call it on every process); arrays on this host's devices alone (a
-    per-host engine's) are read locally."""
+    """`tree`'s arrays as numpy on this host (a collective where other hosts hold shards)."""
     local = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree))
     if jax.process_count() == 1 or local:
         return jax.device_get(tree)

@@ -1,14 +1,7 @@
-"""Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API.
+"""Where a run's files live: a local path or a `gs://` URL, behind one `etils.epath.Path` API, so a
+workdir on Cloud Storage works like a local one.
 
-Everything a run writes and reads (metrics, TensorBoard logs, checkpoints through orbax, the
-saved config, profiler traces, a warm-start cache) takes its paths from `path()`, so a workdir on
-Cloud Storage works like a local one: every host of a pod, and a rerun on new machines, sees the
-same files. `gs://` goes through gcsfs (fsspec) here and through tensorstore's own GCS driver in
-orbax; both honour the usual credentials, and an emulator through `STORAGE_EMULATOR_HOST`
-(gcsfs, google-cloud-storage) and `TENSORSTORE_GCS_HTTP_URL` (tensorstore).
-
-Object stores keep no directory listings of their own; listings are never cached here
-(fsspec's listing cache would hide checkpoints that another process or tensorstore wrote).
+Listings are never cached: a cache would hide checkpoints that another process or tensorstore wrote.
 """
 from __future__ import annotations
 
@@ -31,8 +24,7 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 
 def path(location: str | os.PathLike) -> epath.Path:
-    """`location` as an `epath.Path`: a `gs://` URL as given, a local path with `~` expanded and
-    made absolute."""
+    """`location` as an `epath.Path`: a `gs://` URL as given, a local path made absolute."""
     text = os.fspath(location)
     if is_remote(text):
         return epath.Path(text)
@@ -40,16 +32,13 @@ def path(location: str | os.PathLike) -> epath.Path:
 
 
 def entries(directory: str | os.PathLike) -> list[epath.Path]:
-    """The entries of `directory`; [] where it does not exist (an object store keeps no empty
-    directory: one that nothing was written under yet does not exist there)."""
+    """The entries of `directory`; [] where it does not exist (or is empty on an object store)."""
     directory = path(directory)
     return list(directory.iterdir()) if directory.exists() else []
 
 
 def write_text(target: str | os.PathLike, text: str) -> None:
-    """Writes `text` to `target` whole or not at all: locally through a temporary file renamed
-    into place, on an object store as one object upload (atomic there). Creates the parent
-    directory."""
+    """Writes `text` to `target` whole or not at all, creating the parent directory."""
     target = path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     if is_remote(target):
@@ -61,8 +50,7 @@ def write_text(target: str | os.PathLike, text: str) -> None:
 
 
 def append_text(target: str | os.PathLike, text: str) -> None:
-    """Appends `text` to `target` (created if absent). Objects cannot be appended to: on an object
-    store the whole object is read and written again, atomically."""
+    """Appends `text` to `target` (an object store's object is rewritten whole, atomically)."""
     target = path(target)
     if is_remote(target):
         write_text(target, (target.read_text() if target.exists() else "") + text)
@@ -73,8 +61,8 @@ def append_text(target: str | os.PathLike, text: str) -> None:
 
 
 def files(directory: str | os.PathLike) -> list[str]:
-    """The relative paths ('a/b.txt') of every file under `directory`, sorted; [] where it does
-    not exist. (epath's own `walk` drops the `gs://` of the paths it yields.)"""
+    """The sorted relative paths of every file under `directory` ([] if absent); epath's `walk`
+    drops `gs://`."""
     found = []
     for entry in entries(directory):
         if entry.is_dir():
@@ -85,8 +73,7 @@ def files(directory: str | os.PathLike) -> list[str]:
 
 
 def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Copies every file under directory `source` to the same relative path under `target`
-    (either side local or remote); existing files are overwritten."""
+    """Copies every file under `source` to the same path under `target`, overwriting."""
     source, target = path(source), path(target)
     for name in files(source):
         destination = target / name
@@ -95,8 +82,7 @@ def copy_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Moves directory `source` to `target` (same storage); an object store has no rename, so
-    there every file is copied, then `source` deleted."""
+    """Moves directory `source` to `target` (same storage; objects copied, then deleted)."""
     source, target = path(source), path(target)
     if is_remote(source):
         copy_tree(source, target)
@@ -107,9 +93,7 @@ def move_tree(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 class LocalStaging:
-    """A local directory for a tool that can only write local files (the profiler, a job that
-    saves an HF model), copied to `target` by `publish()`: for a local `target`, that directory
-    itself, written in place."""
+    """A local directory for a tool that writes only local files, copied up by `publish()`."""
 
     def __init__(self, target: str | os.PathLike):
         self.target = path(target)

@@ -1,14 +1,7 @@
 """The trainer's parameters copied to the rollout mesh (`builders.build_meshes`).
 
-With the devices split, the rollout engine decodes on its own devices with its own copy of the
-weights; after each update :func:`copy_weights` puts the new parameters there (`jax.device_put`
-to :func:`rollout_shardings`: the same logical axes resolved on the rollout mesh). On one shared
-mesh the shardings are the trainer's own, so nothing moves and the copy is the same arrays.
-
-With several processes every host's engine holds a whole copy on its own devices
-(:class:`HostCopies`): one program over the training mesh gathers the parameters into a
-per-host layout (replicated across hosts, split within each host), whose shards on this host's
-devices then make this host's arrays (moved to its rollout devices when those are others).
+`copy_weights` after each update (nothing moves on one shared mesh); with several processes,
+`HostCopies` gives every host's engine a whole copy on its own devices.
 """
 from __future__ import annotations
 
@@ -40,15 +33,12 @@ class Transfer:
 
 def rollout_shardings(params: nnx.State, mesh: jax.sharding.Mesh,
                       rules: sharding.Rules | None = None) -> nnx.State:
-    """A NamedSharding on `mesh` per parameter, from each one's `logical_axes` (the layout
-    `create_model` / `from_pretrained` give a model built on `mesh`)."""
+    """A NamedSharding on `mesh` per parameter, from its `logical_axes`."""
     return sharding.state_shardings(params, mesh, rules)
 
 
 def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
-    """(total, largest per device) bytes that putting `params` (arrays, or ShapeDtypeStructs
-    with a sharding) into `shardings` writes on the destination devices; an array whose sharding
-    is already equivalent to its destination counts 0."""
+    """(total, largest per device) bytes putting `params` into `shardings` writes."""
     per_device: collections.Counter = collections.Counter()
     for x, target in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
         source = getattr(x, "sharding", None)
@@ -61,9 +51,8 @@ def transfer_bytes(params: Any, shardings: Any) -> tuple[int, int]:
 
 
 def copy_weights(params: nnx.State, shardings: nnx.State) -> tuple[nnx.State, Transfer]:
-    """`params` put into `shardings` (from :func:`rollout_shardings`), waited for, and what the
-    copy moved. The source arrays are not donated; an array already in its destination
-    sharding is returned as is (not copied), so a later donation of the source reaches it too."""
+    """`params` put into `shardings`, waited for, and what the copy moved. An array already in
+    place is returned as is, not copied: donating the source later donates it too."""
     total, per_device = transfer_bytes(params, shardings)
     start = time.perf_counter()
     copied = jax.block_until_ready(jax.device_put(params, shardings))
@@ -77,14 +66,9 @@ def rollout_model(graphdef: nnx.GraphDef, params: nnx.State) -> Qwen3:
 
 
 class HostCopies:
-    """Copies of the trainer's parameters (on the global training mesh) on every host's own
-    rollout mesh (a collective: every process calls `copy` together).
-
-    Staging: per host, its training devices laid out as its rollout mesh is (when they are the
-    same number of devices) or all on `fsdp`; one jitted program on the training mesh's devices
-    reshards the parameters into that layout, replicated over hosts. This host's shards of the
-    result are its staged copy; `jax.device_put` then moves it to the rollout shardings (nothing
-    moves when those are the staging devices and layout)."""
+    """The trainer's parameters on every host's own rollout mesh (a collective: all call `copy`
+    together): one program reshards them into a per-host layout, whose local shards then move to
+    this host's rollout shardings."""
 
     def __init__(self, params: nnx.State, train_mesh: Mesh, rollout_mesh: Mesh,
                  rules: sharding.Rules | None = None):
@@ -108,8 +92,7 @@ class HostCopies:
         return sharding.make_mesh({"data": 1, "fsdp": -1}, devices)
 
     def copy(self, params: nnx.State) -> tuple[nnx.State, Transfer]:
-        """`params` on this host's rollout shardings, waited for, and the bytes written on this
-        host's rollout devices."""
+        """`params` on this host's rollout shardings, waited for, and the bytes written here."""
         leaves, treedef = jax.tree.flatten(params)
         start = time.perf_counter()
         staged = self._reshard(leaves)

@@ -1,19 +1,7 @@
-"""The XLA:CPU client's thread pool, sized before the CPU backend starts so that it cannot
-deadlock.
-
-XLA:CPU launches programs and runs every device's part of a program on one pool of
-max(`PJRT_NPROC` or the host's cores, local devices) threads, and both can hold a thread while
-they wait: a launch once its device has 32 programs queued (a thread that dispatches
-asynchronously runs that far ahead as soon as one program stalls), a part of a collective
-program until the parts of every device have started. A thread that launches a program over D
-devices waits until its D launches are done, and collectives run one at a time, so at most D
-launches per launching thread plus the D parts of one collective hold threads at once. With
-fewer threads the pool fills with them, the collective's last part never gets a thread and the
-process stops at 0% CPU for good: on a 2-core host whose 2 local devices (each host's decode
-engine, 2 processes x 2 devices) gave a pool of 2, one launch blocked behind the first part of
-an engine collective whose second part was queued behind it. Programs launch from two threads
-at most (the main thread, and the update's worker thread while the engine decodes), so
-`reserve_threads` gives the pool three threads per local device.
+"""The XLA:CPU client's thread pool, sized before the CPU backend starts so that it cannot deadlock:
+launches and collective parts both hold pool threads while they wait, and with too few threads a
+collective's last part never runs. Programs launch from two threads at most (the main thread and the
+update's worker), so `reserve_threads` gives three threads per local device.
 """
 from __future__ import annotations
 
@@ -36,8 +24,7 @@ def local_cpu_devices(environ: MutableMapping[str, str]) -> int:
 
 def reserve_threads(environ: MutableMapping[str, str] = os.environ) -> int | None:
     """Sets `PJRT_NPROC` in `environ` to `THREADS_PER_DEVICE` x the local CPU devices where there
-    are several (one device runs no collective and launches on the calling thread), that is
-    more than the host's cores and `PJRT_NPROC` is unset (module docstring); returns the value
+    are several, that is more than the host's cores and `PJRT_NPROC` is unset; returns the value
     set, else None. Takes effect only before the CPU backend starts."""
     devices = local_cpu_devices(environ)
     if "PJRT_NPROC" in environ or devices < 2:

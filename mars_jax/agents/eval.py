@@ -1,17 +1,8 @@
 """avg@k evaluation of the Solver alone and of the V-C system, from one run.
 
-Each (problem, sample) pair runs the V-C loop once (`run_system`); all pairs
-advance together. The Solver-alone score of a pair grades the first Solver
-output as it came (no retries), which is exactly what the Solver would answer
-without the system; the system score grades the loop's chosen candidate (no
-answer when the loop failed). avg@k is the mean over problems of the mean over
-the k samples.
-
-Records (one JSON object per pair) are appended to `records_path` (a local path
-or a `gs://` URL, `storage`) as pairs finish: locally each at once; on an object
-store, which cannot append, at the end of each V-C round (each append rewrites
-the object). Rerunning with the same path skips the pairs already recorded (the
-loop config is not checked, so resume with the same settings).
+Each (problem, sample) runs the loop once; the Solver-alone score grades the first Solver output as
+it came, the system score the loop's choice. Records are appended as pairs finish (on an object
+store, each round); a rerun skips recorded pairs (the loop config is not checked).
 """
 
 from __future__ import annotations
@@ -53,19 +44,8 @@ def evaluate(
     on_round: Callable[[RoundInfo], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[Record], dict[str, Any]]:
-    """Runs `num_samples` V-C loops per problem and scores them.
-
-    Args:
-      problems: problems with unique ids.
-      policy: serves every role; a `RoutedPolicy` gives the Solver its own model.
-      num_samples: k of avg@k.
-      config: loop parameters (defaults to `LoopConfig()`).
-      records_path: JSONL file written as pairs finish and read back to resume.
-      max_in_flight, on_round, should_stop: passed to `run_system`.
-
-    Returns:
-      (records of all requested pairs in (problem, sample) order, summary).
-    """
+    """Runs `num_samples` V-C loops per problem and returns (records in (problem, sample) order,
+    summary), resuming from `records_path`; the other arguments go to `run_system`."""
     ids = [p.id for p in problems]
     if len(set(ids)) != len(ids):
         raise ValueError("problem ids must be unique")
@@ -105,10 +85,7 @@ def evaluate(
 
 
 def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Record:
-    """The JSON-serialisable record of one loop run, graded against the gold answer by
-    `stages.correct` (one batch per record). The Solver is graded on its first attempt, as a lone
-    Solver sample would be: when the system retried an unusable one, the retry counts for the
-    System only."""
+    """The JSON record of one loop run, graded by `stages.correct` (the Solver's first try)."""
     first = stages.parse_solution(result.steps[0].completion)
     outputs = [first, *(c.output for c in result.candidates)]
     solver_correct, *candidates_correct = stages.correct(outputs, [problem.answer] * len(outputs))
@@ -142,8 +119,7 @@ def make_record(problem: EvalProblem, sample: int, result: SystemResult) -> Reco
 
 
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
-    """avg@k of Solver and system, outcome rates, mean iterations, verifications and tokens per
-    agent."""
+    """avg@k of Solver and system, outcome rates, and means per run and per agent."""
     by_problem: dict[str, list[Record]] = {}
     for record in records:
         by_problem.setdefault(record["problem_id"], []).append(record)
@@ -173,13 +149,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _load_records(path: str) -> dict[tuple[str, int], Record]:
-    """Records already in `path`, by (problem id, sample).
-
-    Lines that do not decode (a write cut short by a crash) are dropped and the
-    file is rewritten without them (and with a final newline), so that appending
-    continues cleanly; the rewrite is atomic (`storage.write_text`), so a crash
-    during it loses no record.
-    """
+    """Records in `path` by (problem id, sample), undecodable lines dropped from the file."""
     if not storage.path(path).exists():
         return {}
     records: dict[tuple[str, int], Record] = {}

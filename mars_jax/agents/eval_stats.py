@@ -1,23 +1,8 @@
-"""Statistics of avg@k evaluation records (`mars_jax.agents.eval.make_record`), with intervals.
+"""Statistics of avg@k evaluation records (`eval.make_record`), with percentile bootstrap intervals.
 
-avg@k: per problem, the mean over its samples of a 0/1 field (`solver_correct` or `correct`);
-a model's avg@k is the mean over problems. Scores of one model are a matrix `[runs, problems]`:
-one row per RL seed (one row for a model trained once or not at all), the columns the same
-held-out problems in the same order for every run.
-
-Intervals are percentile bootstrap intervals. Each replicate draws the runs with replacement and,
-independently, the problems with replacement, and takes the mean of the drawn sub-matrix (the
-same drawn problems for every drawn run: seeds and problems are crossed factors, both treated as
-random). With one run this is the plain bootstrap over problems. A difference between two models
-evaluated on the same problems draws the problems once for both (paired) and each model's runs
-independently (its seeds are separate trainings). `bootstrap_statistic` applies the same draws
-to any statistic of summed per-(run, problem) values, e.g. balanced accuracy from confusion
-counts (`confusion_counts`, `balanced_accuracy`).
-
-Verifier metrics treat an actually wrong solution as the positive class: a verdict "Wrong" on a
-wrong solution is a true positive (an error detected). A verification without a readable verdict
-(None) is neither a detection nor a pass: it counts against the true-positive rate on wrong
-solutions and against the true-negative rate on correct ones, and is not a positive prediction.
+Over `[runs, problems]` score matrices, runs and problems are drawn independently (crossed random
+factors), paired across models compared on the same problems. Verifier metrics take a wrong solution
+as the positive class; an unreadable verdict counts against both true rates.
 """
 
 from __future__ import annotations
@@ -100,15 +85,8 @@ def _check(array: np.ndarray) -> np.ndarray:
 def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
                         resamples: int = RESAMPLES, seed: int = 0,
                         level: float = LEVEL) -> Interval:
-    """A statistic of several models' per-(run, problem) values and its percentile interval.
-
-    `arrays[i]` is model i's `[runs, problems, *features]` array (`[problems]` is one run), all
-    over the same problems. `statistic(totals)` maps the list of each model's sums over runs x
-    problems (`[..., *features]`) to values `[...]`. Each replicate draws the problems once for
-    all models and each model's runs on its own (see the module docstring), and sums the drawn
-    sub-arrays (weights sum to runs x problems, as in the estimate's totals). Replicates where
-    the statistic is NaN are left out, so the interval is conditional on it being defined; their
-    number is `Interval.undefined`."""
+    """A statistic of several models' per-(run, problem) values `arrays` and its interval;
+    replicates where it is NaN are left out (`Interval.undefined`)."""
     arrays = [_check(a) for a in arrays]
     problems = arrays[0].shape[1]
     if any(a.shape[1] != problems for a in arrays):
@@ -132,8 +110,7 @@ def bootstrap_statistic(arrays: Sequence[np.ndarray], statistic, *,
 
 def bootstrap(scores: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
               level: float = LEVEL) -> Interval:
-    """The mean of `scores` (`[runs, problems]`, or `[problems]`) and its percentile bootstrap
-    interval (runs and problems resampled, see the module docstring)."""
+    """The mean of `scores` (`[runs, problems]` or `[problems]`) and its bootstrap interval."""
     scores = _check(scores)
     return bootstrap_statistic([scores], lambda t: t[0] / scores.size,
                                resamples=resamples, seed=seed, level=level)
@@ -141,8 +118,7 @@ def bootstrap(scores: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
 
 def bootstrap_difference(a: np.ndarray, b: np.ndarray, *, resamples: int = RESAMPLES,
                          seed: int = 0, level: float = LEVEL) -> Interval:
-    """mean(a) - mean(b) and its interval: the same problem draws for both (paired; columns are
-    the same problems), each model's runs drawn independently."""
+    """mean(a) - mean(b) and its interval, problems drawn paired, runs apart."""
     a, b = _check(a), _check(b)
     return bootstrap_statistic([a, b], lambda t: t[0] / a.size - t[1] / b.size,
                                resamples=resamples, seed=seed, level=level)
@@ -200,8 +176,7 @@ class Confusion:
 
 
 def confusion(pairs: Iterable[tuple[bool, bool | None]]) -> Confusion:
-    """The confusion matrix of (solution actually correct, verdict) pairs; verdict None: no
-    readable verdict."""
+    """The confusion matrix of (solution actually correct, verdict or None) pairs."""
     tp = fn = tn = fp = none_on_correct = passed = 0
     for correct, verdict in pairs:
         passed += verdict is True
@@ -222,8 +197,8 @@ CONFUSION_FIELDS = ("tp", "fn", "tn", "fp", "no_verdict_on_correct", "passed")
 
 def confusion_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str], *,
                      first_only: bool) -> np.ndarray:
-    """`[runs, problems, 6]` confusion counts (`CONFUSION_FIELDS`) of each run's verifications
-    of each problem (see `verification_pairs`), for `bootstrap_statistic`."""
+    """`[runs, problems, 6]` confusion counts of each run's verifications, for
+    `bootstrap_statistic`."""
     column = {p: i for i, p in enumerate(problems)}
     counts = np.zeros((len(runs), len(problems), len(CONFUSION_FIELDS)))
     for i, records in enumerate(runs):
@@ -234,8 +209,7 @@ def confusion_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str], 
 
 
 def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
-    """Balanced accuracy of confusion totals `[..., 6]` (`CONFUSION_FIELDS`); NaN where a class
-    is absent."""
+    """Balanced accuracy of confusion totals `[..., 6]`; NaN where a class is absent."""
     tp, fn, tn, fp, none_on_correct = np.moveaxis(np.asarray(totals, np.float64), -1, 0)[:5]
     with np.errstate(invalid="ignore", divide="ignore"):
         return (tp / (tp + fn) + tn / (tn + fp + none_on_correct)) / 2
@@ -243,9 +217,7 @@ def balanced_accuracy(totals: np.ndarray) -> np.ndarray:
 
 def verification_pairs(records: Iterable[Record], *,
                        first_only: bool) -> list[tuple[bool, bool | None]]:
-    """(candidate actually correct, verdict) of every verification in `records`, or with
-    `first_only` of each run's first one (the Solver's candidate; runs whose Solver failed have
-    none)."""
+    """(candidate correct, verdict) of every verification, or of each run's first."""
     pairs = []
     for record in records:
         for candidate in record["candidates"][:1] if first_only else record["candidates"]:
@@ -264,10 +236,8 @@ def _wrong_revisions(record: Record) -> tuple[int, int, int]:
 
 
 def correction_rates(records: Iterable[Record]) -> dict[str, float]:
-    """Over every correction (a candidate revised into the next one): `fixed`, the share of
-    wrong candidates whose revision is correct, `unchanged`, the share of wrong ones whose
-    revision keeps their (wrong) answer, and `broken`, the share of correct ones whose revision
-    is wrong."""
+    """Over every correction: `fixed` (share of wrong candidates revised right), `unchanged`
+    (wrong ones keeping their answer) and `broken` (right ones revised wrong)."""
     records = list(records)
     wrong, fixed, unchanged = np.sum([_wrong_revisions(r) for r in records], axis=0,
                                      dtype=np.int64) if records else (0, 0, 0)
@@ -283,9 +253,8 @@ CORRECTION_FIELDS = ("wrong_revised", "fixed", "unchanged")
 
 
 def correction_counts(runs: Sequence[Sequence[Record]], problems: Sequence[str]) -> np.ndarray:
-    """`[runs, problems, 3]` counts (`CORRECTION_FIELDS`) of each run's revisions of wrong
-    candidates, of those fixed and of those left with their answer (`correction_rates`), for
-    `bootstrap_statistic` (e.g. `fix_rate`)."""
+    """`[runs, problems, 3]` counts (`CORRECTION_FIELDS`) of each run's revised wrong candidates,
+    those fixed and those keeping their answer, for `bootstrap_statistic`."""
     column = {p: i for i, p in enumerate(problems)}
     counts = np.zeros((len(runs), len(problems), len(CORRECTION_FIELDS)))
     for i, records in enumerate(runs):
@@ -306,10 +275,8 @@ OUTCOMES = (*SOLVER_TO_SYSTEM, "never_right", "some_right")
 
 
 def run_outcome(record: Record) -> dict[str, bool]:
-    """What the V-C loop did to one run's Solver answer (exactly one of `SOLVER_TO_SYSTEM`:
-    right and kept / right and lost / wrong and fixed / wrong and not fixed), `some_right`
-    (some candidate was right: what a perfect Verifier could have returned) and `never_right`
-    (not fixed, no candidate right)."""
+    """What the V-C loop did to one run's Solver answer (one of `SOLVER_TO_SYSTEM`), `some_right`
+    (some candidate was right) and `never_right` (not fixed, no candidate right)."""
     solver, system = bool(record["solver_correct"]), bool(record["correct"])
     some_right = system or solver or any(c["correct"] for c in record["candidates"])
     return {"kept": solver and system, "lost": solver and not system,
@@ -318,11 +285,8 @@ def run_outcome(record: Record) -> dict[str, bool]:
 
 
 def solver_to_system(records: Sequence[Record]) -> dict[str, float]:
-    """Share of runs by `run_outcome`: over a non-empty list `kept + lost + fixed + unfixed` is 1,
-    kept + fixed is the share of runs returned right, kept + lost the share whose Solver was
-    right, `never_right` the part of `unfixed` in which no candidate was right (the rest of
-    `unfixed` wrote a right candidate and returned another) and `some_right` = 1 - never_right,
-    the ceiling of the System's avg@k over this Solver and Corrector (empty: NaN)."""
+    """Share of runs by `run_outcome` (summing to 1; empty: NaN); `some_right` is the ceiling of
+    the System's avg@k over this Solver and Corrector."""
     outcomes = [run_outcome(r) for r in records]
     return {name: _ratio(sum(o[name] for o in outcomes), len(records)) for name in OUTCOMES}
 

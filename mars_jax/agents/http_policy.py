@@ -1,23 +1,9 @@
 """A policy served over an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang).
 
-Requests of a batch run concurrently on one httpx asyncio client (at most `max_concurrency` at a
-time). Each attempt has a total deadline, `timeout_s`, from connecting to the reply's last byte:
-the attempt is cancelled when it passes, however slowly the server sends. A reply body is read
-up to `max_body_bytes` (decoded), and must be a chat completion: JSON whose `choices[0].message`
-is an object with string (or null) `content`, and whose `usage`, if any, is an object with an
-integer `completion_tokens`. Timeouts, connection errors, 429 and 5xx responses are retried with
-exponential backoff (at most `MAX_BACKOFF_S` between attempts); other 4xx responses and replies
-that are not a chat completion are not. Server restarts: once the server has answered, a request
-that finds it unreachable (connection refused, reset or dropped mid-request) keeps retrying for
-up to `reconnect_s` without using up `max_retries`; a server never reached fails fast, after
-`max_retries`. A request that still fails yields `Completion(finish_reason='error')` and a
-logged warning, never an exception, so one bad request cannot kill an evaluation (the system
-loop treats 'error' like a truncation).
-
-Why httpx's asyncio client: cancelling an attempt bounds all of it (a socket timeout, as in
-urllib, bounds each read, so a server trickling bytes holds a request indefinitely), and its
-streamed body can be cut at the cap; the `openai` package reads whole bodies, leaves reply
-types unchecked and has its own retry rules, so it would need the same code around it.
+Each attempt is bounded as a whole by `timeout_s` (httpx asyncio: a socket timeout bounds each read
+only) and reads at most `max_body_bytes`. Timeouts, connection errors, 429 and 5xx are retried with
+backoff, a restarting server for up to `reconnect_s`. A request that still fails yields
+`finish_reason='error'`, never an exception, so one bad request cannot kill an evaluation.
 """
 
 from __future__ import annotations
@@ -54,24 +40,8 @@ class _Fatal(Exception):
 
 
 class HttpPolicy:
-    """OpenAI-compatible chat-completions client.
-
-    Args:
-      base_url: server root including the API prefix, e.g. "http://localhost:8000/v1".
-      model: the served model name.
-      api_key: sent as a Bearer token when given.
-      temperature, top_p: sampling parameters sent with every request.
-      timeout_s: total time of one HTTP attempt, connection to last byte; the server answers
-        only when generation ends, so this bounds the wait for one completion.
-      max_retries: extra attempts after a retryable failure.
-      max_concurrency: most requests in flight at once.
-      extra_body: extra JSON fields merged into every request body (e.g. top_k,
-        chat_template_kwargs); they override the defaults above.
-      backoff_s: wait before the first retry; doubled on each further retry.
-      reconnect_s: once the server has answered, how long a request keeps
-        retrying while the server is unreachable (e.g. restarting).
-      max_body_bytes: the largest reply body read (decoded); a larger one is an error.
-    """
+    """OpenAI-compatible chat-completions client; `base_url` includes the API prefix,
+    `extra_body` fields are merged into every request."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float,
                  top_p: float, timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 32,
@@ -145,8 +115,7 @@ class HttpPolicy:
         return Completion(text="", finish_reason="error", num_tokens=0)
 
     async def _post(self, client: httpx.AsyncClient, body: bytes) -> Any:
-        """One HTTP attempt within `timeout_s`: the reply's JSON; raises `_Retryable` or
-        `_Fatal`."""
+        """One HTTP attempt within `timeout_s`: the reply's JSON, or `_Retryable` / `_Fatal`."""
         status = None
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -175,8 +144,7 @@ class HttpPolicy:
 
 
 async def _read(response: httpx.Response, limit: int, *, truncate: bool = False) -> bytes:
-    """The decoded body, up to `limit` bytes: cut there with `truncate`, else `_Fatal` when
-    it is longer (read no further)."""
+    """The decoded body up to `limit` bytes: cut there with `truncate`, else `_Fatal` if longer."""
     declared = response.headers.get("content-length", "")
     if not truncate and declared.isdigit() and int(declared) > limit:
         raise _Fatal(f"reply of {declared} bytes exceeds max_body_bytes={limit}")
@@ -196,8 +164,7 @@ def _status_error(code: int, snippet: bytes) -> Exception:
 
 
 def _run(coroutine: Coroutine) -> Any:
-    """`coroutine`'s result on a new event loop, in a worker thread when the caller's thread
-    already runs one (e.g. a notebook)."""
+    """`coroutine`'s result on a new event loop (in a worker thread if one already runs here)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -207,11 +174,8 @@ def _run(coroutine: Coroutine) -> Any:
 
 
 def _parse_reply(reply: Any) -> Completion:
-    """Maps a chat-completions reply to a `Completion`; raises `_Fatal` for any other JSON.
-
-    Reasoning returned separately by the server (`reasoning_content` / `reasoning`)
-    is put back in front of the content inside <think> tags, as the model wrote it.
-    """
+    """Maps a chat-completions reply to a `Completion` (`_Fatal` for other JSON); reasoning
+    returned separately is put back in front of the content inside <think> tags."""
     choices = _typed(reply, "choices", list, "reply")
     choice = choices[0] if choices else None
     message = _typed(choice, "message", dict, "choices[0]")

@@ -1,9 +1,7 @@
-"""The policy interface every agent talks to: chat requests in, completions out.
+"""The policy interface every agent talks to: a batch of chat requests in, completions out, in one
+`complete` call.
 
-A policy serves a whole batch of chat requests in one `complete` call. The
-system loop (`system.py`) makes exactly one such call per round, mixing
-Solver, Verifier and Corrector requests; `RoutedPolicy` lets the Solver and the
-V-C agents run on different models (the paper's Table 3).
+`RoutedPolicy` runs the Solver and the V-C agents on different models.
 """
 
 from __future__ import annotations
@@ -16,13 +14,7 @@ from mars_jax.types import ROLES
 
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
-    """One chat to complete.
-
-    Attributes:
-        messages: chat turns, each {'role': 'system'|'user'|'assistant', 'content': str}.
-        role: the agent asking ('solver' | 'verifier' | 'corrector'), for routing and metrics.
-        max_new_tokens: generation budget for this request.
-    """
+    """One chat to complete: `messages`, the asking agent's `role`, its `max_new_tokens`."""
 
     messages: tuple[dict[str, str], ...]
     role: str
@@ -31,18 +23,10 @@ class ChatRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A policy's answer to one `ChatRequest`.
-
-    Attributes:
-        text: the generated text (thinking included, special tokens removed).
-        finish_reason: 'stop' (ended by itself), 'length' (hit max_new_tokens) or
-            'error' (the policy could not serve it, or its server gave an unknown reason).
-        num_tokens: number of generated tokens (0 where a server reports no usage).
-        prompt_ids, token_ids, logprobs: filled by `SamplerPolicy` only; RL does not read
-            them (its rollouts carry their own ids and log-probabilities).
-        thinking_open: the prompt opened a `<think>` that `text` continues (e.g. the
-            Qwen3-Thinking-2507 template), so text before any `</think>` is thought.
-    """
+    """A policy's answer to one `ChatRequest`: `text` (thinking included, special tokens
+    removed), `finish_reason` ('stop', 'length' or 'error'), `num_tokens` (0 where a server
+    reports none); ids and log-probabilities from `SamplerPolicy` only; `thinking_open` when the
+    prompt opened a `<think>` that `text` continues."""
 
     text: str
     finish_reason: str
@@ -61,11 +45,7 @@ class Policy(Protocol):
 
 
 class RoutedPolicy:
-    """Sends each request to the policy registered for its role.
-
-    A batch is split by target policy (one `complete` call per distinct policy
-    object) and the completions are merged back in request order.
-    """
+    """Sends each request to the policy registered for its role, keeping request order."""
 
     def __init__(self, default: Policy, by_role: Mapping[str, Policy]):
         unknown = set(by_role) - set(ROLES)

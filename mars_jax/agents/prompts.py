@@ -1,17 +1,8 @@
-"""Chat prompts of the three agents, and the bug report passed from Verifier to Corrector.
+"""Chat prompts of the three agents (after the MarsRL paper, wording our own) and the bug report
+passed from Verifier to Corrector.
 
-Structure (after the MarsRL paper; wording our own):
-  * Solver: one user turn, the problem plus an instruction to box the final answer.
-  * Verifier: a system turn asking for exactly three parts (Final Verdict, List of
-    Findings, Correctness) and a user turn with Problem, Solution and a reminder.
-  * Corrector: three turns: the Solver's user turn, the previous solution as the
-    assistant turn, and a user turn asking for a fix guided by the bug report.
-
-Two styles share that structure: `full` (the default, for real models) and `compact` (a few
-words per instruction, for tiny CPU models with a byte-level tokenizer, whose context is short).
-
-Thinking text never travels between agents: solutions are passed through
-`strip_thinking`, and `bug_report` keeps only the verdict and the findings.
+`full` style is for real models, `compact` for tiny CPU models with a short context. Thinking never
+travels between agents.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""A policy that samples from the in-process JAX model.
+"""A policy that samples from the in-process JAX model, through `sampling.decode_batch` on one
+engine that lives as long as the policy (`sampling.make_engine`).
 
-Every `complete` call goes through `sampling.decode_batch` on one engine that lives as long as
-the policy, made from `sampling.EngineSettings` (`sampling.make_engine`): a continuous-batching
-`Engine` with any of its options, or a `StaticBatchEngine` (static batches on `generate`, the
-exact reference). Requests with the same prompt and budget are prefilled once. Request j of the
-run (counted over calls) draws from sequence seed j under the engine's seed, so repeated calls
-differ while a whole run is reproducible from that seed, and both engines draw the same tokens
-up to float32 rounding.
+Request j of the run draws from sequence seed j under the engine's seed, so repeated calls differ
+while a run is reproducible.
 """
 
 from __future__ import annotations
@@ -20,15 +16,8 @@ if TYPE_CHECKING:  # the agents package does not pull in JAX and the model code 
 
 
 class SamplerPolicy:
-    """In-process policy over a model and its tokenizer.
-
-    Args:
-      model: the decoder (`mars_jax.models.Qwen3`).
-      tokenizer: a Hugging Face tokenizer with the model's chat template.
-      temperature, top_p, top_k: sampling parameters (top_k=0: no top-k filter).
-      engine: the decode engine (`sampling.EngineSettings`; its seed is the run's).
-      enable_thinking: render the chat template in thinking mode.
-    """
+    """In-process policy over `model` and its `tokenizer`, decoding on `engine`
+    (`sampling.EngineSettings`)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, temperature: float, top_p: float,
                  top_k: int = 0, engine: "EngineSettings", enable_thinking: bool = False):

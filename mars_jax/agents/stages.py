@@ -1,14 +1,8 @@
 """The three agent stages: requests, and the parsing of completions.
 
-`*_request` builds one `ChatRequest`; `parse_solution` / `parse_verification` turn a
-`Completion` into a typed result, whose `usable` says whether the next agent may use it;
-`correct` grades solutions; `complete` makes one checked policy call. The V-C loop
-(`system.py`), the probes (`mars_jax.sft.probe`), the evaluation (`eval.py`) and RL's grading
-and spawning (`mars_jax.rl.rollout`) parse replies here; RL and the evaluation grade with
-`correct` (a batch at a time), the probes compare answers as strings.
-The rules, the paper's: a reply cut off by its token budget is never graded; thinking
-is stripped before text reaches the next agent (the visible solution, the bug report); text
-inside an unclosed thought is never read as an answer or a verdict.
+Parsers' `usable` says whether the next agent may use an output; `correct` grades, `complete` makes
+one checked policy call. The paper's rules: a reply cut off by its budget is never graded, and text
+inside thinking never reaches the next agent or is read as an answer or verdict.
 """
 
 from __future__ import annotations
@@ -24,13 +18,8 @@ from mars_jax.rewards.text import strip_thinking
 
 @dataclasses.dataclass(frozen=True)
 class SolutionOutput:
-    """A parsed Solver or Corrector output.
-
-    Attributes:
-      completion: the raw completion.
-      solution: its text with thinking stripped (what later agents see).
-      answer: the extracted final answer, or None.
-    """
+    """A parsed Solver or Corrector output: the raw `completion`, its `solution` text without
+    thinking (what later agents see) and the extracted `answer` (or None)."""
 
     completion: Completion
     solution: str
@@ -38,20 +27,14 @@ class SolutionOutput:
 
     @property
     def usable(self) -> bool:
-        """Whether the output ended by itself (not truncated, no policy error) with visible
-        text (not all thinking)."""
+        """Whether the output ended by itself (no truncation or error) with visible text."""
         return self.completion.finish_reason == "stop" and bool(self.solution)
 
 
 @dataclasses.dataclass(frozen=True)
 class VerificationOutput:
-    """A parsed Verifier output.
-
-    Attributes:
-      completion: the raw completion.
-      passed: True for Correctness "Correct", False for "Wrong", None if unparseable.
-      report: the bug report (Final Verdict + List of Findings) for the Corrector.
-    """
+    """A parsed Verifier output: the raw `completion`, `passed` (Correctness "Correct" True,
+    "Wrong" False, unparseable None) and the bug `report` for the Corrector."""
 
     completion: Completion
     passed: bool | None
@@ -64,8 +47,7 @@ class VerificationOutput:
 
     @property
     def verdict(self) -> bool | None:
-        """The verification's outcome: `passed` when usable, else None (no verdict: a truncated
-        or unreadable report)."""
+        """`passed` when usable, else None (a truncated or unreadable report)."""
         return self.passed if self.usable else None
 
 
@@ -95,8 +77,7 @@ def parse_verification(completion: Completion) -> VerificationOutput:
 
 
 def correct(outputs: list[SolutionOutput], golds: list[str]) -> list[bool]:
-    """Per output: usable, and its boxed answer equivalent to its gold (`grader`, in parallel);
-    an unusable output is never graded."""
+    """Per output: usable and its boxed answer equivalent to its gold (`grader`)."""
     graded = [i for i, out in enumerate(outputs) if out.usable and out.answer is not None]
     result = [False] * len(outputs)
     hits = is_equivalent_many([outputs[i].answer for i in graded], [golds[i] for i in graded])

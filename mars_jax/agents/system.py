@@ -1,36 +1,16 @@
 """The V-C reasoning system: a per-problem state machine and a round-batched driver.
 
-Rules (per problem), those of the released MarsRL loop (`vc_reasoning_system.py`):
-  * The Solver writes the first candidate, which is verified once. Each candidate is a solution.
-  * Then up to `max_iterations` **iterations** follow, each: if the last verification failed,
-    the Corrector revises the candidate with that bug report (its output is the next
-    candidate); then the current candidate is verified. So a problem gets at most
-    `max_iterations + 1` verifications and `max_iterations` corrections.
-  * A passing verification extends the candidate's streak; when the streak reaches
-    `k_accept` consecutive passes the candidate is accepted. A failing verification resets
-    the streak.
-  * When the iterations run out without acceptance the loop stops (a failing last
-    verification is not corrected) and returns the `fallback` candidate:
-      'most_passed'    the most passing verdicts, ties to the latest (the paper: "the
-                       solution most frequently identified as correct");
-      'most_verified'  the most verifications that returned a verdict, ties to the earliest
-                       (the released `extract_solution.py`).
-  * **Retries** (`max_retries`, per request): a Solver or Corrector output that does
-    not end by itself (finish_reason 'length' or 'error') or has no visible text (all
-    thinking) is requested again, up to `max_retries` more times; if still unusable, the
-    loop stops (`failure` says why): a Solver's problem is marked failed (no answer), a
-    Corrector's returns the `fallback` candidate among those it has. A Verifier output
-    that is truncated, errored or whose Correctness is unparseable is likewise retried;
-    retries are not verifications. If all retries are unusable, it counts as a
-    verification that did not pass (verdict None: the streak resets, there is no report
-    to correct from) and the same candidate is verified again in the next iteration.
+Rules per problem (the released MarsRL loop, `vc_reasoning_system.py`):
+  * The Solver's candidate is verified; then up to `max_iterations` iterations, each: after a
+    failed verification the Corrector revises the candidate with its report; then verify.
+  * `k_accept` consecutive passes accept a candidate; a failure resets the streak. Out of
+    iterations, the `fallback` candidate is returned: 'most_passed' (ties to the latest: the
+    paper's rule) or 'most_verified' (ties to the earliest: the released code's).
+  * An unusable output (truncated, errored, no visible text, no parseable Correctness) is
+    retried up to `max_retries` times; then a Solver's problem fails, a Corrector's returns the
+    fallback, a Verifier's counts as a failed verification without report (verdict None).
 
-Rounds: `run_system` advances every problem in flight together. Each round makes
-exactly one policy call that carries the next request of every unfinished
-problem, whatever its stage, so the number of policy calls equals the number of
-rounds, not problems x rounds. `should_stop` (a preemption notice, `mars_jax.preemption`) is
-asked before each round; when it says so, `Stopped` is raised: problems finished so far have
-been passed to `on_result`, those in flight are dropped (a rerun starts them again).
+`run_system` makes one policy call per round carrying every unfinished problem's next request.
 """
 
 from __future__ import annotations
@@ -122,16 +102,10 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class SystemResult:
-    """Outcome of the loop on one problem.
-
-    Attributes:
-      status: 'accepted', 'fallback' (the config's fallback candidate) or 'failed'.
-      final: index of the chosen candidate; None when failed.
-      candidates: every candidate, in order (index 0 is the Solver's).
-      verifications: number of verifications spent (retries not counted).
-      steps: every policy call, in order.
-      failure: why the loop stopped early (an output unusable after its retries), else None.
-    """
+    """Outcome of the loop on one problem: `status` ('accepted', 'fallback' or 'failed'), `final`
+    (the chosen candidate's index, None when failed), every candidate (the Solver's first), the
+    verifications spent (retries not counted), every policy call, and `failure` (why it stopped
+    early, else None)."""
 
     status: str
     final: int | None
@@ -284,21 +258,9 @@ def run_system(
     on_result: Callable[[int, SystemResult], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[SystemResult]:
-    """Runs the V-C loop on every problem, advancing all problems in flight together.
-
-    Args:
-      problems: problem statements.
-      policy: serves all roles (use `RoutedPolicy` for per-role models).
-      config: loop parameters; defaults to `LoopConfig()`.
-      max_in_flight: at most this many problems per round; a finished problem's
-        slot is refilled from the queue on the next round. None: all at once.
-      on_round: called after every round (e.g. to drive a progress bar).
-      on_result: called with (problem index, result) as each problem finishes.
-      should_stop: asked before each round; True raises `Stopped` (module docstring).
-
-    Returns:
-      One `SystemResult` per problem, in order.
-    """
+    """Runs the V-C loop on every problem, all in flight together (at most `max_in_flight`), and
+    returns one `SystemResult` per problem, in order. `should_stop`, asked before each round,
+    raises `Stopped` (problems in flight dropped)."""
     config = config or LoopConfig()
     limit = len(problems) if max_in_flight is None else max_in_flight
     if limit < 1 and problems:

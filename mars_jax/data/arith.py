@@ -1,13 +1,7 @@
 """`arith`: seeded multi-step integer arithmetic problems with exact answers.
 
-Problems read like `What is 7 + 3 * (12 - 5)?` (digits, `+ - *`, parentheses, a few
-words) so that a tiny model with a small-vocabulary tokenizer can learn them. Each is a
-random binary expression tree over non-negative integer literals, printed with only the
-parentheses that precedence requires, and evaluated on the tree (no text is evaluated).
-
-Difficulty knobs: `num_ops` (operators per problem, or an inclusive range),
-`max_operand` (largest literal) and `operators` (a subset of "+-*"); `sizes` (train, test) sets
-the number of problems of each split, for settings with few distinct problems.
+Like `What is 7 + 3 * (12 - 5)?`, small enough for a tiny model; answers are evaluated on the
+expression tree, never from text.
 """
 
 from __future__ import annotations
@@ -70,12 +64,8 @@ def generate_problems(
     id_prefix: str | None = None,
     exclude: frozenset[str] = frozenset(),
 ) -> list[dict]:
-    """`num` distinct problems, each {`id`, `problem`, `answer`, `num_ops`}.
-
-    The answer is the exact integer value as a string (may be negative). The same
-    arguments always give the same problems. `exclude` lists problem texts to avoid.
-    Raises ValueError if the knobs allow fewer than `num` distinct problems.
-    """
+    """`num` distinct problems, each {`id`, `problem`, `answer`, `num_ops`}, deterministic in the
+    arguments, avoiding `exclude`; ValueError if the knobs allow fewer."""
     if not isinstance(num_ops, int) and len(num_ops) != 2:
         raise ValueError(f"num_ops: an int or a (low, high) pair, got {num_ops!r}")
     low, high = (num_ops, num_ops) if isinstance(num_ops, int) else num_ops
@@ -105,13 +95,8 @@ def generate_problems(
 
 
 def load_split(split: str, *, sizes: tuple[int, int] | None = None, **knobs) -> list[dict]:
-    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from the test split drawn
-    with the same `sizes` and knobs (not from one drawn with others).
-
-    `knobs` (`num_ops`, `max_operand`, `operators`; defaults of `generate_problems`) set the
-    difficulty; train and test are drawn with the same knobs. `sizes` (train, test) replaces
-    the splits' sizes of `SPLITS`.
-    """
+    """The fixed `arith` split (`SPLITS`): fixed seed, train disjoint from test drawn with the
+    same `sizes` and `knobs`."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} of 'arith'; valid splits: {', '.join(SPLITS)}")
     unknown = set(knobs) - {"num_ops", "max_operand", "operators"}

@@ -1,9 +1,7 @@
-"""TFDS builder `mars_problems`: the problem sets of shared/data as array_record files.
+"""TFDS builder `mars_problems`: the problem sets of shared/data as array_record files, one config
+per set, read back with `tfds.data_source` in file order.
 
-One builder config per problem set (`mars_problems/gsm8k`, ...), built from the JSONL
-files in the manual dir and read back with `tfds.data_source` (no TensorFlow needed).
-Records keep the file order. The dataset metadata records, per split, the source
-file's sha256 and how many malformed rows were skipped.
+The metadata records each split's source sha256 and the malformed rows skipped.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""`load(name, split)`: problem sets as random-access sequences of dicts.
+"""`load(name, split)`: problem sets as random-access sequences of dicts with at least `id`,
+`problem` and `answer` (str).
 
-Every record has at least `id`, `problem` and `answer` (all str). The file-backed sets
-are built once into a TFDS data dir (array_record) from the JSONL files of a manual dir
-and read with `tfds.data_source`; `arith` is generated in memory.
-
-Manual dir: the `manual_dir` argument, else `$MARS_JAX_DATA_DIR`, else
-`<repo root>/../shared/data` when it exists. Data dir: the `data_dir` argument, else
-TFDS's default (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`).
+File-backed sets are built once into a TFDS data dir from the JSONL files of a manual dir
+(`manual_dir`, else `$MARS_JAX_DATA_DIR`, else `<repo root>/../shared/data`); `arith` is generated
+in memory.
 """
 
 from __future__ import annotations
@@ -27,10 +24,7 @@ SPLITS: Mapping[str, tuple[str, ...]] = {
 
 
 class ProblemSource(Sequence[dict]):
-    """Random access to the records of one split of a TFDS-built problem set.
-
-    `skipped` is the number of malformed rows skipped when the split was built.
-    """
+    """Random access to one split of a TFDS-built problem set; `skipped` counts malformed rows."""
 
     def __init__(self, data_source: Sequence[dict], name: str, split: str, skipped: int) -> None:
         self._source = data_source
@@ -89,14 +83,9 @@ def load(
     skip_malformed: bool = False,
     arith_knobs: dict | None = None,
 ) -> Sequence[dict]:
-    """Records of problem set `name`, split `split` (see `SPLITS` for the valid pairs).
-
-    Builds the TFDS dataset on first use (seconds). With `skip_malformed`, malformed JSONL rows
-    are skipped and counted (`ProblemSource.skipped`) instead of raising
-    `jsonl.MalformedRowError`; without it, a build that skipped rows raises ValueError. `arith`
-    ignores the directories and takes its difficulty from `arith_knobs` (see
-    `arith.load_split`).
-    """
+    """Records of problem set `name`, split `split` (`SPLITS`), built into TFDS on first use.
+    With `skip_malformed`, malformed rows are skipped and counted (`ProblemSource.skipped`);
+    without, they raise. `arith` takes its difficulty from `arith_knobs` (`arith.load_split`)."""
     _check_name_split(name, split)
     if name == "arith":
         return arith.load_split(split, **(arith_knobs or {}))

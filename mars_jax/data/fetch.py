@@ -4,20 +4,9 @@ or from a local mirror.
   python -m mars_jax.data.fetch [--out=DIR] [--datasets=a,b]   # each problem set from the HF Hub
   python -m mars_jax.data.fetch --source=MIRROR [--out=DIR]    # a local copy of the files
 
-`--out` defaults to the directory the loaders read by default (`$MARS_JAX_DATA_DIR`, else
-`<repo root>/../shared/data`); with another `--out`, point `$MARS_JAX_DATA_DIR` (or
-`data.manual_dir`) at it. The files are the JSONL files of `builder.CONFIGS`, in the layout
-`datasets.load` reads, each read back with `jsonl.read_problems` before it is written.
-
-From the Hub, each problem set's upstream files (`upstream.UPSTREAMS`: repository, revision,
-licence) are downloaded at the commit the revision names and converted by its converter;
-`<dataset>.manifest.json` records the licence, the commit, and the sha256, size (and for the
-written files, row count) of every upstream and written file. `grader_cases.jsonl` (answer-
-equivalence cases compiled from grader test suites, not on the Hub) comes only with `--source`.
-
-From a mirror, the files (`grader_cases.jsonl` too) are copied byte for byte, each checked
-against the sha256 recorded in `FILES`; a file whose sha256 differs stops the fetch (exit 1),
-naming it. Either way a failing dataset leaves neither its files nor its manifest in `--out`.
+From the Hub, files are downloaded at the commit `upstream.UPSTREAMS` names, converted, and recorded
+with their sha256 in `<dataset>.manifest.json`; from a mirror, copied and checked against `FILES`. A
+failing dataset leaves neither its files nor its manifest in `--out`.
 """
 
 from __future__ import annotations
@@ -135,10 +124,8 @@ def _rows(path: str) -> int:
 
 def fetch_all(out: str, fetch: Callable[[str, str], str], origin: str,
               names: Sequence[str] | None = None) -> list[str]:
-    """Fetches the files of `names` (default: every dataset) into `out`, checks each against
-    `FILES`, and writes `<name>.manifest.json` per dataset; returns the manifests' paths.
-
-    Raises ValueError naming the file when a checksum differs (that file is not written)."""
+    """Fetches `names` (default: all) into `out`, each file checked against `FILES`, with a
+    manifest per dataset; returns the manifests' paths."""
     every = dataset_files()
     os.makedirs(out, exist_ok=True)
     manifests = []
@@ -184,11 +171,9 @@ def _write_jsonl(path: str, rows: Sequence[dict]) -> None:
 
 
 def convert_from_hub(out: str, hub: HubReader, names: Sequence[str] | None = None) -> list[str]:
-    """Converts the problem sets `names` (default: all) from their HF Hub sources into `out`,
-    with `<name>.manifest.json` each; returns the manifests' paths.
-
-    Raises ValueError naming the upstream file and row that a converter cannot read, or the written
-    file and line the loaders would refuse; that dataset's files are then not written."""
+    """Converts `names` (default: all) from the HF Hub into `out` with a manifest each; returns
+    their paths. ValueError names a row that cannot be converted or loaded; that dataset is not
+    written."""
     if GRADER_CASES in (names or ()):
         raise ValueError(f"{GRADER_CASES} has no Hub source (it is compiled from grader test "
                          "suites): copy it from a mirror with --source")

@@ -12,16 +12,10 @@ FINGERPRINT_RECORDS = 64  # records read to fingerprint a source, evenly spaced
 
 
 class ProblemIterator(Iterator[dict]):
-    """Yields the records of `source`, shard `shard_index` of `shard_count`.
-
-    With `shuffle`, every epoch is a different permutation determined by `seed`.
-    `num_epochs=None` repeats forever. `get_state()` is a JSON-serializable dict to
-    store in a checkpoint; `set_state` on an iterator built with the same arguments
-    continues with exactly the records the saved one would have produced. The state carries the
-    source's length and a fingerprint of up to `FINGERPRINT_RECORDS` evenly spaced records, so
-    a resume onto a source of another length, or one that differs in a fingerprinted record
-    (other generator settings change nearly all of them), raises.
-    """
+    """Yields the records of `source`, shard `shard_index` of `shard_count`, each epoch a new
+    permutation of `seed` with `shuffle` (`num_epochs=None`: forever). `set_state(get_state())`
+    on an iterator built alike continues exactly; a state from a source of another length or
+    other fingerprinted records (`FINGERPRINT_RECORDS`) raises."""
 
     def __init__(
         self,

@@ -57,16 +57,11 @@ def read_problems(
     extra_fields: Mapping[str, type] | None = None,
     skip_malformed: bool = False,
 ) -> ReadResult:
-    """Rows of a problem JSONL file, each with string `id`, `problem`, `answer`.
-
-    `id` and `problem` must be non-empty and ids unique. `answer` may be empty (upstream
-    DSR-sub row 266 is): such a row is kept, logged, and no response can match it.
-
-    Optional fields (`source`, `answer_as_in_source` and `extra_fields`) are type-checked
-    and default to "" / 0 when absent; other keys are dropped. Blank lines are ignored.
-    A malformed row raises `MalformedRowError`, or with `skip_malformed` is skipped,
-    logged and listed in `ReadResult.skipped`.
-    """
+    """Rows of a problem JSONL file, each with string `id`, `problem`, `answer`: `id` and
+    `problem` non-empty, ids unique; an empty `answer` is kept and logged (no response can match
+    it). Optional fields are type-checked and default to "" / 0; other keys are dropped; blank
+    lines are ignored. A malformed row raises `MalformedRowError`, or with `skip_malformed` is
+    skipped and listed in `ReadResult.skipped`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"problem file not found: {path}")
     rows: list[dict] = []

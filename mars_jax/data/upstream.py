@@ -1,6 +1,6 @@
 r"""Each problem set's public source on the HF Hub, and the converter from its rows to the rows the
-loaders read (`jsonl.read_problems`: `id`, `problem`, `answer`, `source`, and
-`answer_as_in_source` where the answer was changed).
+loaders read (`jsonl.read_problems`: `id`, `problem`, `answer`, `source`, and `answer_as_in_source`
+where the answer was changed).
 
 | dataset | HF Hub dataset @ revision : file | upstream fields | licence |
 | --- | --- | --- | --- |
@@ -10,24 +10,12 @@ loaders read (`jsonl.read_problems`: `id`, `problem`, `answer`, `source`, and
 | gsm8k | openai/gsm8k @ e53f0488 : main/{train,test}-00000-of-00001.parquet | question, answer | MIT |
 | math500 | HuggingFaceH4/MATH-500 @ ff5b2025 : test.jsonl | problem, solution, answer, subject, level, unique_id | none stated; MATH and PRM800K are MIT |
 
-Where these come from (checked from here by search, not by download: this machine has no Hub
-access): GSM8K's parquet files and `main` config are in openai/gsm8k commit e53f0488 ("Convert
-dataset to Parquet"), and its dataset card and openai/grade-school-math say MIT. MATH-500's
-`test.jsonl` and card ("a subset of 500 problems from the MATH benchmark that OpenAI created in
-their Let's Verify Step by Step paper") are at commit ff5b2025. DeepScaleR-Preview-Dataset's
-card says MIT and lists one file, `deepscaler.json` (40.3k rows). zai-org/glm-simple-evals says to
-download glm-simple-evals-dataset into its `./data` directory and reads `data/aime/aime_2025.jsonl`
-(`evals/aime_eval.py`), so the paths are those of the files its first commit held in `data/aime/`
-(the rows of shared/data were taken from those); its card states no licence.
-
-The conversions are those shared/data/SOURCES.md lists: ids by position (AIME 2025: the first 15
-rows are AIME I, the next 15 AIME II), text stripped, AIME answers reduced to their integer
-(`336^\circ` -> `336`), GSM8K's final answer taken after `####` with thousands separators
-removed, MATH-500's id `math500-<unique_id>` with its `subject` and `level`. DSR-sub is "a random
-1209-problem subset" of DeepScaleR (One-Shot-RLVR's README) whose seed is not published: its
-problems are named by `dsr_sub_ids.txt`, the first 16 hex digits of the sha256 of each problem's
-whitespace-normalised text, in DSR-sub order; the converter takes, for each, the first DeepScaleR
-row with that text (DSR-sub holds one problem three times, as DeepScaleR does). Every converted row's `source` is `hf://datasets/<repo>@<commit>/<file>`.
+Conversions (shared/data/SOURCES.md): ids by position (AIME 2025: rows 1-15 AIME I, 16-30 AIME II),
+text stripped, AIME answers reduced to their integer (`336^\circ` -> `336`), GSM8K's answer taken
+after `####` without thousands separators, MATH-500's id `math500-<unique_id>` with its `subject`
+and `level`. DSR-sub, a 1209-problem subset of DeepScaleR whose seed is not published, is named by
+`dsr_sub_ids.txt` (`problem_fingerprint` of each problem, in order); each id takes the first
+DeepScaleR row with that text. Every row's `source` is `hf://datasets/<repo>@<commit>/<file>`.
 """
 
 from __future__ import annotations
@@ -48,8 +36,7 @@ DSR_SUB_IDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsr_sub_
 
 @dataclasses.dataclass(frozen=True)
 class Upstream:
-    """One problem set's HF Hub dataset: the upstream file of each of our files, and how to
-    convert their rows."""
+    """One problem set's HF Hub dataset: each of our files' upstream file, and its converter."""
 
     repo: str
     revision: str
@@ -59,8 +46,7 @@ class Upstream:
 
 
 def read_rows(path: str) -> Rows:
-    """Rows of a `.parquet` file, or of a JSON file: one list of objects (`.json`) or one object a
-    line; ValueError names the file (and line) of what is not a JSON object."""
+    """Rows of a `.parquet` or JSON(L) file; ValueError names the file and line of a non-object."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()

@@ -1,22 +1,10 @@
 """Grouped-query attention with per-head q/k RMSNorm, RoPE and an optional KV cache.
 
-Two kernels compute softmax(q k^T) v under an `AttentionMask`: `dot_product_attention` forms the
-`[B, heads, T, S]` scores at once (fast for short sequences and one-token decode steps);
-`flash_attention` works block by block in memory linear in the length. `impl='auto'` picks flash
-when the queries span more than one block and the dense scores would take more than
-`AUTO_DENSE_MAX_SCORE_BYTES` (512 MiB): where the scores fit, the dense kernel is the faster one
-(on this project's CPU the toy study's RL update, at 768-1,024 columns, took 48 s dense against
-107 s blockwise; benchmarks/NOTEBOOK.md). `impl='flash'` runs blockwise except for one query a
-row (a decode step): its scores are one row a head, and the dense kernel reads the cache in its
-own layouts, where the blockwise one would read a transposed copy of each layer's cache.
-
-Without a cache (a sequence attending to itself, key slot = query slot) the dense kernel splits the
-queries into up to `MAX_CAUSAL_BLOCKS` blocks of at least `MIN_CAUSAL_BLOCK` (`causal_blocks`):
-block i reads only the keys up to its own end, so the scores above the causal diagonal's blocks
-are never formed (3/8 of them at 4 blocks). A prefill that writes a cache at the static index 0
-(`cache_index=0`, a Python int) attends the same way, over its own keys only: the cache slots
-after them are causally invisible, so reading them (a `generate` cache holds the prompt and
-every new token's slot) would only cost time.
+`dot_product_attention` forms all scores at once; `flash_attention` works blockwise in memory linear
+in the length. `impl='auto'` picks flash only when the dense scores would exceed
+`AUTO_DENSE_MAX_SCORE_BYTES` (where they fit, dense is faster); one-query decode steps always run
+dense, reading the cache in its own layouts. Self-attention and fresh prefills split the queries
+into `causal_blocks`, so scores above the causal diagonal's blocks are never formed.
 """
 from __future__ import annotations
 
@@ -35,10 +23,7 @@ from mars_jax.layers.paged_kv import PagedKVCache
 from mars_jax.layers.params import constant_param, normal_param
 
 class KVCache(NamedTuple):
-    """One layer's cache, in the layouts a decode step's two matmuls read as they are: keys
-    transposed, `k [batch, kv_heads, head_dim, length]`, values `v [batch, kv_heads, length,
-    head_dim]`. (A `[batch, length, kv_heads, head_dim]` cache was copied into these layouts by
-    XLA:CPU at every step: 7% of a `bench` decode step.)"""
+    """One layer's cache as a decode step's matmuls read it: `k [B, K, D, S]`, `v [B, K, S, D]`."""
 
     k: jax.Array
     v: jax.Array
@@ -60,10 +45,7 @@ def stacked_cache_layout(layers: int, batch: int, length: int, kv_heads: int, he
 
 @struct.dataclass
 class LayerKVCache:
-    """Layer `layer` of a cache stacked over layers (`KVCache`'s layouts behind a leading layer
-    axis: k `[L, B, K, D, S]`, v `[L, B, K, S, D]`). Reads take that layer's first positions;
-    writes update the stacked arrays at that layer, so a layer loop or scan that carries them
-    writes the cache in place."""
+    """Layer `layer` of a cache stacked over layers, read and written in place."""
 
     k: jax.Array
     v: jax.Array
@@ -77,8 +59,7 @@ class LayerKVCache:
         return k[0], v[0]
 
     def write(self, k: jax.Array, v: jax.Array, index: jax.Array | int) -> "LayerKVCache":
-        """New keys and values `[B, T, K, D]` written at positions index.. index+T of the
-        layer (`index`: one position, or one per row `[B]`)."""
+        """New keys and values `[B, T, K, D]` written at `index` (one position, or one per row)."""
         at = self.layer
         if jnp.ndim(index) == 1:  # one scatter into the stacks (no transposed copy of them)
             rows = jnp.arange(k.shape[0])[:, None]
@@ -139,9 +120,7 @@ def causal_blocks(length: int) -> int:
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
                    scale: float) -> jax.Array:
-    """`dot_product_attention` of a sequence over itself (q `[B,T,N,D]`, k/v `[B,T,K,D]`, key
-    slot = query slot: `mask.offset` is 0), by `causal_blocks(T)` query blocks, each over
-    the keys up to its end (keys after it are invisible to it)."""
+    """`dot_product_attention` of a sequence over itself, by `causal_blocks(T)` query blocks."""
     length = q.shape[1]
     blocks = causal_blocks(length)
     size = length // blocks
@@ -201,8 +180,7 @@ class Attention(nnx.Module):
         return y
 
     def _use_flash(self, q: jax.Array, keys: int) -> bool:
-        """Whether `impl` runs the blockwise kernel for queries `q` `[B, T, heads, D]` over
-        `keys` keys (see the module docstring)."""
+        """Whether `impl` runs the blockwise kernel for queries `q` over `keys` keys."""
         batch, length, heads, _ = q.shape
         if self.impl != "auto":
             return self.impl == "flash" and length > 1
@@ -212,11 +190,9 @@ class Attention(nnx.Module):
                  cache: KVCache | LayerKVCache | PagedKVCache | None = None,
                  cache_index: jax.Array | int = 0,
                  ) -> tuple[jax.Array, KVCache | LayerKVCache | PagedKVCache | None]:
-        """x `[B,T,H]`; `mask` says which keys each query sees (S = T, or the cache length when
-        `cache` is given, in which case the new keys are written at `cache_index`: one position,
-        or one per row; a `LayerKVCache` is written in its stacked arrays). A `PagedKVCache`
-        takes one decode step (T = 1, one position per row, each row seeing its positions up to
-        `cache_index`) and S = its table's `n * page` positions."""
+        """x `[B,T,H]`; `mask` says which keys each query sees. With `cache`, new keys are
+        written at `cache_index` (one position, or one per row); a `PagedKVCache` takes one
+        decode step."""
         q = sharding.constrain(self.q_norm(self._project(x, "q")), ("batch", "length", "act_heads", None))
         k = sharding.constrain(self.k_norm(self._project(x, "k")), ("batch", "length", "act_kv_heads", None))
         v = sharding.constrain(self._project(x, "v"), ("batch", "length", "act_kv_heads", None))

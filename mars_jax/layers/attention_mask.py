@@ -1,17 +1,7 @@
 """Which keys each query may see, described without a `[batch, queries, keys]` array.
 
-Query `t` of a row sits at key slot `t + offset` and sees key slot `s` iff `s <= t + offset` and
-the two carry the same segment id (`q_segments[b, t] == kv_segments[b, s]`). Segment 0 marks
-padding keys (and empty cache slots); real queries have a segment >= 1. This covers every use:
-
-* a full sequence with padding: `offset = 0`, query segments 1, key segments = the 0/1 mask;
-* packed sequences (SFT): `offset = 0`, segments numbered per packed example;
-* prefill into a KV cache of length `S`: `offset = 0`, key segments = prompt mask + ones for the
-  slots the decode will fill (causality hides them until written);
-* one decode step: `offset` = the cache slot being written.
-
-Blockwise kernels (`flash_attention`) read the mask block by block from these vectors, so the
-attention's memory stays linear in the sequence length.
+Query `t` sits at key slot `t + offset` and sees slot `s` iff `s <= t + offset` and both carry the
+same segment id (0: padding, empty cache slots); blockwise kernels read it block by block.
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """Blockwise (flash) attention in plain JAX: memory linear in the sequence length, every backend.
 
-The forward pass walks query blocks and, for each, the key blocks it can see (an online softmax
-over `[block_q, block_k]` score tiles, key blocks wholly after the query block skipped); it keeps
-only the output and the per-query log-sum-exp. The backward pass (a `custom_vjp`) recomputes the
-score tiles from those, as FlashAttention-2 does: one sweep over key blocks for dK/dV, one over
-query blocks for dQ. Nothing of size `[T, S]` is ever stored, forward or backward, so prefill,
-the log-probability forward and the update fit at the paper's 32k + 64k lengths.
-
-The mask is an `AttentionMask` (causal with an offset, segment ids); a query that sees no key
-gets a finite average instead of NaN, as in the dense kernel (its value is not used).
+An online softmax over the visible key blocks, and a `custom_vjp` backward recomputing the score
+tiles from the log-sum-exp (FlashAttention-2). A query that sees no key gets a finite average.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Grouped matmuls for the MoE's `ragged` dispatch: `lhs [M, K]` rows in consecutive groups of
-`group_sizes [G]` times their group's matrix of `rhs`, where `rhs` is stored out-by-in
-(`[G, N, K]`, as the experts' `wi` and HF's tensors are) or in-by-out (`[G, K, N]`, `wo`).
-
-Per platform, chosen when the program is lowered (`jax.lax.platform_dependent`, so an AOT
-compile for TPU or GPU from a CPU host gets the target's kernel):
-  tpu     Pallas megablox `gmm` where `megablox_fits`, which reads an out-by-in `rhs` as stored
-          (`transpose_rhs`): XLA's own `ragged_dot` lowering wants `[G, K, N]` and re-lays out
-          the out-by-in expert weights first, in a scanned decode once for every layer at once
-          (launch/README.md).
-  cuda    with `mgpu`: Pallas Mosaic GPU `ragged_dot_mgpu` (Hopper's wgmma) forward and, for the
-          gradients, itself and `transposed_ragged_dot_mgpu` (`mgpu_fits` says which shapes;
-          not yet run on a GPU).
-  others  `jax.lax.ragged_dot_general`.
-Rows past the groups' sum come out unspecified (callers mask them); their gradients likewise.
+"""Grouped matmuls for the MoE's `ragged` dispatch: rows of `lhs [M, K]`, in consecutive groups of
+`group_sizes`, times their group's matrix of `rhs` (out-by-in `[G, N, K]` or in-by-out `[G, K, N]`).
+The kernel is chosen per platform at lowering (so an AOT compile gets the target's): TPU megablox
+where `megablox_fits` (reading out-by-in weights as stored), Mosaic GPU with `mgpu` (untested on a
+GPU), else `jax.lax.ragged_dot_general`. Rows past the groups' sum come out unspecified.
 """
 from __future__ import annotations
 
@@ -47,9 +37,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 
 def _manual(kernel):
-    """`kernel` in a `shard_map` over the current mesh's axes that are not manual yet, its
-    operands and result replicated over them: XLA cannot partition a Pallas Mosaic kernel
-    (the MoE's `shard_map` leaves size-1 axes automatic)."""
+    """`kernel` in a `shard_map` over the automatic mesh axes: XLA cannot partition it."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
             if kind != jax.sharding.AxisType.Manual}
@@ -128,10 +116,8 @@ def _mgpu_bwd(transpose_rhs, residuals, grad):
 
 
 def _rhs_gradient(lhs, grad, group_sizes):
-    """Per group, its rows' `lhs^T @ grad` (`[G, K, N]`; rows past the groups' sum are in no
-    group): Mosaic GPU's transposed grouped matmul where this process's first device is a GPU
-    (it sizes its grid by that device's SMs), else XLA's (the cuda branch traced elsewhere: on
-    CPU, where it is never lowered, or in a deviceless compile)."""
+    """Per group, its rows' `lhs^T @ grad` (`[G, K, N]`): Mosaic GPU's kernel where this
+    process's first device is a GPU (it sizes its grid by that device), else XLA's."""
     if jax.devices()[0].platform != "gpu":
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],

@@ -1,44 +1,11 @@
 """Mixture-of-experts SwiGLU block: softmax router, top-k, and several dispatch backends.
 
-Expert weights are stacked with a leading `expert` axis: `wi [E, 2, I, H]` (gate and up, stored
-out-by-in like the HF tensors) and `wo [E, I, H]`. Both reshape for free into single matrices
-`[E*2*I, H]` and `[E*I, H]`, which the CPU paths use as plain large matmuls.
-
-Dispatch backends (all compute the same function; `capacity` alone drops tokens):
-  dense    every expert on every token through two large fused matmuls, weighted by the router
-           (zero for unselected experts). The reference, and `auto`'s path on every platform for
-           decode-sized token counts (at most `dense_max_tokens`), where reading the weights
-           dominates; off TPU also for tiny experts. Under a mesh whose axes split the experts
-           (the default rules put `fsdp` there), XLA's partitioner runs it expert-parallel in the
-           programs compiled so far (CPU, GPU and TPU): tokens are gathered, each chip runs its
-           own experts, the partial outputs are reduced, and no expert weight is gathered
-           (benchmarks/NOTEBOOK.md, "Expert-parallel decode on the `fsdp` mesh").
-  sorted   dropless: (token, expert) assignments sorted by expert into fixed-size blocks, one expert
-           per block, scanned block by block; `auto`'s path off TPU for large token counts.
-  ragged   dropless: assignments sorted by expert, grouped matmuls (`grouped_matmul`: on TPU
-           the Pallas megablox kernel, which reads `wi` as stored, elsewhere
-           `jax.lax.ragged_dot`). `auto` picks it on TPU only (above `dense_max_tokens`);
-           XLA:GPU (jax 0.10) rewrites `ragged_dot` to one dense dot over a one-hot
-           `[tokens*k, E*H]` operand, E times the grouped FLOPs (benchmarks/NOTEBOOK.md, "One
-           H200"), so on GPU `auto` follows the CPU rule (`dense` for few tokens or tiny
-           experts, else `sorted`).
-  mgpu     `ragged` with the Pallas Mosaic GPU grouped matmul (Hopper) on GPU; chosen only as
-           `moe_impl='mgpu'`, where `auto` would not pick `dense` and the kernels take the
-           shapes and dtype (`grouped_matmul.mgpu_fits`), else `auto`'s choice. On TPU it is
-           `ragged`, on CPU `jax.lax.ragged_dot`.
-  capacity GShard-style `[E, capacity, H]` buffers; assignments past an expert's capacity are
-           dropped. Chosen whenever `capacity_factor` is set.
-
-Under a mesh (`_sharded`), `sorted`, `ragged` and `mgpu` run on each batch shard's own tokens
-(`jax.shard_map` over the mesh axes that split the batch, expert weights gathered over them as
-FSDP gathers any weight): a sort over the global token axis could not be partitioned and would
-replicate every token on every chip. Where those axes split the experts themselves and the tokens
-of a group of shards, in and out, are fewer elements than one chip's share of the experts
-(decode-sized calls), the tokens are gathered instead (expert parallelism): each chip runs its
-own experts on them and the outputs are reduce-scattered, so no expert weight moves. Every
-backend runs tensor-parallel over the mesh axes that split the experts' `mlp` dimension: those
-shards are never gathered, which is what keeps a decode step on a `tensor` mesh from copying
-every expert to every chip.
+All compute the same function (only `capacity` drops tokens): `dense` (every expert on every token;
+`auto`'s choice for at most `dense_max_tokens` tokens and off TPU for tiny experts), `sorted`
+(one-expert blocks; `auto`'s choice otherwise off TPU), `ragged` (grouped matmuls; `auto`'s on TPU,
+not GPU, where XLA lowers `ragged_dot` to a dense one-hot dot), `mgpu` (Mosaic GPU kernels, when
+asked and they fit) and `capacity` (GShard buffers, when `capacity_factor` is set). Under a mesh
+each batch shard dispatches its own tokens: a global sort would replicate them.
 """
 from __future__ import annotations
 
@@ -89,8 +56,7 @@ class MoE(nnx.Module):
         return logits, expert_ids.astype(jnp.int32), weights.astype(x.dtype)
 
     def backend(self, num_tokens: int, dtype: jnp.dtype = jnp.bfloat16) -> str:
-        """The dispatch backend used for `num_tokens` tokens computed in `dtype` (static, chosen
-        at trace time)."""
+        """The dispatch backend for `num_tokens` tokens in `dtype`, chosen at trace time."""
         if self.capacity_factor is not None:
             return "capacity"
         if self.impl not in ("auto", "mgpu"):
@@ -134,9 +100,8 @@ class MoE(nnx.Module):
 
     @staticmethod
     def _sort(ids: jax.Array, weights: jax.Array, num_experts: int):
-        """Assignments sorted by expert: (token index, expert, weight, rank within expert, counts
-        of the `num_experts` experts). Ids equal to `num_experts` (another chip's experts) sort
-        last and are not counted."""
+        """Assignments sorted by expert: (token, expert, weight, rank within expert, per-expert
+        counts); ids equal to `num_experts` (another chip's experts) sort last, uncounted."""
         flat_e = ids.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)
         sorted_e = flat_e[order]
@@ -208,19 +173,10 @@ def _flat(fn, x, ids, weights, wi, wo, chunk: int = 0):
 
 
 def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_batch: bool = False):
-    """`_flat` under the current mesh, in one `shard_map` over the mesh axes of
-
-    - the batch (with `split_batch`, where they divide B): each batch shard dispatches its own
-      tokens; the expert weights' shards over these axes are all-gathered inside, so their
-      gradients leave reduce-scattered, never whole on a chip. Except for the axes that split the
-      experts themselves (expert parallelism) when the tokens of those shards are fewer elements
-      than one chip's experts (`_gathers_tokens`): then each chip runs its own experts on every
-      token of its group, and no expert weight is gathered (`_tokens_to_local_experts`);
-    - the experts' `mlp` dimension (tensor parallelism): each chip runs its slice of every
-      expert's hidden units on the tokens and the partial outputs are summed, so these shards are
-      never gathered (the SwiGLU is elementwise in `mlp`; the down projection sums over it).
-
-    Expert weights have logical axes `weight_axes`. Without such axes it is `_flat`."""
+    """`_flat` in one `shard_map` over the mesh axes of the batch (each shard dispatches its own
+    tokens, expert weights gathered inside; or, where `_gathers_tokens`, tokens go to the
+    experts) and of the experts' `mlp` dimension (each chip runs its slice of the hidden units,
+    outputs summed). Without such axes it is `_flat`."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return _flat(fn, x, ids, weights, wi, wo, chunk)
@@ -264,21 +220,16 @@ def _sharded(fn, x, ids, weights, wi, wo, weight_axes, chunk: int = 0, split_bat
 
 
 def _gathers_tokens(x, wi, wo, mesh, batch, ep, tensor) -> bool:
-    """Whether the tokens of a group of `ep` shards, in and out, are fewer elements than one
-    chip's share of the experts (its `ep` and `mlp` slice), so that gathering them moves less
-    than gathering the experts. The bound is a chip's share, not the group's, because each chip's
-    grouped matmuls receive every gathered assignment: XLA's cost analysis counts them all, and
-    whether a kernel skips those routed to other chips was not measured."""
+    """Whether the tokens of `ep` shards are fewer elements than one chip's share of the experts,
+    so gathering them moves less."""
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
     group_tokens = math.prod(x.shape[:-1]) // size(batch) * size(ep)
     return 2 * group_tokens * x.shape[-1] < (wi.size + wo.size) // (size(ep) * size(tensor))
 
 
 def _tokens_to_local_experts(fn, x, ids, weights, wi, wo, ep: tuple[str, ...], chunk: int):
-    """Expert parallelism over the (manual) mesh axes `ep`, which split the experts: the tokens of
-    the `ep` shards are all-gathered, `fn` runs this shard's experts `wi`, `wo` on the
-    assignments routed to them (the others carry the id `len(wi)`, which the backends skip), and
-    the partial outputs are summed and scattered back to their shards (reduce-scatter)."""
+    """Expert parallelism over mesh axes `ep`: tokens all-gathered, this shard's experts run on
+    their assignments (others carry id `len(wi)`, skipped), outputs reduce-scattered back."""
     xs, all_ids, all_weights = (jax.lax.all_gather(a, ep, axis=0, tiled=True)
                                 for a in (x, ids, weights))
     num_local = wi.shape[0]
@@ -313,11 +264,8 @@ def _block_forward(xb, wi_e, wo_e):
 
 @jax.custom_vjp
 def _expert_blocks(blocks, block_expert, used, wi, wo):
-    """`[NB, bs, H]` token blocks, each through its own expert's SwiGLU (unused blocks -> 0).
-
-    The custom backward pass accumulates each block's weight gradient into its expert's slice
-    only; differentiating the indexing `wi[e]` in a scan would add a full `[E, ...]` gradient per
-    block."""
+    """`[NB, bs, H]` token blocks, each through its expert's SwiGLU; the custom backward adds a
+    block's weight gradient into its expert's slice only."""
     def block(_, inputs):
         xb, e, is_used = inputs
         out = jax.lax.cond(is_used, lambda: _block_forward(xb, wi[e], wo[e])[0],

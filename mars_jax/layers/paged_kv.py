@@ -1,24 +1,9 @@
-"""The KV cache as page pools plus a page table per row (vLLM's layout), one pool per shard of
-the rows, and attention over it.
+"""The KV cache as page pools plus a page table per row (vLLM's layout), and attention over it.
 
-Pools hold keys and values in the layout of the Pallas paged-attention kernels (`jax.
-experimental.pallas.ops.{gpu,tpu}.paged_attention`), one pool per shard: `k`, `v` `[shards,
-kv_heads, pages, page, head_dim]`, every layer's pages in one pool (layer l's in its l-th block
-of `pages / layers`, so a layer's table is the rows' table offset by `l * pages / layers`: the
-kernel reads any layer's pages from the one array, which a layer loop or scan carries and
-writes in place). The B rows split into `shards` equal blocks (as an array
-sharded over its rows splits them), and block s's rows own pages of pool s only, so a mesh that
-splits the rows over chips keeps each chip's pages on that chip. Row b's position p lives in
-its pool's page `table[b, p // page]` at offset `p % page`. Page 0 of every pool is its trash
-page (each layer's block's first): table entries a row does not own are 0, so writes through
-them land there, and reads past a row's length are masked.
-
-Attention (`attend`), by `kernel`:
-  gather     XLA everywhere: each row's pages gathered into one contiguous cache per layer (a
-             transient copy: memory holds the pools plus one layer's view), then the dense
-             decode attention;
-  gpu / tpu  the Pallas kernel of that backend, reading the pages in place;
-  interpret  the GPU kernel in Pallas' interpreter (any backend; for tests).
+Pools `[shards, kv_heads, pages, page, head_dim]` (the Pallas kernels' layout) hold every layer's
+pages, layer l's in the l-th block; block s of the rows owns pages of pool s only, so each chip's
+pages stay on it. Page 0 of each block is a trash page for entries a row does not own. `attend` runs
+`kernel`: 'gather' (XLA, pages copied per layer), 'gpu' / 'tpu' (Pallas) or 'interpret'.
 """
 from __future__ import annotations
 
@@ -47,11 +32,8 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 @struct.dataclass
 class PagedKVCache:
-    """Page pools and the rows' page tables `[B, n]` (n pages per row visible, ids into the
-    row's own pool) of layer `layer` of `layers`: each pool holds every layer's pages, layer l's
-    in its l-th block of `pages / layers` (its own trash page first), so the table's ids are
-    offset by `l * pages / layers` (`layer_table`). Writes and reads address the pools in place:
-    a layer loop or scan that carries them never copies one layer's pages out."""
+    """Page pools and the rows' page tables `[B, n]` of layer `layer`, the ids offset to that
+    layer's block (`layer_table`), so reads and writes address the pools in place."""
 
     k: jax.Array      # [shards, kv_heads, pages, page, head_dim]
     v: jax.Array      # [shards, kv_heads, pages, page, head_dim]
@@ -92,8 +74,8 @@ class PagedKVCache:
             v=put(self.v, page, offset, _by_shard(v[:, 0].astype(self.v.dtype), shards)))
 
     def view(self) -> tuple[jax.Array, jax.Array]:
-        """Each row's first `n * page` positions as one contiguous cache, keys `[B, K, D, S]`
-        and values `[B, K, S, D]` (`attention.KVCache`'s layouts), S = n * page."""
+        """Each row's first `n * page` positions as one contiguous cache in `attention.KVCache`'s
+        layouts."""
         rows, n = self.table.shape
         shards, heads, _, page, dim = self.k.shape
         gather = jax.vmap(lambda pool, ids: pool[:, ids])  # [S, K, B / S, n, page, D]
@@ -136,18 +118,17 @@ class PagedKVCache:
 
 def write_pages(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array,
                 page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Pools with whole pages `k`, `v` `[K, n, page, D]` written to pages `page_ids [shards,
-    n]` of every pool (a pool the pages do not belong to gets ids 0: its trash page), each pool
-    updated on its own shard."""
+    """Pools with whole pages `[K, n, page, D]` written to pages `page_ids [shards, n]` (ids 0,
+    the trash page, in pools they do not belong to), each pool on its own shard."""
     put = jax.vmap(lambda pool, ids, pages: pool.at[:, ids].set(pages), in_axes=(0, 0, None))
     return (put(pool_k, page_ids, k.astype(pool_k.dtype)),
             put(pool_v, page_ids, v.astype(pool_v.dtype)))
 
 
 def default_kernel(head_dim: int, page_size: int, platform: str | None = None) -> str:
-    """The Pallas kernel of `platform` (default: the default backend's) where there is one and
-    the shapes suit it (TPU: head_dim a multiple of 128 and the page size of 8; GPU: both
-    multiples of 16), else 'gather'."""
+    """The Pallas kernel of `platform` (default: the default backend's) where the shapes suit it
+    (TPU: head_dim a multiple of 128, page size a multiple of 8; GPU: both multiples of 16), else
+    'gather'."""
     platform = platform or jax.default_backend()
     if platform == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0:
         return "tpu"

@@ -219,9 +219,8 @@ def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_full_attention(hf: Mapping[str, Any], model_type: str) -> None:
     """Raises ValueError naming the field when a layer would not use full attention: a
-    `layer_types` entry other than 'full_attention', or a `use_sliding_window` window, which
-    transformers applies to every Qwen3-MoE layer and, when `layer_types` is not given, to the
-    Qwen3 layers from `max_window_layers` on."""
+    `layer_types` entry other than 'full_attention', or a `use_sliding_window` window
+    transformers would apply."""
     types = list(hf.get("layer_types") or ())
     sliding = [i for i, kind in enumerate(types) if kind != "full_attention"]
     if sliding:

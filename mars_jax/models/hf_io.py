@@ -1,9 +1,6 @@
 """Hugging Face checkpoint I/O: `config.json` + `*.safetensors` <-> a (sharded) `Qwen3` model.
 
-Loading reads each parameter straight into its sharding with `jax.make_array_from_callback`: a
-device's callback reads only the slice it holds (for stacked experts, only its experts' tensors),
-so a 30B model is never materialised whole on one device. Files are opened lazily and mmapped by
-safetensors; tensors are read on the host CPU (bf16 included) before being placed.
+Each device reads only the slice of a parameter it holds, so a large model is never whole on one.
 """
 from __future__ import annotations
 
@@ -36,11 +33,7 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    """How one of our parameters is stored in HF tensors.
-
-    `names(e)` lists the HF tensors (for expert `e` when `num_experts` is set); `to_ours` turns them
-    into our layout (one expert's slice for stacked experts); `to_hf` is the inverse.
-    """
+    """How one of our parameters is stored in HF tensors (`names`, `to_ours`, `to_hf`)."""
 
     names: Callable[[int | None], tuple[str, ...]]
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
@@ -178,8 +171,7 @@ def _loader(tmap: TensorMap, store: _SafetensorsDir, shape: tuple[int, ...], dty
 
 def _validate_shapes(maps: dict[tuple, TensorMap], store: _SafetensorsDir,
                      abstract: dict[tuple, Any]) -> None:
-    """Raises before any read when a stored HF tensor's shape differs from the HF shape our
-    parameter implies."""
+    """Raises before any read when a stored HF tensor's shape is not what our parameter implies."""
     for key, tmap in maps.items():
         ours = abstract[key].shape
         per = ours[1:] if tmap.num_experts is not None else ours
@@ -196,12 +188,8 @@ def _validate_shapes(maps: dict[tuple, TensorMap], store: _SafetensorsDir,
 def from_pretrained(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
                     **config_overrides: Any) -> Qwen3:
-    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory; the config is `model.config`.
-
-    `config_overrides` set `Qwen3Config` fields, such as `param_dtype` (parameter storage,
-    default float32), `dtype` (compute, default float32) or `moe_impl`. With `mesh`, parameters
-    load into their shardings.
-    """
+    """Loads an HF Qwen3 / Qwen3-MoE checkpoint directory; `config_overrides` set `Qwen3Config`
+    fields; with `mesh`, parameters load into their shardings."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
@@ -261,14 +249,9 @@ def _shard_plan(sizes: Sequence[int], max_shard_bytes: int) -> list[int]:
 
 def save_pretrained(model: Qwen3, path: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 1024 ** 3) -> None:
-    """Writes `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, per-expert tensors included, in
-    the parameters' dtype. The weight files and index of an earlier save to `path` are removed
-    first.
-
-    Parameters may be sharded over a mesh, across processes too: every process must call it (each
-    parameter is gathered whole, one at a time, by `sharding.fetch`), and process 0 writes. At
-    most one file's tensors (plus the parameter being converted) are held in host memory."""
+    """Writes `config.json` and safetensors that `transformers` loads, in the parameters' dtype,
+    replacing an earlier save's weight files. Every process must call it; process 0 writes,
+    holding at most one file's tensors in host memory."""
     path = Path(path)
     writer = jax.process_index() == 0
     if writer:

@@ -37,8 +37,7 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
 
 
 def positions_from_segments(segments: jax.Array) -> jax.Array:
-    """Position ids of packed rows `[B, T]` (each example a run of one segment id): they restart
-    at 0 where the segment id changes."""
+    """Position ids of packed rows `[B, T]`, restarting at 0 where the segment id changes."""
     index = jnp.broadcast_to(jnp.arange(segments.shape[-1]), segments.shape)
     changed = jnp.concatenate([jnp.ones_like(segments[..., :1], bool),
                                segments[..., 1:] != segments[..., :-1]], axis=-1)
@@ -120,14 +119,10 @@ class Qwen3(nnx.Module):
                 cache: tuple[KVCache, ...] | KVCache | PagedKVCache | None = None,
                 cache_index: jax.Array | int = 0, expert_ids: jax.Array | None = None,
                 layer_stacks: tuple[nnx.State, ...] | None = None) -> ModelOutput:
-        """The decoder stack. `mask` says which keys each query attends to (S = T, or the cache
-        length when `cache` is given); `expert_ids [L_moe,B,T,k]` replays recorded routing. With
-        `config.remat` (and no cache) each layer is recomputed in the backward pass; with
-        `config.scan_layers` (no cache, all layers alike) the layers run as one `lax.scan`.
-        `cache` is one `KVCache` per layer, or stacked over the layers (a `KVCache` with a
-        leading layer axis, or a `PagedKVCache` of every layer's pages), which the layers write
-        in place; with `layer_stacks` (the layers' weights stacked per `layer_runs`) the layers
-        over a stacked cache run as one `lax.scan` per run of alike layers."""
+        """The decoder stack; `expert_ids [L_moe,B,T,k]` replays recorded routing. Without a
+        cache, `config.remat` and `config.scan_layers` apply. `cache` is one `KVCache` per layer
+        or one stacked over the layers (written in place; with `layer_stacks`, scanned per run of
+        alike layers)."""
         cfg = self.config
         x = sharding.constrain(self.embed_tokens(input_ids, cfg.compute_dtype),
                                ("batch", "length", "act_embed"))
@@ -164,9 +159,7 @@ class Qwen3(nnx.Module):
             cache=None if cache is None else tuple(new_cache))
 
     def _scan_layers(self, x, cos, sin, mask, expert_ids):
-        """All layers as one `lax.scan` over their parameters stacked on a leading axis (the
-        program holds one layer: XLA compiles it once). The stacking is a copy of the layer
-        weights per call; the parameter tree itself stays one module per layer."""
+        """All layers as one `lax.scan` over their stacked parameters, so XLA compiles one layer."""
         graphdef = nnx.graphdef(self.layers[0])
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                                *[nnx.state(layer) for layer in self.layers])
@@ -278,10 +271,8 @@ def _stack_of(view: LayerKVCache | PagedKVCache) -> KVCache | PagedKVCache:
 
 def merge_stacked(graphdef: nnx.GraphDef, rest: nnx.State, stacks: tuple[nnx.State, ...]
                   ) -> Qwen3:
-    """The model of `graphdef` (`nnx.split(model, nnx.PathContains("layers"), ...)`'s), the
-    weights outside its layers and its layers' weights stacked per run (`Qwen3.layer_runs`);
-    each layer's weights are slices of the stacks (only computed where a layer is called
-    outside `forward`'s scans)."""
+    """The model of `graphdef`, from the weights outside its layers and its layers' weights
+    stacked per `Qwen3.layer_runs` run; each layer's weights are slices of the stacks."""
     layers, run = {}, 0
     for stacked in stacks:
         count = jax.tree.leaves(stacked)[0].shape[0]

@@ -1,10 +1,5 @@
 """A Verifier reply read once (`read_verification`): its verdict and its bug report, split at the
-last Correctness heading.
-
-Which replies are graded and what they earn is decided in `mars_jax.agents.stages` (the V-C
-loop and the RL reward share it) and `mars_jax.rl.rollout`. `thinking_open`: the response
-continues a `<think>` its prompt opened (see `text.strip_thinking`); text inside an unclosed
-thought is never read as a verdict.
+last Correctness heading. Text inside an unclosed thought is never read as a verdict.
 """
 
 from __future__ import annotations
@@ -48,16 +43,10 @@ def read_verification(text: str, *, thinking_open: bool = False) -> Verification
 
 
 def parse_verdict(text: str, *, thinking_open: bool = False) -> bool | None:
-    """The Verifier's verdict: True for "Correct", False for "Wrong" (or "Incorrect").
-
-    Reads the value of the last Correctness heading after thinking is stripped: the
-    rest of the heading line, or the next non-empty line when that is empty. Markdown,
-    quotes, brackets and `\\boxed{}`/`\\text{}` around the word are ignored. None when
-    there is no heading, the value is not one of the words (optionally followed by
-    punctuation and more text), or it also names the opposite verdict: "Not correct",
-    "Correct or Wrong", "Correct; actually Wrong", "Partially correct" are None.
-    Matching is whole-word, so "Incorrect" never reads as "Correct".
-    """
+    """The Verifier's verdict: True for "Correct", False for "Wrong" (or "Incorrect"), read
+    whole-word from the value of the last Correctness heading outside thinking (its line, or the
+    next non-empty one), ignoring markup around the word. None without a heading, for another
+    word, or when the value also names the opposite verdict ("Not correct", "Correct or Wrong")."""
     return read_verification(text, thinking_open=thinking_open).verdict
 
 

@@ -1,12 +1,8 @@
 """The full answer-equivalence check: math-verify plus our normalisation.
 
-This module has no time bound of its own; it runs inside the grader worker processes
-(`grader_worker`), which bound every call. Import it in the main process only for
-tests or debugging.
-
-Math-verify never evaluates text: its LaTeX path parses with an ANTLR grammar into
-sympy objects, and its plain-expression path only sees strings its regex restricted to
-digits and arithmetic operators.
+It has no time bound of its own: it runs inside the grader workers (`grader_worker`), which bound
+every call. Math-verify never evaluates text (an ANTLR grammar into sympy objects, or regex-checked
+digits).
 """
 
 from __future__ import annotations
@@ -36,14 +32,10 @@ def _parse_pred(pred: str) -> list:
 
 
 def equivalent(pred: str, gold: str) -> bool:
-    """Whether answer `pred` is mathematically equivalent to reference `gold`.
-
-    Steps: `normalize.quick_verdict`; math-verify on both (bare LaTeX wrapped in
-    `$...$`); then two retries math-verify does not do by default: a decimal comma
-    (`1,22` = 1.22, but `-2,1` is a list; see `normalize.comma_decimal`) and a correctly
-    rounded decimal (`0.3333` = 1/3) when every decimal in `pred` has at least
-    `normalize.MIN_ROUNDED_SIG_DIGITS` significant digits.
-    """
+    """Whether answer `pred` is mathematically equivalent to reference `gold`:
+    `normalize.quick_verdict`, math-verify on both, then a decimal comma
+    (`normalize.comma_decimal`) and a correctly rounded decimal (`0.3333` = 1/3) when every
+    decimal in `pred` has at least `normalize.MIN_ROUNDED_SIG_DIGITS` significant digits."""
     quick = normalize.quick_verdict(pred, gold)
     if quick is not None:
         return quick

@@ -1,17 +1,7 @@
 """Safe, time-bounded math answer grading: the 0/1 reward of MarsRL's Solver and Corrector.
 
-* `extract_answer(text)`: the last `\\boxed{...}`/`\\fbox{...}` after the last `</think>`.
-* `is_equivalent(pred, gold)`: are two answers mathematically equal?
-* `grade(response, gold)`: `extract_answer` + `is_equivalent`; no boxed answer, no credit.
-* `grade_many(responses, golds)`: the batched form, on all cores.
-
-Safety: model text is never evaluated (no `eval`, no `sympify` of strings). Cheap
-pre-checks (`normalize.cost_reason`) turn away inputs that would make sympy slow, and
-every comparison that reaches sympy runs in a worker process with a hard deadline
-(`pool.GraderPool`): a call takes at most `timeout` seconds (default 1 s) once the
-workers are up and returns False on timeout instead of raising. Workers start on first
-use (about a second, not counted against the deadline); call `warm_up()` to pay that
-up front.
+Model text is never evaluated; costly inputs are turned away (`normalize.cost_reason`) and every
+sympy comparison runs in a worker with a hard deadline (`pool.GraderPool`), False on timeout.
 """
 
 from __future__ import annotations
@@ -32,12 +22,7 @@ _pool_lock = threading.Lock()
 
 
 def extract_answer(text: str, *, thinking_open: bool = False) -> str | None:
-    """The last `\\boxed{...}` or `\\fbox{...}` content after the last `</think>`, stripped.
-
-    Nested braces are matched. Returns None when there is no complete box (including
-    when the response never leaves an open `<think>`, or never closes the one its prompt
-    opened with `thinking_open`; see `text.strip_thinking`).
-    """
+    """The last complete `\\boxed{}` / `\\fbox{}` content outside thinking, stripped, or None."""
     boxed = last_boxed(strip_thinking(text, thinking_open=thinking_open))
     return None if boxed is None else boxed.strip()
 
@@ -66,8 +51,7 @@ def warm_up(num_workers: int | None = None) -> None:
 
 
 def worker_stats() -> dict[str, int]:
-    """Outcome counts of the comparisons the current workers ran: "ok", "timeout"
-    (the worker's alarm), "killed" (past the hard deadline), "error", "crashed"."""
+    """Outcome counts of the current workers' comparisons, by status."""
     return {} if _pool is None else dict(_pool.stats)
 
 
@@ -111,11 +95,8 @@ def _equivalent_pairs(pairs: list[tuple[str, str]], timeout: float, num_workers:
 
 
 def is_equivalent(pred: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
-    """Whether answer `pred` equals reference answer `gold` (math-verify + our rules).
-
-    Meant for bare answers (`\\frac{1}{2}`, `x \\in [0, 1)`); `$...$`, `\\boxed{}` and
-    surrounding words are tolerated. Empty answers never match. False on timeout.
-    """
+    """Whether answer `pred` equals reference `gold` (`equivalence.equivalent`, in a worker
+    unless `normalize.quick_verdict` decides); empty answers never match; False on timeout."""
     return is_equivalent_many([pred], [gold], timeout=timeout)[0]
 
 
@@ -137,8 +118,7 @@ def is_equivalent_many(
 
 def grade(response: str, gold: str, *, timeout: float = DEFAULT_TIMEOUT,
           thinking_open: bool = False) -> bool:
-    """Whether a whole model `response` boxes an answer equivalent to `gold` (outside thinking;
-    `thinking_open` as in `extract_answer`)."""
+    """Whether `response` boxes an answer equivalent to `gold` outside thinking."""
     return grade_many([response], [gold], timeout=timeout, num_workers=None,
                       thinking_open=thinking_open)[0]
 
@@ -151,11 +131,8 @@ def grade_many(
     timeout: float = DEFAULT_TIMEOUT,
     thinking_open: bool = False,
 ) -> list[bool]:
-    """`grade` for each (response, gold) pair, in parallel on `num_workers` processes.
-
-    `num_workers=None` keeps the current pool, or starts one per available core
-    (at least 2). Each comparison is bounded by `timeout` seconds.
-    """
+    """`grade` for each (response, gold) pair on `num_workers` processes (None: the current pool,
+    or one per available core), each comparison bounded by `timeout` seconds."""
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
     pairs: list[tuple[str, str]] = []

@@ -1,13 +1,8 @@
 """Entry point of one grader worker process (`python -m mars_jax.rewards.grader_worker`).
 
-Protocol (one JSON object per line): the parent writes `{"id", "pred", "gold", "soft"}`
-to stdin; the worker first writes `{"ready": true}`, then `{"id", "value", "status"}` for
-each request, with status "ok", "timeout" (the soft limit of `soft` seconds hit) or
-"error" (an exception: the answer counts as not equivalent).
-
-The soft limit is a SIGALRM timer raising an exception that derives from BaseException,
-so library `except Exception` blocks cannot swallow it. Code stuck in C never sees it;
-the parent then kills this process (see `pool.GraderPool`).
+One JSON object per line: requests `{"id", "pred", "gold", "soft"}` in; `{"ready": true}`, then
+`{"id", "value", "status"}` out ("ok", "timeout" or "error"). The soft limit is a SIGALRM raising a
+BaseException, which `except Exception` cannot swallow; code stuck in C is killed by the parent.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Cheap, pure-Python answer handling that runs before (and around) math-verify.
 
-* `cost_reason`: rejects inputs that would make sympy slow or huge (length, brace
-  depth, numeric power towers, big factorials) before any parsing happens.
-* `quick_verdict`: decides the obvious pairs without sympy: empty or costly answers,
-  answers equal up to cosmetics (`canonical`), numbers in an explicit base, and plain
-  numbers that are equal or surely unequal.
-* `for_math_verify`, `comma_decimal`, `decimal_literals`: our normalisation where
-  math-verify falls short (bare LaTeX, escaped dollar signs, space thousands
-  separators, comma decimal separators, rounded decimals).
-
-Nothing here evaluates text: numbers are read with `int`/`Fraction` on strings that a
-regex has already restricted to digits.
+`cost_reason` turns away what would make sympy slow, `quick_verdict` decides obvious pairs, the rest
+normalise where math-verify falls short. Numbers are read from regex-checked digits only.
 """
 
 from __future__ import annotations
@@ -143,13 +134,9 @@ def _value_in_base(digits: str, base: int) -> int | None:
 
 
 def plain_number(text: str) -> tuple[Fraction, int] | None:
-    """(value, fractional digits) of a plain integer, decimal or integer fraction, else None.
-
-    Fractional digits are those written after the decimal point (0 unless a decimal).
-    Read after `canonical`; accepts signs, leading zeros, thousands separators (`,`,
-    `{,}`, `\\,`, a space), `\\$`, `\\frac{a}{b}` and `a/b`. Anything else (units,
-    percent, symbols) is None.
-    """
+    """(value, digits after the point) of a plain integer, decimal or integer fraction read after
+    `canonical` (signs, leading zeros, thousands separators, `\\$`, `\\frac{a}{b}`, `a/b`), else
+    None."""
     text = canonical(text).replace("{,}", ",").replace("\\$", "")
     if _SPACE_THOUSANDS.fullmatch(text):
         text = text.replace(" ", "")
@@ -170,15 +157,10 @@ def plain_number(text: str) -> tuple[Fraction, int] | None:
 
 
 def quick_verdict(pred: str, gold: str) -> bool | None:
-    """A verdict that needs no sympy, or None when the full check must decide.
-
-    False: either side empty or too costly. True: identical after `canonical`. Numbers
-    in an explicit base (`2516_8`) on both sides: equal values, and False if either
-    side's digits are decimal but invalid in its base (`2516_6`); other invalid numerals
-    (`a_5`, a subscripted name) are left to the full check. Plain numbers: True if
-    equal, False if they differ and neither is a decimal, or differ by more than any
-    accepted rounding.
-    """
+    """A verdict needing no sympy, or None. False: a side empty or too costly. True: identical
+    after `canonical`. Based numbers on both sides: equal values (False for decimal digits
+    invalid in the base). Plain numbers: True if equal, False if they differ and neither is a
+    decimal, or differ by more than any accepted rounding."""
     if cost_reason(pred) or cost_reason(gold):
         return False
     pred_core, gold_core = _unwrap(pred), _unwrap(gold)
@@ -210,13 +192,9 @@ def quick_verdict(pred: str, gold: str) -> bool | None:
 
 
 def for_math_verify(text: str) -> str:
-    """`text` prepared for `math_verify.parse`.
-
-    Text that already has math delimiters (`$`, `\\(`, `\\[`, `\\boxed`) is passed as
-    is, so math-verify's own extraction applies. A bare answer has `\\$` currency signs
-    and space thousands separators removed and is wrapped in `$...$`, because
-    math-verify does not extract bare LaTeX.
-    """
+    """`text` prepared for `math_verify.parse`: passed as is when it has math delimiters (`$`,
+    `\\(`, `\\[`, `\\boxed`); else `\\$` signs and space thousands separators removed and wrapped
+    in `$...$`, since math-verify does not extract bare LaTeX."""
     if _MATH_DELIMITER.search(text):
         return text
     bare = text.strip().replace("\\$", "")
@@ -226,11 +204,8 @@ def for_math_verify(text: str) -> str:
 
 
 def comma_decimal(text: str) -> str | None:
-    """`1,22` read with a decimal comma (`1.22`), or None if `text` is not of that form.
-
-    Only a comma followed by two or by four or more digits: one digit (`-2,1`) is read
-    as a list, three (`1,000`) as a thousands separator.
-    """
+    """`1,22` read with a decimal comma (`1.22`), or None: only a comma followed by two or by
+    four or more digits (`-2,1` is a list, `1,000` a thousands separator)."""
     match = _COMMA_DECIMAL.fullmatch(_unwrap(text))
     return f"{match.group(1)}.{match.group(2)}" if match else None
 

@@ -1,12 +1,7 @@
 """A persistent pool of grader worker processes with a hard time bound per comparison.
 
-Each worker (`grader_worker`) is a separate Python process started with
-`subprocess` (fork+exec, so it is safe while JAX threads run in this process, and the
-caller's `__main__` is never re-imported). Each comparison gets a deadline: the
-worker's own alarm usually answers "timeout" first; if it does not (code stuck in C),
-the worker is killed at the deadline, the comparison counts as not equivalent, and a
-fresh worker replaces it. Worker start-up (about a second: importing sympy and
-math-verify) is not counted against the deadline.
+Workers run under `subprocess` (safe beside JAX threads); one past its deadline is killed and
+replaced, and the pair counts as not equivalent.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Text helpers shared by the agents and the grader: thinking removal and boxed answers.
-
-Every function is a linear-time scan, safe on any input size.
+"""Text helpers shared by the agents and the grader: thinking removal and boxed answers, each a
+linear-time scan.
 """
 
 from __future__ import annotations
@@ -16,15 +15,10 @@ _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 
 
 def strip_thinking(text: str, *, thinking_open: bool = False) -> str:
-    """The part of `text` a reader should see: thinking removed.
-
-    Everything up to and including the last `</think>` is dropped. A `<think>` left
-    after that point was never closed (e.g. a generation truncated mid-thought), so
-    everything from it to the end is dropped too: an unfinished thought has no final
-    answer. `thinking_open`: the text continues a `<think>` its prompt opened (the
-    Qwen3-Thinking-2507 template), so without a `</think>` all of it is thought and
-    nothing is visible. Whitespace is kept as is.
-    """
+    """The part of `text` a reader should see: everything up to the last `</think>` dropped, and
+    from a `<think>` left open after it to the end (an unfinished thought has no answer). With
+    `thinking_open` (the prompt opened a `<think>`), text without `</think>` is all thought.
+    Whitespace is kept."""
     close = text.rfind(THINK_CLOSE)
     if close >= 0:
         text = text[close + len(THINK_CLOSE) :]
@@ -37,12 +31,9 @@ def strip_thinking(text: str, *, thinking_open: bool = False) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last complete `\\boxed{...}` / `\\fbox{...}` in `text`, or None.
-
-    Braces nest; escaped braces (`\\{`, `\\}`) do not count. "Last" is the box that
-    closes last, so in `\\boxed{a \\boxed{b}}` it is the outer one. A box that never
-    closes is ignored. The content is returned unstripped.
-    """
+    """Content of the last complete `\\boxed{...}` / `\\fbox{...}` in `text` (the one closing
+    last, unstripped), or None. Braces nest; escaped braces do not count; an unclosed box is
+    ignored."""
     stack: list[int | None] = []  # per open brace: content start if it opened a box
     best: tuple[int, int] | None = None
     for match in _BRACE_TOKENS.finditer(text):

@@ -1,13 +1,7 @@
 """Group-normalised (GRPO / Dr.GRPO) advantages.
 
-A group is the set of samples with the same integer id (the trainer numbers each
-group of G samples for one input). Within a group,
-``A = (r - mean) / (std + eps)`` with the population std (ddof=0), or
-``A = r - mean`` without std normalisation (Dr.GRPO). Groups whose rewards are
-all equal (including singletons) get ``A = 0`` exactly and are flagged in
-``zero_variance`` so callers can drop or keep them.
-
-``group_advantages_np`` runs on the host in numpy (float64) and accepts any integer ids.
+Within a group of samples sharing an integer id, `A = (r - mean) / (std + eps)` (population std), or
+`A = r - mean` (Dr.GRPO); groups of equal rewards get `A = 0` exactly, flagged in `zero_variance`.
 """
 
 from __future__ import annotations

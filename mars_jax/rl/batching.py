@@ -1,10 +1,7 @@
 """Finished samples -> a padded (optionally packed), micro-batched `TrainBatch` with bucketed
-shapes.
-
-Lengths round up to powers of two (at least `min_length`) and the number of micro-batches to a
-power of two (at least `min_micro`), so the update program recompiles only when a bucket
-changes. Padding rows, and samples left out of the loss, have an all-zero loss mask: they add
-nothing to the loss nor to its normalisation (`losses.token_weights`).
+shapes: lengths and micro-batch counts round up to powers of two, so the update recompiles only when
+a bucket changes. Padding rows and samples left out of the loss have an all-zero loss mask and add
+nothing to the loss or its normalisation.
 """
 from __future__ import annotations
 
@@ -33,13 +30,10 @@ class TrainSample:
 def make_batch(samples: Sequence[TrainSample], *, micro_batch_size: int, min_length: int = 32,
                min_micro: int = 1, max_length: int | None = None, by_length: bool = False,
                pack: bool = False) -> TrainBatch:
-    """Right-padded `[prompt, response]` rows grouped into micro-batches of `micro_batch_size`,
-    in the samples' order, or longest first with `by_length` (so that a micro-batch holds
-    samples of similar lengths and the update can cut it short: `update.cut_lengths`).
-
-    With `pack`, rows hold several samples each (first fit, longest first; `segments` numbers
-    them) and advantages are per token: the same loss and gradient (up to float rounding) from
-    fewer rows."""
+    """Right-padded `[prompt, response]` rows in micro-batches of `micro_batch_size`, in the
+    samples' order, or longest first with `by_length` (so the update can cut a micro-batch
+    short). With `pack`, rows hold several samples each (first fit; `segments` numbers them) and
+    advantages are per token: the same loss and gradient from fewer rows."""
     if not samples:
         raise ValueError("make_batch: no samples")
     if pack and not all(s.prompt_ids for s in samples):
@@ -116,9 +110,8 @@ def _all_or_none(samples: Sequence[TrainSample], field: str) -> bool:
 
 def empty_batch(*, micro_batch_size: int, length: int,
                 experts: tuple[int, int] | None = None, pack: bool = False) -> TrainBatch:
-    """One micro-batch of padding rows (every mask zero): what a host without samples contributes
-    to a multi-host update (laid out as `make_batch(..., pack=pack)` lays out the others').
-    `experts` = (layers, experts per token) when routing is replayed."""
+    """One micro-batch of padding rows (every mask zero), laid out as `make_batch` lays out the
+    others: what a host without samples contributes to a multi-host update."""
     zeros = lambda dtype, *shape: np.zeros((1, micro_batch_size, *shape), dtype)
     expert_ids = None
     if experts is not None:

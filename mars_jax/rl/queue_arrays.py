@@ -1,17 +1,8 @@
-"""Rollout queues in a checkpoint: token ids and log-probabilities as arrays, the rest as JSON.
+"""Rollout queues in a checkpoint: token ids and log-probabilities as arrays (each distinct prompt
+once), the rest as JSON.
 
-`pack(state)` takes a scheduler's `state_dict()` output (`AgenticRollouts`' or
-`StreamingRollouts'`: dicts and lists whose rollout records are `Rollout.to_json()` dicts) and
-returns the same structure with each record's `prompt_ids`, `response_ids`, `logprobs`, `text`
-and `solution` replaced by references: `prompt` (a row of the prompt table: each distinct prompt
-once, the members of a group share theirs), `response` ([start, stop) in the response arrays)
-and `solution` (an index into a table of distinct solution texts). The arrays: `prompt_ids` and
-`response_ids` int32, `logprobs` float32. `unpack` rebuilds the records exactly; a finished
-rollout's text is re-derived from its ids with the tokenizer's `decode`, as
-`AgenticRollouts.absorb` made it (an unfinished one's is empty).
-
-`host_blocks` / `from_host_blocks` give the arrays the layout `distributed.host_arrays` takes
-(3-D non-negative integers: the 32-bit words of each value).
+`unpack(pack(state))` rebuilds the records exactly, a finished rollout's text re-derived from its
+ids.
 """
 from __future__ import annotations
 
@@ -29,8 +20,7 @@ def _is_record(value) -> bool:
 
 
 def pack(state) -> tuple[dict, dict[str, np.ndarray]]:
-    """(`state` with its rollout records' ids, log-probabilities and texts replaced by
-    references, the arrays they refer to)."""
+    """(`state` with its records' ids, log-probabilities and texts as references, the arrays)."""
     prompts: dict[tuple[int, ...], int] = {}
     solutions: dict[str, int] = {}
     prompt_ids: list[list[int]] = []
@@ -109,8 +99,7 @@ def unpack(packed: dict, arrays: dict[str, np.ndarray],
 
 
 def host_blocks(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`pack`'s arrays as `distributed.host_arrays` takes them: each `[1, n, 1]`, the 32-bit
-    words of its values as uint32."""
+    """`pack`'s arrays as `distributed.host_arrays` takes them: uint32 words, `[1, n, 1]`."""
     return {name: np.ascontiguousarray(x, ARRAYS[name]).view(np.uint32)[None, :, None]
             for name, x in arrays.items()}
 

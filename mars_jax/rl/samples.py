@@ -16,10 +16,10 @@ from mars_jax.types import ROLES
 
 @dataclasses.dataclass(frozen=True)
 class SampleRules:
-    """`roles`: the roles whose groups are trained. `drop_zero_variance`: a group whose rewards
-    are all equal trains nothing (else its members stay with a zero loss mask: no gradient,
-    fixed batch shapes). `mask_truncated`: an output that ended by length leaves the batch
-    (DAPO's overlong filtering), after taking part in its group's advantages."""
+    """`roles`: the roles whose groups are trained. `drop_zero_variance`: a group with equal
+    rewards trains nothing (else it stays, masked). `mask_truncated`: an output that ended by
+    length leaves the batch (DAPO's overlong filtering) after taking part in its group's
+    advantages."""
 
     roles: tuple[str, ...] = ROLES
     drop_zero_variance: bool = True
@@ -38,8 +38,7 @@ class SampleRules:
 
 def training_samples(groups: Sequence[list[Rollout]], *, rules: SampleRules,
                      normalize_std: bool) -> list[TrainSample]:
-    """The `TrainSample`s of complete `groups` by `rules`, with GRPO advantages within each group
-    (`advantages.group_advantages_np`)."""
+    """The `TrainSample`s of complete `groups` by `rules`, with GRPO advantages per group."""
     if not groups:
         return []
     members = [r for g in groups for r in g]

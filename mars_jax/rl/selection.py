@@ -1,17 +1,9 @@
-"""Choosing the parents of the next MarsRL stage from the previous stage's outputs.
+"""Choosing the parents of the next MarsRL stage.
 
-Verifier stage: candidates are Solver solutions; all are eligible and the
-*preferred* ones are the wrong solutions (``is_correct=False``).
-Corrector stage: candidates are Verifier reports; only reports whose verdict is
-"error found" (``verdict is False``) are eligible, and the preferred ones rightly
-found an error (the judged solution is wrong, ``is_correct=False``).
-
-Policies (``fan_out`` picks without replacement, fewer if not enough eligible):
-  random:   uniform over eligible candidates.
-  balanced: equal numbers of preferred and other candidates when possible (the
-            odd pick goes to a random side), filling from the other side if one
-            runs short.
-  adaptive: preferred candidates first, then the others.
+Verifier stage: every Solver solution is eligible, wrong ones preferred. Corrector stage: reports
+that found an error are eligible, those on an actually wrong solution preferred. `fan_out` picks
+without replacement: 'random', 'balanced' (preferred and others equally where possible) or
+'adaptive' (preferred first).
 """
 
 from __future__ import annotations
@@ -28,12 +20,8 @@ STAGES = ("verifier", "corrector")
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """An output of the previous stage.
-
-    is_correct: the (judged) solution is actually correct.
-    verdict: parsed Verifier verdict (True = correct/pass, False = error found,
-        None = unparseable); unused for Solver solutions.
-    """
+    """An output of the previous stage: `is_correct`, whether the (judged) solution is actually
+    correct; `verdict`, the parsed Verifier verdict (False = error found; unused for solutions)."""
 
     is_correct: bool
     verdict: bool | None = None

@@ -1,7 +1,6 @@
-"""What a decode's buffers take and what memory is free for them: KV-cache bytes a token of
-context takes, the free bytes of devices (of the host's RAM on CPU, where the arrays live), and
-an upper estimate of the bytes a row of a static `generate` batch takes (`static_row_bytes`).
-Arithmetic only; `sampler.generate` and the engine decide with it."""
+"""What a decode's buffers take and what memory is free for them (devices', or the host's RAM on
+CPU). Arithmetic only; `sampler.generate` and the engine decide with it.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -18,8 +17,7 @@ def kv_bytes_per_token(config) -> int:
 
 
 def device_free_bytes(devices) -> int | None:
-    """The fewest bytes free on `devices` (limit less in use), None where a device does not
-    report its memory (CPU)."""
+    """The fewest bytes free on `devices`; None where a device reports no memory (CPU)."""
     free = []
     for device in devices:
         stats = device.memory_stats()
@@ -42,12 +40,9 @@ def host_free_bytes() -> int | None:
 
 
 def static_row_bytes(config, prompt_len: int, num_new: int, *, record_routing: bool) -> int:
-    """An upper estimate of the bytes one row of a `generate` batch with prompts padded to
-    `prompt_len` and `num_new` new-token slots takes at its peak: its KV cache (four copies:
-    the cache, the prefill's keys and values, a compaction's gather), the prefill's attention
-    scores over the prompt (dense up to one `attention_block` of queries, blockwise beyond it,
-    unless `attention_impl` is 'dense'),
-    two layers' activations per prompt token, a few rows of logits and the recorded routing.
+    """An upper estimate of the peak bytes one row of a `generate` batch takes (prompts padded to
+    `prompt_len`, `num_new` new-token slots): four copies of its KV cache, the prefill's
+    attention scores, two layers' activations per prompt token, logits and recorded routing.
     `tests/sampling/test_batch_memory.py` checks it against XLA's own analysis."""
     heads, hidden = config.num_attention_heads, config.hidden_size
     cache = 4 * kv_bytes_per_token(config) * (prompt_len + num_new)

@@ -1,10 +1,6 @@
-"""What every decode user needs of an engine: the `DecodeEngine` protocol (`Engine`, continuous
-batching, and `StaticBatchEngine`, static batches on `generate`; `ContinuingEngine`, `Engine`'s
-continuation of partial outputs), `EngineSettings` and
-`make_engine` (every engine option, for every user), and `decode_batch`, the one adapter from a
-batch of requests to outputs. The rollout scheduler (`rl.streaming`) drives the protocol
-directly; the in-process policy (`agents.sampler_policy`), hence the probes and the evaluation,
-go through `decode_batch`."""
+"""What every decode user needs of an engine: `DecodeEngine`, `EngineSettings` + `make_engine`, and
+`decode_batch`.
+"""
 from __future__ import annotations
 
 import collections
@@ -20,10 +16,8 @@ ENGINE_KINDS = ("engine", "generate")
 
 
 class DecodeEngine(Protocol):
-    """Requests in, `EngineOutput`s out: what `Engine` and `StaticBatchEngine` both do. A
-    request is in flight between `stream` rounds only on `Engine` (`StaticBatchEngine` decodes
-    each to its end within a round): `partial` is of a queued or decoding request, `recompute`
-    of requests holding a slot (`in_slots`)."""
+    """Requests in, `EngineOutput`s out; only on `Engine` is a request in flight between `stream`
+    rounds, so only there do `partial` and `recompute` matter."""
 
     stats: collections.Counter
 
@@ -61,10 +55,8 @@ class ContinuingEngine(DecodeEngine, Protocol):
 def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
                  budgets: Sequence[int], *, stop_ids: Sequence[int], first_seed: int,
                  temperature: float, top_p: float, top_k: int = 0) -> list[EngineOutput]:
-    """Decodes request i = (`prompts[i]`, `budgets[i]`) on `engine`; outputs in request order.
-    Requests with the same prompt and budget are one `submit` (the prompt prefilled once);
-    groups take sequence seeds `first_seed`, `first_seed + 1`, ... in order of first
-    appearance, so a caller continues at `first_seed + len(prompts)`."""
+    """Decodes request i = (`prompts[i]`, `budgets[i]`) on `engine`, outputs in request order;
+    equal requests are one `submit`, groups taking sequence seeds from `first_seed` in order."""
     groups: dict[tuple, list[int]] = {}
     for index, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
         groups.setdefault((tuple(prompt), int(budget)), []).append(index)
@@ -82,11 +74,8 @@ def decode_batch(engine: DecodeEngine, prompts: Sequence[Sequence[int]],
 
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
-    """A decode engine: `kind` 'engine' (continuous batching over `slots` slots of `max_length`
-    positions, `options` its other `Engine` keyword settings, compiled ahead for prompts up to
-    `max_prompt_tokens` with `precompile`) or 'generate' (`StaticBatchEngine`, calls of at most
-    `max_rows` rows, 0: all, each decoded in programs that fit `sampler.static_rows`). Request
-    keys derive from `seed` and each request's sequence seed."""
+    """A decode engine: 'engine' (continuous batching, `options` its other `Engine` settings) or
+    'generate' (`StaticBatchEngine`, calls of at most `max_rows` rows, 0: all)."""
 
     kind: str = "generate"
     seed: int = 0
@@ -101,8 +90,7 @@ class EngineSettings:
 
 def make_engine(settings: EngineSettings, model, stop_ids: Sequence[int], *, mesh=None
                 ) -> DecodeEngine:
-    """The engine `settings` describe over `model`'s arrays (on `mesh`); a recomputed request's
-    prompt + tokens past `max_prompt_tokens` compile when met."""
+    """The engine `settings` describe over `model`'s arrays (on `mesh`)."""
     if settings.kind not in ENGINE_KINDS:
         raise ValueError(f"kind: {settings.kind!r} is not one of {ENGINE_KINDS}")
     if settings.kind == "generate":

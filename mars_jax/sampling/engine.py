@@ -1,58 +1,15 @@
 """Continuous batching over fixed decode slots on the trainer's own parameter arrays.
 
-An `Engine` holds `num_slots` slots, each with its own KV cache of `max_length` positions and its
-own position, budget, stop ids, temperature / top-k / top-p and PRNG key. Submitted requests wait
-in a queue. `stream()` alternates two things: the host admits queued requests into free slots
-(the prompts admitted together are prefilled as one batch per prompt bucket, right-padded, in
-`prefill_chunk`-token pieces for long prompts, and each row is copied into its slot), then one
-jitted chunk of up to `chunk_steps` decode steps runs over all slots; after it the host streams
-finished requests out and frees their slots. While requests wait, a chunk ends early as soon
-as `admit_batch` slots are free, so they are refilled at once.
+Each of `num_slots` slots holds one request and a KV cache of `max_length` positions. `stream()`
+alternates host admission of queued requests (prompts prefilled together) with one jitted chunk of
+up to `chunk_steps` decode steps over all slots. Programs compile once per bucket (slots, KV span,
+prompt length), so requests coming and going change only array values.
 
-Rooms: the device programs and the slot state are `engine_programs`; the queue, groups,
-admission and slot buckets `scheduler` (plain Python, also driven by `benchmarks/sim`'s clock);
-batched prefills `prefill_batches`; the pages of a paged cache `pages`. This module wires them;
-`precompile` compiles its programs ahead (as `program_plan` calls them).
-
-Programs: one decode chunk per (slot bucket, KV span); one prefill per (prompt bucket, piece,
-batch bucket); one slot insert per (prompt bucket, batch bucket); compiled when first met.
-With `scan_layers` (default: the model config's) they scan the layers over the engine's own
-stacked copy of the layer weights, made at each `update_weights` (memory: the weights once more
-while a caller keeps its model's arrays), compiling one layer per run of alike layers. Requests
-coming and going change only array values. When nothing waits, the running rows are gathered
-into a smaller slot bucket (as `generate` compacts): num_slots, /2, .. 1. A chunk attends over
-the first `span` cache positions only, `span` = the longest a running request can grow to in
-the chunk plus one, bucketed (`span_bucket`: the next 2^k or 3 * 2^(k-1), at least `min_span`,
-at most `max_length`): at most 2 * floor(log2(max_length / min_span)) + 3 spans.
-
-Exactness: tokens and log-probabilities do not depend on the other slots or on the admission
-time; they match `generate`'s up to float32 rounding (`engine_programs`). (Paged, the other slots
-decide whether a request is preempted, whose KV is then recomputed by a prefill: the same
-rounding caveat.)
-
-Order: the outputs finished in one decode chunk are streamed in submission order (not slot
-order), so a caller's choices that follow the output order do not depend on slot placement.
-
-Weights: a request in a slot keeps the KV its tokens were decoded under until `recompute`
-re-prefills prompt + tokens so far under the current weights (`update_weights`, which also drops
-group prompt prefills made under the old ones); `submit(generated=...)` continues a request from
-tokens it already has the same way (PRNG step continuing). Recorded routing is a position's from
-the step or prefill of this engine that first computed it: a re-prefill (`recompute`, a paged
-preemption) rewrites the KV, not the routing the tokens were sampled under.
-
-KV-cache memory: 2 x layers x kv_heads x head_dim x bytes(cache dtype) per token
-(`kv_bytes_per_token`), logged at start with the cache's whole size (`kv_bytes`). By default
-every slot reserves `max_length` positions whatever its request's length (`kv_bytes_per_slot`).
-
-Paged KV (`kv_pages` = P): the cache is P pages of `page_size` positions, one pool of P / S
-pages per batch shard of the slots (`pages`), so `num_slots` can exceed what reserved slots of
-`max_length` would fit in the same memory. A preempted request waits at the front of the queue,
-to be re-prefilled from prompt + tokens so far when readmitted (as `submit(generated=...)`: same
-PRNG steps, KV recomputed under the current weights, which changes a token only at a near-tie).
-Gathering the pages for attention (where the backend's kernel does not suit the shapes) copies
-them per layer: more memory traffic than a reserved slot's in-place read. A request must fit one
-pool alone. With S > 1 the tail's running rows are gathered into smaller slot buckets shard by
-shard (each keeps to its pool's block of rows).
+A request's tokens and log-probabilities do not depend on the other slots or its admission time and
+match `generate`'s up to float32 rounding; outputs finished in one chunk stream in submission order.
+A request keeps the KV it was decoded under until `recompute`. Paged KV (`kv_pages`): pages of
+`page_size` positions, one pool per batch shard, so more slots fit; a pool that runs out preempts
+its newest request, later re-prefilled with the same PRNG steps.
 """
 from __future__ import annotations
 
@@ -91,8 +48,7 @@ PREFILL_CHUNK = 1024  # default prefill piece: longer prompts are prefilled in p
 @dataclasses.dataclass
 class EngineOutput:
     """A request's new tokens (stop token included), their log-probabilities, why it ended
-    ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new tokens,
-    k]`."""
+    ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new, k]`."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -118,18 +74,9 @@ class _Request:
 
 
 class Engine(SlotScheduler):
-    """Continuous-batching decode (module docstring). `model`'s arrays are read at construction
-    and at each `update_weights`; `seed` is the base of every request's PRNG key. Queued
-    requests are admitted once `admit_batch` slots are free (fewer if fewer wait), so their
-    prompts are prefilled in one batch; decode chunks end early as soon as that many are.
-    With `prefill_ahead` = P > 0, an admission's prefill call also prefills the prompts of the
-    next queued requests, up to P prompts in the call; those keep their prompt KV until they get
-    a slot, which they then take one at a time without a prefill (as a group's members do).
-    `min_span` is the shortest KV span a decode chunk attends over (module docstring). With
-    `kv_pages` = P the KV cache is P pages of `page_size` positions, pooled per batch shard
-    (module docstring, "Paged KV"), attended by `paged_attention` ('auto': the backend's Pallas
-    kernel on GPU and TPU where the shapes suit it, else 'gather': `paged_kv.default_kernel`;
-    `paged_kv.KERNELS`)."""
+    """Continuous-batching decode (module docstring); `seed` is the base of every request's PRNG
+    key. `prefill_ahead` = P > 0 also prefills up to P next queued prompts in an admission's
+    prefill."""
 
     def __init__(self, model: Qwen3, *, num_slots: int, max_length: int, chunk_steps: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, max_stop_ids: int = 8, seed: int = 0,
@@ -231,11 +178,8 @@ class Engine(SlotScheduler):
         return 0 if self.page_table is None else self.page_table.pages_for(positions)
 
     def update_weights(self, model: Qwen3) -> None:
-        """Reads `model`'s current arrays: later steps, prefills and `recompute`s use them (a
-        group prompt prefilled under the old arrays is prefilled again for members still
-        waiting). With `scan_layers` the engine keeps its own copy of the layers' weights
-        stacked per run of alike layers (`engine_programs.stack_weights`), which its programs
-        scan over."""
+        """Reads `model`'s current arrays for later steps, dropping queued prefills; with
+        `scan_layers` the engine keeps its own stacked copy of the layer weights."""
         self.weights = None  # the old stacked copy freed before the new one is made
         if self.scan_layers:
             self.graphdef, self.weights = stack_weights(model)
@@ -245,11 +189,8 @@ class Engine(SlotScheduler):
         self._drop_prefills()
 
     def free_kv(self) -> None:
-        """Deletes the slots' KV cache (paged: the page pools) and the group prompts prefilled
-        ahead from device memory, e.g. for an update on the same chips. The next `recompute`,
-        admission or decode allocates the cache again and first re-prefills every request then
-        holding a slot from prompt + tokens so far (`recompute`, under the weights of that
-        time)."""
+        """Deletes the KV cache and queued prefills from device memory (e.g. for an update on the
+        same chips); the next step reallocates it and re-prefills every request holding a slot."""
         self._expand()
         self._drop_prefills()
         if not self._kv_freed:
@@ -262,8 +203,7 @@ class Engine(SlotScheduler):
         return jax.tree.leaves((self.state.cache, self.pool))[0].is_deleted()
 
     def _allocate_kv(self) -> bool:
-        """Allocates the cache `free_kv` deleted (zeros, same shapes and shardings); whether it
-        did."""
+        """Allocates the cache `free_kv` deleted (zeros, same shardings); whether it did."""
         if not self._kv_freed:
             return False
         zeros = lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding)
@@ -278,13 +218,10 @@ class Engine(SlotScheduler):
                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: Sequence[int] = (),
                n: int = 1, generated: tuple[Sequence[int], Sequence[float]] | None = None
                ) -> list[int]:
-        """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...; the prompt
-        is prefilled once, kept until every member has a slot) and returns their ids.
-        `temperature=0` is greedy. `generated` continues one request (`n=1`) from tokens and
-        log-probabilities it already produced (e.g. restored from a checkpoint): prompt + tokens
-        are prefilled, its PRNG step continues at their count, they count against
-        `max_new_tokens` and its output includes them, so it equals an uninterrupted decode whose
-        KV was recomputed at that point."""
+        """Queues `n` requests on one prompt (sequence seeds `seed`, `seed + 1`, ...) and returns
+        their ids; `temperature=0` is greedy. `generated` continues one request from tokens it
+        already has: prefilled with the prompt, counted against `max_new_tokens`, its PRNG step
+        continuing."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids: need at least one token")
@@ -327,10 +264,7 @@ class Engine(SlotScheduler):
         return ids
 
     def recompute(self, request_ids: Sequence[int]) -> None:
-        """Re-prefills the KV caches of requests in slots from prompt + tokens so far under the
-        current weights (after `free_kv`: every request holding a slot), in batched prefills of
-        the parts `kv_memory.prefill_parts` makes; they go on from there (same PRNG steps, same
-        budgets)."""
+        """Re-prefills `request_ids` (in slots) under the current weights; same PRNG steps."""
         requests = [self._requests[i] for i in request_ids]
         if any(r.slot is None for r in requests):
             raise ValueError("recompute: every request must hold a slot")
@@ -356,8 +290,8 @@ class Engine(SlotScheduler):
         return list(request.tokens), list(request.logprobs)
 
     def kv_cache(self, request_id: int) -> tuple[KVCache, ...]:
-        """The filled part of a request's slot cache (host arrays, per layer `[K, D, L]` keys
-        and `[K, L, D]` values for its L = prompt + new tokens positions)."""
+        """The filled part of a request's cache as host arrays: per layer `[K, D, L]` keys and
+        `[K, L, D]` values, L = prompt + new tokens."""
         request = self._requests[request_id]
         length = len(request.group.prompt) + len(request.tokens)
         layers = self.num_layers
@@ -400,11 +334,9 @@ class Engine(SlotScheduler):
         return self.batch_shards if self.page_table is not None else 1
 
     def _shrink(self) -> None:
-        """Once nothing waits and the running requests fit a slot bucket at most half the
-        current one, decodes just their rows (gathered, KV caches included, when they fit beside
-        the full state in device memory) so idle slots stop costing compute; tokens are
-        unchanged (each row keeps its state). With a page pool per batch shard, each shard's
-        requests stay in that shard's block of rows."""
+        """Once nothing waits and the running rows fit a slot bucket at most half the current
+        one, decodes just those rows (if the gathered copy fits in memory), each staying in its
+        pool's block."""
         if self._queue:
             return
         plan = shrink_plan(self._running_slots(), current_rows=self.state.length.shape[0],
@@ -421,8 +353,7 @@ class Engine(SlotScheduler):
         self.stats["shrinks"] += 1
 
     def _room_for(self, rows: int) -> bool:
-        """Whether `rows` gathered rows of the slot state fit beside it in the free memory of
-        each of its devices (True where the backend does not report memory, as on CPU)."""
+        """Whether `rows` gathered rows of the slot state fit each device's free memory."""
         free = device_free_bytes(self._devices())
         if free is None or bytes_per_row(self.state, self.state.length.shape[0]) * rows <= free:
             return True
@@ -441,10 +372,8 @@ class Engine(SlotScheduler):
         self._full, self._rows = None, {}
 
     def _place(self, request: _Request) -> int | None:
-        """A free slot for queued `request` (reserved slots: the first); paged, the first whose
-        pool holds what it fills by the end of its first chunk beside the pages the pool's
-        running requests take for their next chunk (so admitting it preempts nobody before that
-        chunk), with those pages taken; or None."""
+        """A free slot for `request`, or None; paged, the first whose pool holds its first chunk
+        beside the running requests' next chunks (so admitting it preempts nobody)."""
         free = [slot for slot, held in enumerate(self._slots) if held is None]
         if self.page_table is None:
             return free[0] if free else None
@@ -456,10 +385,7 @@ class Engine(SlotScheduler):
         return slot
 
     def _admit(self) -> None:
-        """Fills free slots from the queue once `_admission_size` of them are free (or nothing
-        runs); the prompts not yet prefilled are prefilled together (one call per prompt bucket
-        and batch bucket, in the parts `kv_memory.prefill_parts` makes), each admitted request
-        inserted once its prompt is."""
+        """Fills free slots from the queue, prefilling new prompts together (`_admit_queued`)."""
         admitted = self._admit_queued(self._place)
         if not admitted:
             return
@@ -509,10 +435,9 @@ class Engine(SlotScheduler):
         request.routing = None
 
     def _span(self) -> int:
-        """The KV span of the next decode chunk: the longest a running request can grow to in
-        it (prompt + tokens + at most `chunk_steps`, up to its budget), plus one, bucketed
-        (`_chunk_span`). The one: a row that stops mid-chunk goes on writing (discarded) keys
-        at its length until the chunk ends."""
+        """The KV span of the next chunk: the longest a running request can reach in it, plus one
+        (a row stopping mid-chunk still writes discarded keys at its length), bucketed
+        (`chunk_span`)."""
         needed = max(self._chunk_positions(self._requests[i]) for i in self._running)
         return self.chunk_span(needed + 1)
 
@@ -558,8 +483,7 @@ class Engine(SlotScheduler):
             self._finish(request, "stop" if stopped else "length")
 
     def _recorded_routing(self, request: _Request) -> np.ndarray | None:
-        """The expert ids recorded for the positions of `request` (in a slot) so far, or None
-        without `record_routing`."""
+        """The expert ids recorded for `request`'s positions so far, or None."""
         if not self.record_routing or request.slot is None:
             return None
         length = len(request.group.prompt) + len(request.tokens)
@@ -579,8 +503,7 @@ class Engine(SlotScheduler):
 
     def _ensure_pages(self) -> None:
         """Gives every running request the pages its next chunk writes, oldest admission first;
-        when its pool runs out, preempts the running request of that pool admitted last
-        (`_preempt`)."""
+        when a pool runs out, preempts that pool's newest admission (`_preempt`)."""
         running = {}
         for request_id in self._running:
             request = self._requests[request_id]
@@ -588,8 +511,7 @@ class Engine(SlotScheduler):
         self.page_table.make_room(running, self._preempt)
 
     def _preempt(self, slot: int) -> None:
-        """Stops `slot`'s request and frees its slot and pages; it goes back to the front of the
-        queue with its tokens, to be re-prefilled (prompt + tokens) when readmitted."""
+        """Stops `slot`'s request, freeing slot and pages; it waits at the queue's front."""
         request = self._requests[self._slots[slot]]
         request.routing = self._recorded_routing(request)
         self.state = programs.deactivate(self.state, np.int32(self._row(slot)))

@@ -1,41 +1,10 @@
 """The engine's device programs: one jitted program per step of serving, over the slot state.
 
-`SlotState` holds one row per slot: its KV cache of `max_length` positions (or, paged, none: the
-page pools are separate arrays), next-token logits, position, budget, sampling settings, PRNG key,
-stop ids and recorded routing. `prefill` prefills right-padded prompts into a prompt cache, a
-piece at a time; `insert` copies a prefilled row into a slot (or its pages); `decode_chunk` runs
-up to `steps` decode steps over every slot, attending over the first `span` cache positions only;
-`take_slots` / `put_slots` gather running rows into a smaller slot bucket and back;
-`deactivate` stops a preempted row; `put_routing` restores a re-prefilled row's recorded routing.
-
-Layers: every cache is stacked over the layers (the slot cache and a prompt cache `[L, rows,
-...]`, a page pool every layer's pages), and each layer writes its keys and values into the
-stack in place. The weights are the model's (`merged`: the layer loop unrolled, one copy of
-the layer in the program per layer) or, with `stack_weights`, each run of alike layers stacked,
-which the model scans (one copy of the layer per run: the program compiles in time independent
-of depth).
-
-Sharding: the slot state is split over slots (the mesh's batch axes) and KV heads; inserting a
-request, preempting one and shrinking / expanding write it in place, one slot row at a time
-(a dynamic-update-slice per row; a row read as a masked sum over the slots when the slots are
-split over chips, else as a dynamic slice), never gathering the slots of other chips, and every
-program's outputs keep the state's shardings.
-
-Exactness: a slot's row of every decode step computes what `generate`'s row computes for the same
-request (same positions, same keys and values visible, sampling by
-`processors.choose_tokens_per_row`, which gives each row `choose_tokens`'s result under its own
-settings), and row b's PRNG key at step t is `fold_in(fold_in(key(seed), sequence_seed), t)`
-as in `generate` (`seed` is the engine's, `sequence_seed` the request's). Tokens and
-log-probabilities therefore do not depend on the other slots or on the admission time; they match
-`generate`'s up to float32 rounding (reductions run over the chunk's span instead of `generate`'s
-cache length), which changes a token only at an exact near-tie.
-
-Layout: a slot holds its request contiguously from cache position 0 (prompt, then generated
-tokens); the next token is written at position `length` and sees positions `0..length`. Paged,
-the positions are in pages `table[slot]` of its shard's pool, attended by the backend's Pallas
-paged-attention kernel where the shapes suit it (reading the pages in place), else by gathering
-every row's pages of the chunk's span into one layer's contiguous cache at a time
-(`layers.paged_kv`).
+Caches are stacked over the layers and written in place; inserts and slot moves write one row at a
+time, keeping the state's shardings (no gather of other chips' slots). With `stack_weights` runs of
+alike layers are scanned, so compile time does not grow with depth. A slot's decode step computes
+what `generate`'s row computes for the same request, PRNG key `fold_in(fold_in(key(seed),
+sequence_seed), t)` included, up to float32 rounding.
 """
 from __future__ import annotations
 
@@ -86,8 +55,7 @@ class SlotState:
 # state was created with.
 
 def _slot_axis(name: str) -> int:
-    """The slot axis of a `SlotState` field (routing is `[L_moe, slots, ...]`, the cache
-    `[L, slots, ...]`)."""
+    """The slot axis of a `SlotState` field (1 for routing and the cache, else 0)."""
     return 1 if name in ("experts", "cache") else 0
 
 
@@ -116,16 +84,14 @@ def _pinned(state: SlotState) -> SlotState:
 
 
 def _pinned_pool(pool: KVCache | None) -> KVCache | None:
-    """Page pools constrained to their logical shardings (a pool per batch shard, KV heads
-    split; pages never)."""
+    """Page pools constrained to their logical shardings (per batch shard, KV heads split)."""
     if pool is None:
         return None
     return KVCache(sharding.constrain(pool.k, POOL_AXES), sharding.constrain(pool.v, POOL_AXES))
 
 
 def _slots_sharded(num_slots: int) -> bool:
-    """Whether the current mesh (if any) splits a slot axis of `num_slots` rows into more than
-    one shard (mesh axes of size 1 split nothing)."""
+    """Whether the current mesh splits a slot axis of `num_slots` rows."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return False
@@ -134,10 +100,8 @@ def _slots_sharded(num_slots: int) -> bool:
 
 
 def _row(x: jax.Array, index: jax.Array, axis: int = 0) -> jax.Array:
-    """Row `index` of `x` along `axis`, the axis kept (size 1). On an `axis`-sharded `x`, a
-    masked sum over the axis: each shard reduces its own rows and one row is all-reduced
-    (XLA:GPU partitions a one-index gather as an all-gather of `x`); exact, the other rows
-    contribute zeros. Otherwise a dynamic slice (reads one row, not all of them)."""
+    """Row `index` of `x` along `axis` (kept, size 1): a masked sum where `axis` is sharded
+    (XLA:GPU partitions a one-index gather as an all-gather), else a dynamic slice."""
     if not _slots_sharded(x.shape[axis]):
         return jax.lax.dynamic_slice_in_dim(x, index, 1, axis=axis)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -176,9 +140,7 @@ def _map_rows(fn, state: SlotState, *others: SlotState) -> SlotState:
 
 
 def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
-    """The model of an engine's `weights` and its stacked layer weights: `(state, None)` (the
-    model's own arrays, layers unrolled) or `(rest, stacks)` (`stack_weights`: layers
-    scanned)."""
+    """The model of an engine's `weights`: `(state, None)` unrolled, or `(rest, stacks)` scanned."""
     state, stacks = weights
     if stacks is None:
         return nnx.merge(graphdef, state), None
@@ -187,8 +149,7 @@ def merged(graphdef, weights) -> tuple[Qwen3, tuple | None]:
 
 @functools.partial(jax.jit, static_argnames=("shardings",))
 def _stack_runs(runs, shardings):
-    """Each run's layer weights stacked on a new leading axis, pinned to `shardings` (one per
-    leaf of the result, or None)."""
+    """Each run's layer weights stacked on a new leading axis, pinned to `shardings`."""
     out = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *run) for run in runs)
     if shardings is None:
         return out
@@ -198,9 +159,8 @@ def _stack_runs(runs, shardings):
 
 
 def stack_weights(model: Qwen3):
-    """An engine's graph and weights with the layers scanned (`merged`): the weights outside the
-    layers (the model's own arrays) and a stacked copy of each run of alike layers
-    (`Qwen3.layer_runs`), sharded as the layers with the new axis unsplit."""
+    """An engine's graph and weights with the layers scanned (`merged`): the model's arrays
+    outside the layers and a stacked copy of each run of alike layers (`Qwen3.layer_runs`)."""
     graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
     runs = [[layers["layers"][i] for i in range(start, stop)]
             for start, stop in model.layer_runs()]
@@ -214,8 +174,7 @@ def stack_weights(model: Qwen3):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "shards", "pages", "page_size"))
 def init_pool(graphdef, weights, *, shards: int, pages: int, page_size: int) -> KVCache:
-    """Zeroed page pools of every layer, `shards` of `pages` pages a layer each
-    (`paged_kv`'s layouts: layer l's pages are the l-th block of a pool's)."""
+    """Zeroed page pools of every layer: `shards` pools of `pages` pages a layer."""
     cfg = merged(graphdef, weights)[0].config
     shape = (shards, cfg.num_key_value_heads, cfg.num_hidden_layers * pages, page_size,
              cfg.head_dim)
@@ -254,16 +213,11 @@ def span_bucket(needed: int, max_length: int, min_span: int = MIN_SPAN) -> int:
                    donate_argnames=("state", "pool"))
 def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: jax.Array, *,
                  steps: int, span: int, kernel: str = "gather"):
-    """Up to `steps` decode steps over all slots, attending over cache positions `0..span`
-    only (the caller guarantees that every active slot's `length + steps <= span`), the cache
-    updated in place (no copy of the span); returns the state, the page pool, the chunk's
-    tokens and log-probabilities `[slots, steps]` (a slot's first `step` increase entries are
-    its own) and the steps run. Stops early when every slot is idle, or once `stop_after`
-    (> 0) requests have ended. An idle row's cache is written at its `length` (clamped to its
-    last position): the engine never reads an idle row's cache again. Paged (`pool` given, else
-    None): row b's positions are in pages `table[b]` (`span / page` of them; the caller gives 0,
-    the trash page, where a row owns none and for every row idle at the start), attended by
-    `kernel` (`paged_kv`)."""
+    """Up to `steps` decode steps over all slots, attending over positions `0..span` (the caller
+    guarantees `length + steps <= span` for active slots); returns the state, the pool, tokens
+    and log-probabilities `[slots, steps]` and the steps run. Stops early when every slot is idle
+    or `stop_after` (> 0) requests have ended. Paged: rows read pages `table[b]` through
+    `kernel`."""
     model, stacks = merged(graphdef, weights)
     num_slots = state.length.shape[0]
     if pool is not None:
@@ -315,10 +269,9 @@ def decode_chunk(graphdef, weights, state: SlotState, pool, table, stop_after: j
                    donate_argnames=("cache", "logits", "experts"))
 def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, bucket: int,
             fresh: bool):
-    """Prefills `tokens [G, T]` (G right-padded prompts) at positions start.. start+T into a
-    `[G, bucket]` prompt cache (zeros when `fresh`); returns the cache, the logits `[G, V]` after
-    each row's position `last [G]` (rows whose `last` lies in this piece; the others keep
-    `logits`) and the recorded routing `[L_moe, G, bucket, k]` (or None)."""
+    """Prefills right-padded `tokens [G, T]` at positions start..start+T into a `[G, bucket]`
+    prompt cache (zeros when `fresh`); returns the cache, the logits after each row's `last`
+    position (rows whose `last` is elsewhere keep `logits`) and the recorded routing (or None)."""
     model, stacks = merged(graphdef, weights)
     rows, width = tokens.shape
     if fresh:
@@ -343,10 +296,8 @@ def prefill(graphdef, weights, cache, logits, experts, tokens, start, last, *, b
 
 
 def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KVCache:
-    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids [shards, n]`
-    of every layer's block (its positions 0 .. n * page, zero-padded or cut;
-    `paged_kv.write_pages`), one layer at a time (an unrolled loop: XLA partitions a
-    `fori_loop` over the layers of a KV-head-split pool with copies of the pool)."""
+    """`pool` with row `row` of a stacked prompt cache written to pages `page_ids` of every
+    layer, the layer loop unrolled (XLA partitions a `fori_loop` here with copies of the pool)."""
     pages, page = page_ids.shape[1], pool.k.shape[3]
     layers = prompt.k.shape[0]
     block = pool.k.shape[2] // layers  # layer l's pages: the l-th block
@@ -368,9 +319,7 @@ def _write_pages(pool: KVCache, prompt: KVCache, row, page_ids: jax.Array) -> KV
 def insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, length, step,
            budget, seed, sequence_seed, temperature, top_k, top_p, stop_ids
            ) -> tuple[SlotState, KVCache | None]:
-    """`state` with slot `slot` holding row `row` of the prompt cache `[G, bucket]` (its first
-    `max_length` positions, or with a page `pool` its first `len(page_ids)` pages' worth, in
-    those pages) and the request's settings, active; written in place."""
+    """`state` with slot `slot` holding prompt-cache row `row` and the request, active."""
     if pool is None:
         c = state.cache
         span = min(cache.v.shape[3], c.v.shape[3])  # what a slot holds
@@ -400,8 +349,7 @@ def insert(state: SlotState, pool, page_ids, slot, cache, logits, experts, row, 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def put_routing(state: SlotState, slot, routing) -> SlotState:
-    """`state` with `routing` `[L_moe, n, k]` as slot `slot`'s recorded routing of its first n
-    positions; written in place."""
+    """`state` with `routing` `[L_moe, n, k]` as slot `slot`'s first n positions' routing."""
     experts = jax.lax.dynamic_update_slice(
         state.experts, routing[:, None].astype(state.experts.dtype), (0, slot, 0, 0))
     return _pinned(state.replace(experts=experts))
@@ -415,8 +363,7 @@ def deactivate(state: SlotState, slot) -> SlotState:
 
 @jax.jit
 def take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState:
-    """The state of slots `index` (KV cache included); rows where `live` is False are idle.
-    Copied one row at a time into a state sharded like `state` (no gather of all slots)."""
+    """The state of slots `index` (idle where not `live`), copied one row at a time."""
     rows = index.shape[0]
     empty = lambda x, axis: jnp.zeros(x.shape[:axis] + (rows,) + x.shape[axis + 1:], x.dtype)
     part = _pinned(_map_rows(empty, state))
@@ -432,8 +379,7 @@ def take_slots(state: SlotState, index: jax.Array, live: jax.Array) -> SlotState
 @functools.partial(jax.jit, donate_argnames=("state",))
 def put_slots(state: SlotState, part: SlotState, rows: jax.Array, slots: jax.Array,
               count: jax.Array) -> SlotState:
-    """`state` with `part`'s rows `rows[:count]` written to slots `slots[:count]`, one row at a
-    time, in place."""
+    """`state` with `part`'s rows `rows[:count]` written in place to slots `slots[:count]`."""
     def copy(i, state):
         return _pinned(_map_rows(
             lambda x, y, axis: _set_row(x, slots[i], _row(y, rows[i], axis), axis), state, part))

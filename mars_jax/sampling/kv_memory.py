@@ -1,7 +1,6 @@
-"""What the engine's KV cache takes and what device memory holds beside it: bytes a token of
-context takes and the devices' free bytes (`batch_memory`), a batch's bytes per row, and how many
-prompts one prefill may take at once (`prefill_parts`). Arithmetic only; the engine decides with
-it."""
+"""What the engine's KV cache takes and what device memory holds beside it, and how many prompts one
+prefill may take at once (`prefill_parts`). Arithmetic only; the engine decides with it.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,8 +14,7 @@ from mars_jax.sampling.sampler import prompt_bucket
 
 
 def bytes_per_row(tree: Any, rows: int) -> float:
-    """Bytes one of the `rows` rows of `tree`'s arrays takes on the fullest device (every leaf's
-    largest shard, summed, over `rows`)."""
+    """Bytes one of the `rows` rows of `tree`'s arrays takes on the fullest device."""
     return sum(max(shard.data.nbytes for shard in leaf.addressable_shards)
                for leaf in jax.tree.leaves(tree)) / rows
 
@@ -24,9 +22,8 @@ def bytes_per_row(tree: Any, rows: int) -> float:
 def prefill_parts(lengths: Sequence[int], *, free: int | None, devices: int,
                   bytes_per_token: int) -> list[list[int]]:
     """Indices of sequences of `lengths` in parts, longest first: a part grows while its prompt
-    cache (its rows rounded up to a power of two, at its first sequence's prompt bucket), divided
-    evenly over `devices`, takes at most half of `free`; a part holds at least one sequence.
-    One part when `free` is None (memory not reported)."""
+    cache, spread over `devices`, takes at most half of `free` (None: one part); at least one
+    sequence each."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if free is None:
         return [order] if order else []

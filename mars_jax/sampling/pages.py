@@ -1,15 +1,8 @@
-"""The page allocator of a paged KV cache (host side, plain Python and numpy), and its admission
-and preemption choices.
-
-The cache is P pages of `page_size` positions, one pool of P / S pages per batch shard of the
-slots (S = 1 without a mesh that splits them); a slot takes pages of its shard's pool only. Page
-0 of every pool is its trash page: a slot's table row points there where it owns no page, so
-writes through unowned entries land there (`layers.paged_kv`); pages 1 .. P / S are handed out.
-A slot owns the pages its request has filled or fills in the next decode chunk: they are taken
-when a request is admitted (its prompt and first chunk) and before each chunk, and freed when it
-finishes. A queued request is admitted into a free slot whose pool holds its first chunk's pages
-beside the running requests' next chunk's (`first_fit`); when the running requests' next chunk
-does not fit a pool, that pool's request admitted last is preempted (`make_room`).
+"""The page allocator of a paged KV cache (host side): one pool per batch shard of the slots, a slot
+taking pages of its shard's pool only, page 0 of each pool its trash page. A slot owns the pages its
+request has filled or fills in the next chunk. Admission takes a slot whose pool holds the request's
+first chunk beside the running requests' next chunks (`first_fit`); a pool that cannot hold those
+preempts its last admitted request (`make_room`).
 """
 from __future__ import annotations
 
@@ -42,8 +35,7 @@ class PageTable:
         return min(-(-positions // self.page_size), self.pages_per_slot)
 
     def grow(self, slot: int, positions: int) -> bool:
-        """Extends `slot`'s pages to hold `positions` cache positions; False, taking none, when
-        its pool has too few free."""
+        """Extends `slot`'s pages to hold `positions`; False, taking none, if its pool is short."""
         owned, free = self.owned[slot], self.free[self.pool(slot)]
         need = self.pages_for(positions) - len(owned)
         if need > len(free):
@@ -73,10 +65,9 @@ class PageTable:
 
     def make_room(self, running: dict[int, tuple[int, int]],
                   preempt: Callable[[int], None]) -> None:
-        """Grows every `running` slot (slot -> (positions its next chunk fills, admission order))
-        to its next chunk, oldest admission first; when its pool runs out, calls `preempt` on
-        the pool's running slot admitted last (which must `release` it), until it fits or was
-        itself preempted."""
+        """Grows every `running` slot (slot -> (next chunk's positions, admission order)) to its
+        next chunk, oldest first; when its pool runs out, calls `preempt` (which must `release`)
+        on the pool's newest running slot, until it fits or was itself preempted."""
         live = dict(running)
         for slot in sorted(running, key=lambda s: running[s][1]):
             if slot not in live:  # preempted for an older one
@@ -90,9 +81,8 @@ class PageTable:
                     break
 
     def insert_ids(self, slot: int, positions: int, bucket: int) -> np.ndarray:
-        """Grows `slot`'s pages to `positions`; returns the page ids a prefill of a `bucket`-long
-        prompt cache is written to, `[pools, pages]`: `slot`'s in its pool, the trash page in
-        the others."""
+        """Grows `slot`'s pages to `positions`; returns the `[pools, pages]` ids a `bucket`-long
+        prompt cache is written to: `slot`'s in its pool, the trash page elsewhere."""
         if not self.grow(slot, positions):
             raise RuntimeError("kv_pages: no free page for a request's prefill")
         pages = self.pages_for(bucket)
@@ -101,8 +91,8 @@ class PageTable:
         return ids
 
     def chunk_table(self, slot_of_row: dict[int, int], rows: int, span: int) -> np.ndarray:
-        """The page table of a decode chunk over `span` positions, `[rows, pages]`: each row's
-        slot's first pages (`slot_of_row`), the trash page for the other rows."""
+        """A decode chunk's page table `[rows, pages]` over `span`: each row's slot's pages, else
+        trash."""
         pages = span // self.page_size
         table = np.zeros((rows, pages), np.int32)
         for row, slot in slot_of_row.items():

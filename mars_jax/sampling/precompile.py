@@ -1,13 +1,5 @@
-"""Compiling an `Engine`'s programs ahead of serving, on a thread pool (XLA compiles without the
-GIL; each compile holds its own memory).
-
-Serving compiles a program when it first meets its shapes: a decode chunk per (slot bucket, KV
-span), a prefill per (prompt bucket, piece, batch bucket), a slot insert per (prompt bucket, batch
-bucket), the gathers between slot buckets and, paged, a preempted row's deactivation per slot
-bucket. `compile_ahead` lowers each of them as `program_plan` calls them, with the arguments
-serving passes (`program_plan.ServingArgs`, made inside or outside the engine's mesh as serving
-makes them, so that the compiled programs are the ones serving looks up); a program whose input
-is another's output is lowered on the shapes and shardings the first one returns.
+"""Compiling an `Engine`'s programs ahead of serving on a thread pool, each lowered as serving calls
+it (`program_plan`), so serving finds them compiled.
 """
 from __future__ import annotations
 
@@ -30,11 +22,8 @@ ARGS = plan.ServingArgs()
 
 def compile_ahead(engine: Engine, prompt_lengths: Sequence[int], *, threads: int | None = None
                   ) -> int:
-    """Compiles, `threads` at a time (default: one per host CPU, at most 16), the programs
-    `engine` reaches serving requests whose prompts (for a recomputed request, prompt + tokens
-    so far) have `prompt_lengths` tokens (module docstring); returns how many. Serving then
-    compiles none of these again; what it may still compile is the recorded routing written
-    back into a slot (`record_routing`, one program per request length)."""
+    """Compiles, `threads` at a time, the programs `engine` reaches serving prompts of
+    `prompt_lengths` tokens; returns how many."""
     prompt_lengths = list(prompt_lengths)
     if any(n < 1 or n > engine.max_length for n in prompt_lengths):
         raise ValueError(f"prompt_lengths: each must be in [1, max_length={engine.max_length}]")
@@ -88,9 +77,8 @@ def _compile(engine: Engine, build, *args, **kwargs) -> None:
 
 
 def _outputs(engine: Engine, build, *args, **kwargs) -> Any:
-    """Compiles a program (as `_lower`); returns its outputs as arguments of a later lowering
-    that match the arrays the program returns: shapes, dtypes and, for committed arrays (placed
-    by the caller, e.g. on a mesh), shardings."""
+    """Compiles a program (as `_lower`); returns its outputs as arguments of a later lowering:
+    shapes, dtypes and, for committed arrays, shardings."""
     lowered = _lower(engine, build, *args, **kwargs)
     compiled, committed = lowered.compile(), engine.committed
     return jax.tree.map(lambda out, where: jax.ShapeDtypeStruct(

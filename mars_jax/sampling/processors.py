@@ -1,9 +1,7 @@
-"""Next-token choice from logits: temperature, top-k, top-p (nucleus), greedy.
+"""Next-token choice from logits: temperature, top-k, top-p, greedy.
 
-Log-probability convention: the returned log-probability of a token is
-`log_softmax(logits / temperature)[token]` (plain `log_softmax(logits)` when greedy), i.e. the
-temperature-scaled distribution *before* top-k / top-p truncation. That is the quantity the trainer
-recomputes from the same logits, so sampler and trainer agree on the PPO ratio's denominator.
+A token's log-probability is taken before truncation, `log_softmax(logits / temperature)`, as the
+trainer recomputes it.
 """
 from __future__ import annotations
 
@@ -14,17 +12,15 @@ NEG_INF = -jnp.inf
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
-    """Raises ValueError naming the settings unless temperature >= 0, 0 < top_p <= 1 and
-    0 <= top_k <= vocab_size (NaN fails)."""
+    """Raises ValueError unless temperature >= 0, 0 < top_p <= 1, 0 <= top_k <= vocab_size."""
     if not (temperature >= 0 and 0 < top_p <= 1 and 0 <= top_k <= vocab_size):
         raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= top_k <= "
                          f"vocab ({vocab_size}); got {temperature}, {top_p}, {top_k}")
 
 
 def truncate_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Sets logits outside the top-k set and outside the smallest nucleus of mass >= top_p to
-    -inf, row-wise over `[B, V]`; tokens tied with the last one kept are kept too. `top_k=0`
-    and `top_p=1.0` disable each filter."""
+    """Logits outside the top-k and the smallest nucleus of mass >= top_p set to -inf per row
+    (ties with the last kept are kept); `top_k=0`, `top_p=1.0` disable each."""
     if top_k > 0:
         kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
         scaled = jnp.where(scaled < kth, NEG_INF, scaled)
@@ -40,8 +36,7 @@ def truncate_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, *, greedy: bool, temperature: jax.Array,
                   top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
-    """Chosen tokens `[B]` and their log-probabilities `[B]` (convention above); one PRNG key per
-    row so a row's draw does not depend on the other rows."""
+    """Chosen tokens `[B]` and their log-probabilities, each row drawn with its own PRNG key."""
     logits = logits.astype(jnp.float32)
     if greedy:
         tokens = jnp.argmax(logits, axis=-1)
@@ -73,10 +68,8 @@ def truncate_logits_per_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Arra
 
 def choose_tokens_per_row(logits: jax.Array, keys: jax.Array, *, temperature: jax.Array,
                           top_k: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`choose_tokens` with settings per row (`[B]` each; temperature 0 = greedy): row b gets
-    the token and log-probability `choose_tokens` gives it under its own settings. The sort
-    behind top-k / top-p runs only when some row uses one of them, the draw only when some
-    row samples."""
+    """`choose_tokens` with settings per row (`[B]` each; temperature 0 = greedy). The sort
+    behind top-k / top-p runs only when some row uses them, the draw only when some row samples."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]

@@ -1,11 +1,5 @@
-"""The engine's device programs as calls to lower: each program of `engine_programs` with the
-arguments serving passes it, written once for the two callers that compile them ahead of serving,
-`precompile` (an engine's concrete state) and `experiments/aot_compile.py` (abstract, sharded
-arguments for a target topology).
-
-An `Args` makes the arguments that are not engine state: `ServingArgs` as serving makes them
-(scalars and token arrays where the program runs, page tables on the host), `AbstractArgs` as
-abstract arrays on a mesh placed by their logical axis names.
+"""The engine's device programs as calls to lower, written once for `precompile` (an engine's
+concrete state) and `experiments/aot_compile.py` (abstract, sharded arguments for a topology).
 """
 from __future__ import annotations
 
@@ -91,8 +85,7 @@ def insert(args: Args, state, pool, prefilled: tuple, *, pages: int, shards: int
 
 def decode_chunk(args: Args, graphdef, weights, state, pool, *, steps: int, span: int,
                  kernel: str, page_size: int) -> Program:
-    """A decode chunk of up to `steps` steps over `state`'s rows attending over `span`
-    positions (paged: `span` is whole pages of `page_size`, read by `kernel`)."""
+    """A decode chunk of up to `steps` steps over `state` attending over `span` positions."""
     table = None
     if pool is not None:
         table = args.host((state.length.shape[0], span // page_size), jnp.int32, (None, None))
@@ -120,8 +113,7 @@ def deactivate(args: Args, state) -> Program:
 
 
 class AbstractArgs:
-    """Abstract arrays on `mesh` (for lowering without devices), each placed by its logical
-    axis names; scalars replicated."""
+    """Abstract arrays on `mesh` placed by their logical axis names; scalars replicated."""
 
     def __init__(self, mesh: jax.sharding.Mesh):
         self.mesh = mesh

@@ -1,20 +1,8 @@
 """Batched KV-cache sampling on the trainer's own parameter arrays.
 
-`generate` left-pads prompts to a bucketed length P, prefills them into a KV cache of length
-S = P + N (N = bucketed new-token budget) and decodes with a `lax.while_loop`, all in one jitted
-program. Each row draws from its own PRNG key, `fold_in(fold_in(key(seed), sequence_seed), step)`,
-so a sequence's tokens do not depend on the rest of the batch. Rows stop on their own stop tokens
-or length budget; the loop ends when every row has stopped. Within a fixed-shape batch a finished
-row still costs compute, so a full decode pauses every `COMPACT_EVERY` steps and, once the live
-rows fit a batch bucket half as large, continues with just them (their KV cache gathered).
-A call whose rows would take more than half of the free memory (`static_rows`) decodes them in
-several programs of fewer rows, each at the whole call's P and N.
-
-KV-cache memory: 2 (keys, values) x num_layers x batch x (P + N) x num_kv_heads x head_dim x
-bytes(cache dtype); e.g. Qwen3-30B-A3B (48 layers, 4 KV heads of 128) in bf16 takes 98,304 bytes
-per token of context per sequence (196,608 in float32). No `[length, vocab]` buffer is kept:
-only the next-token logits `[batch, vocab]` live across steps. Log-probabilities follow
-`mars_jax.sampling.processors`.
+`generate` prefills left-padded prompts and decodes in one jitted `lax.while_loop`, compacting live
+rows into smaller batch buckets; row keys `fold_in(fold_in(key(seed), sequence_seed), step)` keep a
+sequence's tokens independent of the rest of the batch.
 """
 from __future__ import annotations
 
@@ -73,9 +61,8 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class SampleResult:
-    """Per prompt: new token ids (with the stop token), their log-probabilities, why decoding ended
-    ('stop' | 'length'), and with `record_routing` the expert ids `[L_moe, prompt + new tokens,
-    k]`."""
+    """Per prompt: new token ids (stop token included), their log-probabilities, 'stop' |
+    'length', and with `record_routing` the expert ids `[L_moe, prompt + new, k]`."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -159,8 +146,7 @@ def continue_decode(graphdef, weights, state, temperature, end_step, *, params: 
 
 
 def batch_shards(mesh: jax.sharding.Mesh | None) -> int:
-    """How many shards the mesh's batch axes split a decode batch (or an engine's slots) into:
-    its rows must be a multiple of this; 1 without a mesh."""
+    """How many shards the mesh's batch axes split a decode batch into (1 without a mesh)."""
     if mesh is None:
         return 1
     axes = sharding.spec_axes(sharding.logical_to_spec(("batch",))[0])
@@ -187,17 +173,10 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              sequence_seeds: Sequence[int] | None = None, record_routing: bool = False,
              mesh: jax.sharding.Mesh | None = None,
              compact_every: int | None = COMPACT_EVERY) -> SampleResult:
-    """Samples continuations of `prompts` (token-id lists of any lengths) with `model`'s arrays.
-
-    `temperature=0` is greedy. `max_new_tokens` and `eos_token_ids` may be given per prompt.
-    Row i draws from `fold_in(key(seed), sequence_seeds[i])` (default: i).
-
-    The decode pauses every `compact_every` steps; when the rows still
-    running fit a batch bucket at most half the current one, they (KV cache included) are gathered
-    into that smaller batch, so finished rows stop costing compute. Tokens are unchanged by it
-    (each row keeps its key and position); `compact_every=None` decodes in one loop.
-    The rows are decoded `static_rows` at a time (all of them where memory allows).
-    """
+    """Samples continuations of `prompts` (token-id lists) with `model`'s arrays; `temperature=0`
+    is greedy, budgets and stop ids may be per prompt, row i's sequence seed is
+    `sequence_seeds[i]` (default: i). Every `compact_every` steps (None: never) live rows move to
+    a smaller bucket."""
     if compact_every is not None and compact_every < 1:
         raise ValueError(f"compact_every: must be >= 1 or None, got {compact_every}")
     n = len(prompts)
@@ -238,11 +217,9 @@ def generate(model: Qwen3, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
 def static_rows(config, n: int, prompt_len: int, num_new: int, *, record_routing: bool,
                 mesh: jax.sharding.Mesh | None, free: int | None) -> int:
-    """Rows of one `generate` program for `n` prompts at `prompt_len` + `num_new` positions: all
-    `n`, or fewer where their batch bucket would take more than half of `free` bytes
-    (`batch_memory.static_row_bytes`, the rows spread over the mesh's batch shards on
-    accelerators, all in the host's RAM on CPU); never fewer than the batch shards. `free`
-    None: not known, all `n`."""
+    """Rows of one `generate` program for `n` prompts: all, or fewer where their bucket would
+    take over half of `free` bytes (`batch_memory.static_row_bytes`), never fewer than the batch
+    shards."""
     if free is None:
         return n
     multiple = batch_shards(mesh)
@@ -258,9 +235,8 @@ def static_rows(config, n: int, prompt_len: int, num_new: int, *, record_routing
 
 
 def _free_bytes(mesh: jax.sharding.Mesh | None) -> int | None:
-    """Bytes free for a decode batch on `mesh` (the default device without one): the devices'
-    reported free memory, the host's available RAM on CPU; None where neither is known or the
-    mesh spans several processes (whose hosts would need to agree on one batch size)."""
+    """Bytes free for a decode batch on `mesh`: the devices' reported free memory, the host's RAM
+    on CPU; None where unknown or the mesh spans several processes (which would need to agree)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     if any(d.process_index != jax.process_index() for d in devices):
         return None
@@ -273,9 +249,7 @@ def _decode_batch(graphdef, weights, prompts, max_new: list[int], stops: list[tu
                   seeds: list[int], *, seed: int, temperature: float, shape: tuple[int, int],
                   params: SamplingParams, mesh: jax.sharding.Mesh | None,
                   compact_every: int | None) -> dict[int, _Row]:
-    """One program's decode of `prompts` (`shape`: their padded length and new-token slots,
-    the whole call's, so every part of a split call decodes as the whole would): `_Row`s by
-    index in `prompts`."""
+    """One program's decode of `prompts` at the whole call's padded `shape`: `_Row`s by index."""
     n, (prompt_len, num_new) = len(prompts), shape
     multiple = batch_shards(mesh)
     batch = batch_bucket(n, multiple)
@@ -334,8 +308,7 @@ class _Row:
 
 
 def _host_rows(state: DecodeState, rows: dict[int, int]) -> dict[int, _Row]:
-    """`{prompt index: _Row}` for `rows` = `{state row: prompt index}` (a collective on several
-    processes: every host reads the whole state)."""
+    """`{prompt index: _Row}` for `rows` = `{state row: prompt index}` (a collective)."""
     tokens, logprobs, lengths, hit_stop, prompt_lengths = sharding.fetch(
         (state.tokens, state.logprobs, state.lengths, state.hit_stop, state.prompt_lengths))
     experts = None if state.experts is None else np.asarray(sharding.fetch(state.experts))

@@ -1,18 +1,7 @@
-"""Host scheduling of continuous batching: the request queue, prompt groups, slots, admission and
-slot buckets, in plain Python (no device work), so that a simulated clock can drive it as well
-as the device engine (`engine.Engine`; `benchmarks/sim/engine.py`'s `SimEngine`).
-
-`SlotScheduler` keeps the queue, the requests by id, which request holds each slot, the running
-requests and the finished outputs not yet taken; `stream` alternates yielding finished outputs
-with `_step` (the subclass admits and decodes one chunk or event). Admission is first come,
-first served: queued requests take free slots once `admit_batch` are free (one when the next
-request's prompt is already prefilled, fewer when fewer wait), each where the subclass's `place`
-finds room. Requests of one `submit` share a `Group`: its prompt is prefilled once and kept until
-every member has a slot.
-
-Slot buckets: when nothing waits, the running rows are gathered into the smallest bucket that
-holds them (`slot_bucket`; buckets num_slots, /2, .. 1), one block of rows per page pool so that
-each row stays in its pool's block (`shrink_plan`).
+"""Host scheduling of continuous batching (queue, prompt groups, slots, admission, slot buckets) in
+plain Python, so a simulated clock (`benchmarks/sim`) can drive it as well as `engine.Engine`.
+Admission is first come, first served, once `_admission_size` slots are free; requests of one
+`submit` share a `Group` whose prompt is prefilled once.
 """
 from __future__ import annotations
 
@@ -26,8 +15,7 @@ from mars_jax.buckets import pow2_at_least
 
 @dataclasses.dataclass
 class Group:
-    """A prompt shared by `waiting` queued requests; `prefilled` (the engine's prefill of it, or
-    None) is kept until every member has a slot."""
+    """A prompt shared by `waiting` queued requests; `prefilled` kept until all have a slot."""
 
     prompt: list[int]
     waiting: int
@@ -44,14 +32,12 @@ class Request(Protocol):
 
 
 def bucket_rows(per_block: int, *, pools: int = 1, shards: int = 1) -> int:
-    """Rows of a slot bucket holding `per_block` requests in each of `pools` blocks, rounded up
-    to a multiple of the mesh's `shards` batch shards."""
+    """Rows of a slot bucket: `per_block` in each of `pools` blocks, a multiple of `shards`."""
     return -(-per_block * pools // shards) * shards
 
 
 def slot_bucket(rows: int, *, pools: int = 1, shards: int = 1) -> int:
-    """The smallest slot bucket that holds `rows` running requests in a block (a power of two
-    per block)."""
+    """The smallest slot bucket (a power of two per block) holding `rows` requests a block."""
     return bucket_rows(pow2_at_least(rows, 1), pools=pools, shards=shards)
 
 
@@ -77,9 +63,8 @@ class ShrinkPlan:
 def shrink_plan(slots: list[int], *, current_rows: int, row_of: Callable[[int], int],
                 block_of: Callable[[int], int], pools: int = 1, shards: int = 1
                 ) -> ShrinkPlan | None:
-    """The smaller bucket for running `slots` (sorted), if one at most half of `current_rows`
-    holds them, else None: slots of block b (`block_of`, one per page pool) fill rows
-    b * stride .., in slot order; idle rows copy the lowest slot's row."""
+    """The smaller bucket for running `slots` if one at most half of `current_rows` holds them,
+    each page pool's slots in its own block of rows; else None."""
     blocks: list[list[int]] = [[] for _ in range(pools)]
     for slot in slots:
         blocks[block_of(slot) if pools > 1 else 0].append(slot)
@@ -96,8 +81,7 @@ def shrink_plan(slots: list[int], *, current_rows: int, row_of: Callable[[int], 
 
 
 class SlotScheduler:
-    """Requests queued for `num_slots` decode slots (module docstring). Subclasses implement
-    `_step`; `_running` holds the ids of the requests decoding."""
+    """Requests queued for `num_slots` decode slots; subclasses implement `_step`."""
 
     def __init__(self, num_slots: int, *, admit_batch: int = 1):
         self.num_slots, self.admit_batch = num_slots, max(1, admit_batch)
@@ -120,8 +104,8 @@ class SlotScheduler:
         return done
 
     def stream(self, stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, Any]]:
-        """Runs until no request decodes (or, with `stop`, until `stop()` is true after a decode
-        chunk), yielding `(request_id, output)` as each one finishes."""
+        """Runs until no request decodes (or `stop()` after a chunk), yielding `(id, output)` as
+        each ends."""
         while True:
             while self._done:
                 yield self._done.popleft()
@@ -135,8 +119,7 @@ class SlotScheduler:
         return dict(self.stream())
 
     def _step(self) -> bool:
-        """Admits what fits and decodes one chunk (or event); False, decoding nothing, when no
-        request runs."""
+        """Admits what fits and decodes one chunk (or event); False when no request runs."""
         raise NotImplementedError
 
     def _new_id(self) -> int:
@@ -166,9 +149,8 @@ class SlotScheduler:
         return max(1, self._admission_size() - self._slots.count(None))
 
     def _admit_queued(self, place: Callable[[Any], int | None]) -> list:
-        """Once `_admission_size` slots are free (or nothing runs), gives queued requests, in
-        order, the slot `place(request)` returns (a free slot it has reserved room in) until it
-        returns None or no slot is free; returns them."""
+        """Once `_admission_size` slots are free (or nothing runs), seats queued requests in
+        order where `place(request)` finds room, until it returns None; returns them."""
         if not self._queue or (self._running
                                and self._slots.count(None) < self._admission_size()):
             return []
@@ -185,10 +167,8 @@ class SlotScheduler:
         return admitted
 
     def _prefill_plan(self, admitted: list, ahead: int) -> tuple[list[Group], list]:
-        """What the admission of `admitted` prefills: the groups of fresh requests whose prompt
-        is not prefilled, then, if any prefill runs, up to `ahead` in all with the groups of the
-        next queued fresh requests; and the requests continuing from tokens (`tokens`), each
-        prefilled with them."""
+        """What admitting `admitted` prefills: the fresh requests' unprefilled groups, topped up
+        to `ahead` from the queue; and the requests continuing from tokens."""
         fresh = [r for r in admitted if not r.tokens]
         continued = [r for r in admitted if r.tokens]
         groups = list({id(r.group): r.group for r in fresh

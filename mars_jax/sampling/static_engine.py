@@ -1,12 +1,7 @@
 """`Engine`'s request interface over `generate`: the simple, exact reference decode.
 
-A `StaticBatchEngine` queues requests as `Engine.submit` does; each `stream` round decodes every
-queued request to its end in static batches (one `generate` call per prompt bucket,
-`sampler.prompt_bucket`, of at most `max_rows` rows, so no short prompt pays for a long one's
-prefill), then yields the outputs in submission order. Nothing is ever in flight between rounds.
-
-Request j's PRNG key at step t is `fold_in(fold_in(key(seed), sequence_seed_j), t)`, `Engine`'s,
-so both decode the same tokens up to float32 rounding.
+Each `stream` round decodes every queued request to its end (one call per prompt bucket) and yields
+outputs in submission order; `Engine`'s PRNG keys, so both decode alike up to rounding.
 """
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ class _Queued:
 
 
 class StaticBatchEngine:
-    """`decode.DecodeEngine` on `generate` (not `ContinuingEngine`: no partial output to
-    continue). `stats` counts `tokens` generated and `slot_steps` (a call's rows times its
-    longest output)."""
+    """`decode.DecodeEngine` on `generate` (no partial output to continue). `stats` counts
+    `tokens` and `slot_steps` (a call's rows times its longest output)."""
 
     def __init__(self, model, *, seed: int, record_routing: bool = False, mesh=None,
                  max_rows: int = 0):
@@ -62,8 +56,7 @@ class StaticBatchEngine:
 
     def stream(self, stop: Callable[[], bool] | None = None
                ) -> Iterator[tuple[int, EngineOutput]]:
-        """Decodes everything queued (unless `stop()` already holds) and yields
-        `(request_id, output)` in submission order."""
+        """Decodes everything queued (unless `stop()`) and yields outputs in submission order."""
         if (stop is not None and stop()) or not self._queue:
             return
         queued, self._queue = self._queue, []

@@ -1,14 +1,8 @@
 """The `sft` job behind experiments/run.py: trains on generated role traces, saves an HF checkpoint.
 
-Writes `workdir/metrics.jsonl` (+ TensorBoard): the training loss every step and, at step 0 and
-every `sft.eval_every` steps, the held-out loss overall and per role (`heldout/loss/<role>`); and
-`workdir/model/` (`config.json` + safetensors), which an RL config loads as `model.checkpoint`.
-Held-out examples come from the last `sft.holdout_problems` train problems, never trained on (all
-roles, whatever `sft.keep` keeps for training). Every `sft.probe_every` steps (0: never) and at the
-end, `probe.probe` samples each role's decisions on those problems at the evaluation's sampling
-settings (`probe/*` metrics) and the model is saved to `workdir/model_step<N>/`, so a warm start
-can be taken from any probed step. The job does not resume: rerunning it starts over. `workdir`
-may be a local path or a `gs://` URL (`storage`).
+Logs the held-out loss per role (the last `sft.holdout_problems` train problems, never trained on)
+and saves `workdir/model/` for an RL config's `model.checkpoint`. With `sft.probe_every` > 0 it
+probes each role's decisions and saves `workdir/model_step<N>/`. A rerun starts over.
 """
 from __future__ import annotations
 
@@ -62,16 +56,14 @@ def build_model(config: ConfigDict) -> Qwen3:
 
 
 def _save_model(model: Qwen3, target: str | os.PathLike) -> None:
-    """`save_pretrained` to `target`, a local path or `gs://` URL (there: written to a local
-    directory, then copied up)."""
+    """`save_pretrained` to `target`, local or `gs://` (staged locally, then copied up)."""
     staging = storage.LocalStaging(target)
     save_pretrained(model, staging.local)
     staging.publish()
 
 
 def run(config: ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `sft.steps` steps (`sft.stop_at` when set) and returns the final held-out losses
-    (also in `summary.json`)."""
+    """Trains `sft.steps` steps (`sft.stop_at` if set); returns the final held-out losses."""
     s, out = config.sft, storage.path(workdir)
     last = s.stop_at or s.steps
     out.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,7 @@
 """Each role's decisions sampled on held-out problems: the warm-start bar of the toy study.
 
-A per-token loss hides what the study needs (a Verifier's verdict is 2 tokens of a 150-token
-reply), so `probe` samples whole replies, as the evaluation does, and grades the decisions:
-
-- Solver: accuracy, its boxed answer equal to the gold one in a reply that ended by itself;
-- Verifier, on a right and a flawed solution of each problem (`traces.solution_text`):
-  recall (Wrong on the flawed one), specificity (Correct on the right one) and their mean, the
-  balanced accuracy; an unreadable or cut-off verdict counts as a miss;
-- Corrector, on each flawed solution with its right bug report: the share it fixes.
+A per-token loss hides a 2-token verdict, so `probe` grades whole replies (Solver accuracy, Verifier
+recall / specificity, Corrector fix rate).
 """
 from __future__ import annotations
 

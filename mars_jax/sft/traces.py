@@ -1,29 +1,14 @@
 """Generated SFT traces for the three MarsRL roles on `arith` problems, in short texts.
 
-Every role thinks in the same terse steps, one fact a line (`a op b -> c`) followed by what
-remains, and thinking is stripped before a reply reaches the next agent (as for any thinking
-model), so a solution reaches the Verifier as one line. The Solver's (and Corrector's) reply:
+Every role thinks in terse steps, one fact a line (`12 - 5 -> 7: 7 + 3`, the last `7 + 3 -> 10`);
+thinking is stripped before a reply reaches the next agent, so a solution reaches the Verifier as
+one line (`12 - 5 + 3 = 10` and the boxed value). A flawed solution has one step off by 1 or 2,
+carried on to a final value with a wrong units digit; the Corrector's reply is the right solution.
 
-    <think>
-    12 - 5 -> 7: 7 + 3
-    7 + 3 -> 10
-    </think>
-    12 - 5 + 3 = 10
-    \\boxed{10}
-
-(a one-operation problem gets no thinking). A *flawed* solution has one slipped step (off by 1
-or 2) that carries on to a final value with a wrong units digit.
-
-Checking is easier than solving for several steps (for one operation it is the same fact and a
-subtraction): the Verifier does not redo the arithmetic, it casts out tens.
-It takes the claim's units digit, subtracts it from the expression and reduces that on units
-digits (every value modulo 10: 100 facts an operation instead of one for each pair of running
-value and operand); the claim is right (up to a multiple of 10) when the digit reached is 0. The
-check is sound for `+ - *` (a non-zero digit proves an error) and misses only errors that keep
-the units digit, which the models of experiments/NOTEBOOK.md's Study 4 almost never make. The
-claim's digit enters the reduction as one more operand, so the fact that decides is an ordinary
-reduction line (a 0.86M model compared two digits, or took their difference on a line of its
-own, no better than chance while it reduced correctly). Its Wrong reply for `12 - 5 + 3 = 12`:
+The Verifier casts out tens instead of redoing the arithmetic: it reduces the expression minus the
+claim's units digit modulo 10 (100 facts an operation instead of one per pair of values), so the
+deciding fact is an ordinary reduction line; sound for `+ - *`, it misses only errors that keep the
+units digit. Its Wrong reply for `12 - 5 + 3 = 12`:
 
     <think>
     says 12 -> 2
@@ -36,10 +21,6 @@ own, no better than chance while it reduced correctly). Its Wrong reply for `12 
     **List of Findings:**
     * 12 - 5 + 3 = 12: Critical Error, off by 8 mod 10
     **Correctness:** Wrong
-
-and the Corrector's reply is the right solution, thought through as the Solver's is (the report
-gives it the difference modulo 10, not the value). Operations are reduced leftmost-first among
-those whose operands are both numbers; negative numbers are written `(-7)` inside expressions.
 """
 from __future__ import annotations
 
@@ -63,8 +44,7 @@ MODULUS = 10
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One reduction `left op right -> result` (a slipped one's result is off); `rest` is the
-    expression left after it."""
+    """One reduction `left op right -> result` (off when slipped); `rest`: what is left after it."""
 
     left: int
     op: str
@@ -144,9 +124,8 @@ def _substitute(expr: tuple, value: int) -> Expr:
 
 def solve(expr: Expr, *, slip_at: int | None = None, slip: int = 0,
           modulus: int | None = None) -> list[Step]:
-    """The reduction steps of `expr`, leftmost-first; step `slip_at` (if any) gets `slip` added to
-    its result, which the later steps carry on with; with `modulus`, every result is taken modulo
-    it (Python's `%`, so in `[0, modulus)`)."""
+    """The reduction steps of `expr`, leftmost-first; step `slip_at` gets `slip` added (later
+    steps carry it on); with `modulus`, every result is taken modulo it (in `[0, modulus)`)."""
     steps: list[Step] = []
     while isinstance(expr, tuple):
         left, op, right = _next_op(expr)
@@ -187,17 +166,14 @@ def solution_text(expr: Expr, value: int) -> str:
 
 
 def answer_text(expr: Expr, steps: Sequence[Step]) -> str:
-    """The Solver / Corrector reply: thinking through `steps` (when there are several), then the
-    solution with the value they reach."""
+    """The Solver / Corrector reply: thinking through `steps` (if several), then the solution."""
     solution = solution_text(expr, steps[-1].result)
     return solution if len(steps) == 1 else thinking_text([s.line for s in steps]) + solution
 
 
 def verifier_text(expr: Expr, claimed: int) -> str:
-    """The Verifier's reply on the solution claiming `claimed`: thinking that takes the claim's
-    units digit, subtracts it from `expr` modulo 10 and reduces that, marking the last line `ok`
-    when it reaches 0, else `bad`; then the three-part report: Wrong, naming the claim and the
-    difference, when it is not 0, else Correct."""
+    """The Verifier's reply on a solution claiming `claimed` (module docstring): the last line
+    `ok` at 0 else `bad`; the report Correct, or Wrong naming the claim and the difference."""
     says = claimed % MODULUS
     check = ("-", residues(expr), says)
     steps = solve(check, modulus=MODULUS)
@@ -217,12 +193,8 @@ def verifier_text(expr: Expr, claimed: int) -> str:
 
 def make_examples(problem: str, rng: random.Random, *, solver_error_rate: float,
                   verifier_flawed_rate: float, style: str = "compact") -> list[Example]:
-    """A Solver, a Verifier and a Corrector example for one problem.
-
-    The Solver's reply is flawed (a slipped step) with probability `solver_error_rate`; the
-    Verifier judges a flawed solution with probability `verifier_flawed_rate`, else a correct one;
-    the Corrector fixes a flawed solution given the right report.
-    """
+    """A Solver, a Verifier and a Corrector example for one problem, flawed with probabilities
+    `solver_error_rate` (Solver) and `verifier_flawed_rate` (the Verifier's judged solution)."""
     expr = parse_problem(problem)
     good, bad = solve(expr), flawed_steps(expr, rng)
     wrong = bad[-1].result

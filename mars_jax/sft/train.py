@@ -1,12 +1,8 @@
 """Supervised fine-tuning on generated role traces: the warm start of toy MarsRL.
 
-Examples (`traces.make_examples` over `arith` train problems) are packed whole into fixed
-`[rows, row_tokens]` batches, optionally with a second part of shorter rows that takes the short
-examples (attention costs each token as much as its row is long). Each example is a segment that
-attends only to itself (block-diagonal causal visibility; positions restart at 0, derived from
-the segment ids as in the RL update), and the batch shapes are fixed, so the step compiles once.
-The loss is next-token cross-entropy on the reply tokens (reply + `<|im_end|>`), averaged over
-them; per-role sums are kept so that held-out losses can be reported per role.
+Examples are packed whole into fixed-shape batches, each attending only to itself, so the step
+compiles once; the loss is cross-entropy on the reply tokens, with per-role sums for held-out
+reporting.
 """
 from __future__ import annotations
 
@@ -93,13 +89,8 @@ def example_stream(problems: Sequence[dict], tokenizer, *, seed: int, solver_err
 def pack(examples: Iterable[Encoded], *, rows: int, row_tokens: int, short_rows: int = 0,
          short_row_tokens: int = 0) -> Iterator[Batch]:
     """Packs examples in stream order into batches of one `[rows, row_tokens]` part, or with
-    `short_rows` two: `[short_rows, short_row_tokens]` first, then `[rows, row_tokens]`.
-
-    Rows fill one after another, an example going to the next row when it does not fit. With
-    two parts, an example of at most `short_row_tokens` goes to the short part while that has
-    room, else to the long one; a longer example to the long part. A batch is yielded when the
-    next example fits nowhere (a last, partly filled batch too), so every batch holds a run of
-    consecutive examples. Raises if one example exceeds `row_tokens`."""
+    `short_rows` a short part first for short examples (attention costs a token its row's
+    length); every batch holds consecutive examples. Raises if an example exceeds `row_tokens`."""
     if short_rows and not 0 < short_row_tokens < row_tokens:
         raise ValueError(f"short_row_tokens={short_row_tokens} must be positive and below "
                          f"row_tokens={row_tokens}")
@@ -146,8 +137,7 @@ class _Part:
 
 
 def loss_terms(model: Qwen3, batch: Batch) -> dict[str, jax.Array]:
-    """Summed reply-token negative log-likelihood and token count, overall and per role, over
-    the batch's parts."""
+    """Summed reply-token NLL and token count, overall and per role, over the batch's parts."""
     parts = [_part_terms(model, part) for part in batch]
     return {key: sum(terms[key] for terms in parts) for key in parts[0]}
 

@@ -1,18 +1,8 @@
 """A cached SFT warm start for a training run (`warm_start.sft`): built on first use, then reused.
 
-`ensure(config)` returns the HF directory of the model that the `sft` job (`mars_jax.sft.job`)
-trains from the run's tokenizer, seed, prompt style, `data`, `model` and `sft` sections, with the
-optimizer fields of `warm_start` (`sft_config`). It lives in
-`warm_start.cache_dir/<fingerprint>/model`; the fingerprint hashes the fields of that SFT config
-that change its weights, the tokenizer's chat template and the source files of the code that
-generates the traces and trains on them (`SOURCES`), so a change to any of them builds a new
-one. A build is written to a temporary directory and renamed into place once complete: an
-interrupted build leaves nothing a later run reads (a later build on that host removes it once
-its process is gone). Every process of a multi-process job builds (or finds) its own copy.
-
-A `gs://` cache_dir is shared by every machine: the model is read from a local mirror of it
-(`MIRROR`), copied down when the bucket has a complete build (its `COMPLETE` marker, written
-after every file), else built locally and copied up.
+The cache key hashes everything that changes the weights, the trace and training code (`SOURCES`)
+included; a build is renamed into place once complete, so an interrupted one is never read. A
+`gs://` cache_dir is shared through a local mirror.
 """
 from __future__ import annotations
 
@@ -54,8 +44,7 @@ def sft_config(config: ConfigDict) -> ConfigDict:
 
 
 def fingerprint(config: ConfigDict) -> str:
-    """16 hex digits of SHA-256 over the SFT config's fields that train it, the tokenizer's
-    chat template and `SOURCES`."""
+    """16 hex digits of SHA-256 over what trains the SFT model, its chat template and `SOURCES`."""
     sft = sft_config(config)
     fields = {"tokenizer": sft.tokenizer, "seed": sft.seed,
               "prompt_style": sft.rollout.prompt_style,
@@ -123,8 +112,7 @@ def _ensure_local(config: ConfigDict) -> Path:
 
 
 def _move_into_place(tmp: Path, target: Path) -> None:
-    """Renames the complete build `tmp` to `target`, or drops it when another process finished
-    the same build first."""
+    """Renames build `tmp` to `target`, or drops it when another process finished first."""
     try:
         os.replace(tmp, target)
     except OSError:  # another process finished the same build first: keep its copy
