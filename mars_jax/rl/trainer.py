@@ -76,7 +76,7 @@ from mars_jax.sampling import EngineSettings, batch_shards, make_engine
 from mars_jax.sampling.config import engine_settings
 from mars_jax.sft.config import probe_settings as eval_probe_settings
 from mars_jax.sft.probe import probe_model
-from mars_jax.types import TrainBatch
+from mars_jax.types import ROLES, TrainBatch
 
 PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
 Preempted = preemption.Preempted  # raised after SIGTERM, once what can be saved is saved
@@ -99,7 +99,7 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     samples = [r for g in groups for r in g]
     metrics: dict[str, float] = {}
     share = lambda flags: float(np.mean(flags)) if flags else float("nan")
-    for role in ("solver", "verifier", "corrector"):
+    for role in ROLES:
         members = [r for r in samples if r.role == role]
         metrics[f"reward/{role}"] = share([r.reward for r in members])
         metrics[f"samples/{role}"] = len(members)
