@@ -13,7 +13,9 @@ from mars_jax.rl import config as rl_config
 from mars_jax.rl.learner import LearnerConfig
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.rollout import RolloutConfig
+from mars_jax.rl.streaming import StreamSettings
 from mars_jax.rl.update import UpdateConfig
+from mars_jax.sft.probe import ProbeSettings
 
 
 def _has_default(field: dataclasses.Field) -> bool:
@@ -35,6 +37,12 @@ def test_a_settings_class_defaults_to_common_py(build, cls):
     differ = {f.name: (getattr(built, f.name), getattr(defaulted, f.name))
               for f in fields if getattr(built, f.name) != getattr(defaulted, f.name)}
     assert not differ, f"(common.py, {cls.__name__}'s default) differ: {differ}"
+
+
+@pytest.mark.parametrize("cls", [StreamSettings, ProbeSettings, rl_config.RunSettings,
+                                 rl_config.TrainSettings])
+def test_the_other_settings_have_no_default_of_their_own(cls):
+    assert [f.name for f in dataclasses.fields(cls) if _has_default(f)] == []
 
 
 def test_the_optimizer_defaults_to_common_py():
