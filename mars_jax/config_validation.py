@@ -49,6 +49,7 @@ from mars_jax.rl.rollout import STAGE_ROLES
 from mars_jax.rl.selection import POLICIES
 from mars_jax.rl.streaming import MODES, RESUME_MODES, ROLES_TRAINED
 from mars_jax.sampling.decode import ENGINE_KINDS
+from mars_jax.types import ROLES
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -116,7 +117,6 @@ def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
-_ROLES = ("solver", "verifier", "corrector")
 _PROBABILITY = Range(0, 1)
 _ADAM_BETA = Range(0, 1, high_open=True)
 # Every numeric field of common.py, except the mesh's (the mesh rule checks those).
@@ -130,7 +130,7 @@ RANGES: dict[str, Range] = {
     "rollout.group_size": Range(2, why="a GRPO advantage compares samples within a group, so "
                                        "one sample has none"),
     "rollout.fan_out": Range(1), "rollout.max_stages": Range(1),
-    **{f"rollout.max_new_tokens.{role}": Range(1) for role in _ROLES},
+    **{f"rollout.max_new_tokens.{role}": Range(1) for role in ROLES},
     "rollout.max_decode_rows": Range(0),
     "rollout.staleness_bound": Range(0),
     "rollout.engine_slots": Range(0), "rollout.engine_chunk_steps": Range(1),
@@ -158,7 +158,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.every_steps": Range(1), "checkpoint.keep": Range(1),
     "eval.num_problems": Range(0), "eval.num_samples": Range(1), "eval.k_accept": Range(1),
     "eval.max_iterations": Range(0), "eval.max_retries": Range(0),
-    **{f"eval.max_new_tokens.{role}": Range(1) for role in _ROLES},
+    **{f"eval.max_new_tokens.{role}": Range(1) for role in ROLES},
     "eval.temperature": Range(0), "eval.top_p": Range(0, 1, low_open=True),
     "eval.timeout_s": Range(0, low_open=True), "eval.max_concurrency": Range(1),
     "eval.engine_slots": Range(0), "eval.probe_every": Range(0), "eval.probe_problems": Range(1),
@@ -167,7 +167,7 @@ RANGES: dict[str, Range] = {
     "sft.row_tokens": Range(1),
     "sft.short_rows": Range(0), "sft.short_row_tokens": Range(0),
     "sft.solver_error_rate": _PROBABILITY, "sft.verifier_flawed_rate": _PROBABILITY,
-    **{f"sft.keep.{role}": _PROBABILITY for role in _ROLES},
+    **{f"sft.keep.{role}": _PROBABILITY for role in ROLES},
     "sft.holdout_problems": Range(1), "sft.eval_every": Range(1), "sft.probe_every": Range(0),
     "sft.probe_slots": Range(1),
     "model.moe_block_size": Range(1), "model.moe_dense_max_tokens": Range(0),

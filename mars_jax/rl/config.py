@@ -1,19 +1,92 @@
-"""The RL job's typed settings built from its `ml_collections` config: rollouts
-(`RolloutConfig`), loss (`LossConfig`), update program (`UpdateConfig`), learner
-(`LearnerConfig`), the rollout scheduler (`StreamSettings`); and the check of
-`learner.micro_batch_size` against the processes."""
+"""The RL job's typed settings built from its `ml_collections` config, all at once by
+`train_settings`: rollouts (`RolloutConfig`), loss (`LossConfig`), update program
+(`UpdateConfig`), learner (`LearnerConfig`), the rollout scheduler (`StreamSettings`), the
+held-out probe (`sft.probe.ProbeSettings`) and the training loop's own (`RunSettings`); its
+optimizer (`build_optimizer`); and the check of `learner.micro_batch_size` against the
+processes."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import optax
 from ml_collections import ConfigDict
 
 from mars_jax import distributed
 from mars_jax.errors import Problem
+from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.learner import LearnerConfig
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.rollout import RolloutConfig
 from mars_jax.rl.streaming import StreamSettings, auto_inflight_rows
 from mars_jax.rl.update import UpdateConfig
+from mars_jax.sft.config import probe_settings
+from mars_jax.sft.probe import ProbeSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """The training loop's own settings (`rl.trainer`): `total_steps` steps; `seed` seeds the
+    rollouts and each step's mini-batch shuffle; the run stops after `max_nonfinite_updates`
+    steps in a row with a non-finite update, and `preemption_grace_s` after SIGTERM; a trace of
+    steps `profile_steps` = (first, last), () none; a checkpoint every `checkpoint_every` steps,
+    the newest `checkpoint_keep` kept, saved in the background with `async_save`; the held-out
+    probe on `probe_problems` problems every `probe_every` steps (0: never); `normalize_std`:
+    GRPO advantages divided by their group's reward std (`samples.training_samples`);
+    `rollout_devices` > 0: the rollout mesh on devices of its own (mesh.rollout.devices)."""
+
+    total_steps: int
+    seed: int
+    max_nonfinite_updates: int
+    preemption_grace_s: float
+    profile_steps: tuple[int, ...]
+    checkpoint_every: int
+    checkpoint_keep: int
+    async_save: bool
+    probe_every: int
+    probe_problems: int
+    normalize_std: bool
+    rollout_devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """Every typed setting of a training run (`train_settings`)."""
+
+    run: RunSettings
+    rollout: RolloutConfig
+    update: UpdateConfig
+    learner: LearnerConfig
+    stream: StreamSettings
+    probe: ProbeSettings
+
+
+def train_settings(config: ConfigDict) -> TrainSettings:
+    """A training run's typed settings, built once at its start (after the processes joined:
+    `stream_settings` splits a cap over them)."""
+    return TrainSettings(run=run_settings(config), rollout=rollout_config(config),
+                         update=update_program_config(config), learner=learner_config(config),
+                         stream=stream_settings(config),
+                         probe=probe_settings(config, config.eval.engine_slots))
+
+
+def run_settings(config: ConfigDict) -> RunSettings:
+    return RunSettings(
+        total_steps=config.total_steps, seed=config.seed,
+        max_nonfinite_updates=config.max_nonfinite_updates,
+        preemption_grace_s=config.preemption_grace_s, profile_steps=tuple(config.profile_steps),
+        checkpoint_every=config.checkpoint.every_steps, checkpoint_keep=config.checkpoint.keep,
+        async_save=config.checkpoint.async_save, probe_every=config.eval.probe_every,
+        probe_problems=config.eval.probe_problems, normalize_std=config.rollout.normalize_std,
+        rollout_devices=config.mesh.rollout.devices)
+
+
+def build_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+    """config.optimizer's optimizer; `decay_steps` 0: the run's optimizer updates
+    (total_steps x learner.ppo_epochs x learner.mini_batches)."""
+    decay = config.optimizer.decay_steps or (
+        config.total_steps * config.learner.ppo_epochs * config.learner.mini_batches)
+    return make_optimizer(**{**dict(config.optimizer), "decay_steps": decay})
 
 
 def rollout_config(config: ConfigDict) -> RolloutConfig:
@@ -51,9 +124,12 @@ def update_program_config(config: ConfigDict) -> UpdateConfig:
 
 
 def learner_config(config: ConfigDict) -> LearnerConfig:
-    return LearnerConfig(ppo_epochs=config.learner.ppo_epochs,
-                         mini_batches=config.learner.mini_batches, pi_old=config.loss.pi_old,
-                         offload_optimizer=config.learner.offload_optimizer)
+    learner = config.learner
+    return LearnerConfig(ppo_epochs=learner.ppo_epochs, mini_batches=learner.mini_batches,
+                         pi_old=config.loss.pi_old, offload_optimizer=learner.offload_optimizer,
+                         micro_batch_size=learner.micro_batch_size,
+                         min_length=learner.min_length,
+                         min_micro_batches=learner.min_micro_batches, pack=learner.pack)
 
 
 def stream_settings(config: ConfigDict) -> StreamSettings:

@@ -52,7 +52,8 @@ PI_OLD = ("sampler", "recompute")
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-    """How a step's samples become optimizer updates."""
+    """How a step's samples become optimizer updates; the defaults are config.learner's
+    (experiments/configs/common.py)."""
 
     ppo_epochs: int = 1
     mini_batches: int = 1
@@ -60,6 +61,13 @@ class LearnerConfig:
     # On one shared mesh: the optimizer state (and KL reference) in host memory while the engine
     # decodes, back for the update (`mars_jax.offload`; the trainer acts on it).
     offload_optimizer: bool = False
+    # The mini-batches' shape (`batching.make_batch`, built by the trainer): micro-batches of
+    # `micro_batch_size` rows over the whole training mesh (each host an equal share), at least
+    # `min_length` columns and `min_micro_batches` micro-batches; `pack`: several samples a row.
+    micro_batch_size: int = 8
+    min_length: int = 32
+    min_micro_batches: int = 1
+    pack: bool = True
 
     def __post_init__(self) -> None:
         if self.ppo_epochs < 1 or self.mini_batches < 1:

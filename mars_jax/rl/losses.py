@@ -42,7 +42,8 @@ _MAX_LOG_RATIO = 20.0
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Static configuration of ``policy_loss``.
+    """Static configuration of ``policy_loss``; the defaults are config.loss's
+    (experiments/configs/common.py: the paper's Eq. 2 aggregation).
 
     clip_low / clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
     clip_c: dual-clip constant (> 1) bounding the loss of negative advantages.
@@ -64,10 +65,10 @@ class LossConfig:
     clip_high: float = 0.28
     clip_c: float | None = None
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    aggregation: str = "token-mean"
+    kl_estimator: str = "k3+"
+    aggregation: str = "seq-mean-token-mean"
     max_response_len: int | None = None
-    behaviour_weight_cap: float | None = None
+    behaviour_weight_cap: float | None = 2.0
     mastered_mask_prob: float | None = None
     target_entropy: float | None = None
     entropy_coef: float = 0.0

@@ -77,7 +77,7 @@ def sequence_seed(seed: int, group_uid: str) -> int:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """How rollouts are grown and cut; the budgets have no default here (a run's come from
-    config.rollout, `rl.config.rollout_config`)."""
+    config.rollout, `rl.config.rollout_config`), the other defaults are config.rollout's."""
 
     group_size: int = 8
     fan_out: int = 2

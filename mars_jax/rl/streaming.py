@@ -56,11 +56,12 @@ from mars_jax.preemption import Stopped
 from mars_jax.rl.rollout import STAGE_ROLES, AgenticRollouts, Rollout, RolloutConfig
 from mars_jax.rl.samples import SampleRules
 from mars_jax.sampling import DecodeEngine, EngineOutput
+from mars_jax.types import ROLES
 
 MODES = ("pipeline", "sequential")
 RESUME_MODES = ("recompute", "keep")
 # rollout.roles_trained -> the roles whose groups are trained.
-ROLES_TRAINED = {"all": ("solver", "verifier", "corrector"), "solver": ("solver",),
+ROLES_TRAINED = {"all": ROLES, "solver": ("solver",),
                  "vc": ("verifier", "corrector")}
 
 

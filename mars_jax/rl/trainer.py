@@ -58,8 +58,6 @@ from mars_jax.errors import ConfigError
 from mars_jax.data.iterator import ProblemIterator
 from mars_jax.data.tokenizer import encode_chat, eos_token_ids
 from mars_jax.metrics import MetricsWriter
-from mars_jax.models.config import Qwen3Config
-from mars_jax.optimizer import make_optimizer
 from mars_jax.profiling import StepProfiler
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl import config as rl_config
@@ -70,13 +68,12 @@ from mars_jax.rl.learner import (LearnerConfig, UpdateStopped, split_mini_batche
 from mars_jax.rl.rollout import AgenticRollouts, Rollout
 from mars_jax.rl.publisher import WeightPublisher
 from mars_jax.rl.samples import training_samples
-from mars_jax.rl.streaming import StreamBatch, StreamingRollouts
+from mars_jax.rl.streaming import StreamBatch, StreamingRollouts, StreamSettings
 from mars_jax.rl.update import TrainState, UpdateConfig, init_train_state
 from mars_jax.sampling import EngineSettings, batch_shards, make_engine
 from mars_jax.sampling.config import engine_settings
-from mars_jax.sft.config import probe_settings as eval_probe_settings
-from mars_jax.sft.probe import probe_model
-from mars_jax.types import TrainBatch
+from mars_jax.sft.probe import ProbeSettings, probe_model
+from mars_jax.types import ROLES, TrainBatch
 
 PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
 Preempted = preemption.Preempted  # raised after SIGTERM, once what can be saved is saved
@@ -99,7 +96,7 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     samples = [r for g in groups for r in g]
     metrics: dict[str, float] = {}
     share = lambda flags: float(np.mean(flags)) if flags else float("nan")
-    for role in ("solver", "verifier", "corrector"):
+    for role in ROLES:
         members = [r for r in samples if r.role == role]
         metrics[f"reward/{role}"] = share([r.reward for r in members])
         metrics[f"samples/{role}"] = len(members)
@@ -119,38 +116,35 @@ def role_metrics(groups: Sequence[list[Rollout]]) -> dict[str, float]:
     return metrics
 
 
-def _global_batch(samples: Sequence[TrainSample], config: ConfigDict, model_config,
-                  mesh: jax.sharding.Mesh) -> TrainBatch:
+def _global_batch(samples: Sequence[TrainSample], learner: LearnerConfig,
+                  experts: tuple[int, int] | None, mesh: jax.sharding.Mesh) -> TrainBatch:
     """This host's samples as a `TrainBatch` of its share of each micro-batch's
     `learner.micro_batch_size` rows (the rows over the whole training mesh, split evenly over
     the processes), joined with the other hosts' into one global batch of that many rows per
-    micro-batch when several processes run (a host without samples contributes padding). A
-    collective when several processes run: on the thread that owns every device (the main one)."""
-    micro = config.learner.micro_batch_size // jax.process_count()  # divides: checked in _train
-    min_length = config.learner.min_length
+    micro-batch when several processes run (a host without samples contributes padding, with
+    routing of `experts` = (MoE layers, experts per token) where replayed). A collective when
+    several processes run: on the thread that owns every device (the main one)."""
+    micro = learner.micro_batch_size // jax.process_count()  # divides: checked in _start
     if samples:
-        batch = make_batch(samples, micro_batch_size=micro, min_length=min_length,
-                           min_micro=config.learner.min_micro_batches, by_length=True,
-                           pack=config.learner.pack)
+        batch = make_batch(samples, micro_batch_size=micro, min_length=learner.min_length,
+                           min_micro=learner.min_micro_batches, by_length=True,
+                           pack=learner.pack)
     else:
-        experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
-                   if config.learner.routing_replay and model_config.num_experts else None)
-        batch = empty_batch(micro_batch_size=micro, length=min_length, experts=experts,
-                            pack=config.learner.pack)
+        batch = empty_batch(micro_batch_size=micro, length=learner.min_length, experts=experts,
+                            pack=learner.pack)
     return batch if jax.process_count() == 1 else distributed.global_train_batch(batch, mesh)
 
 
-def _build_stream(config: ConfigDict, engine: EngineSettings, rollouts: AgenticRollouts, model,
-                  eos, problems, mesh: jax.sharding.Mesh, should_stop: Callable[[], bool]
+def _build_stream(settings: StreamSettings, engine: EngineSettings, rollouts: AgenticRollouts,
+                  model, eos, problems, mesh: jax.sharding.Mesh, should_stop: Callable[[], bool]
                   ) -> StreamingRollouts:
     """The rollout scheduler on a fresh `engine` over `model` (whose arrays live on `mesh`, this
     host's rollout mesh); with several processes one per host, agreeing through a
     `distributed.HostGroup`."""
     with sharding.use_mesh(mesh):
         engine = make_engine(engine, model, eos, mesh=mesh)
-    return StreamingRollouts(rollouts, engine, problems, rl_config.stream_settings(config),
-                             stop_ids=eos, hosts=distributed.HostGroup("stream"),
-                             should_stop=should_stop)
+    return StreamingRollouts(rollouts, engine, problems, settings, stop_ids=eos,
+                             hosts=distributed.HostGroup("stream"), should_stop=should_stop)
 
 
 def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, float]:
@@ -166,8 +160,8 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
             "time/rollout": batch.seconds}
 
 
-def _check_resident_memory(config: ConfigDict, engine: EngineSettings, learner: LearnerConfig,
-                           state, model_config, mesh: jax.sharding.Mesh,
+def _check_resident_memory(settings: rl_config.TrainSettings, engine: EngineSettings, state,
+                           model_config, mesh: jax.sharding.Mesh,
                            rollout_mesh: jax.sharding.Mesh) -> None:
     """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
     all stay on a chip (`memory_fit`; where the backend reports its memory). Static batches
@@ -177,12 +171,14 @@ def _check_resident_memory(config: ConfigDict, engine: EngineSettings, learner: 
         engine, model_config, batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
             if rollout_mesh is not mesh else None)
+    kv_through_update = settings.stream.resume != "recompute"
     phases = (memory_fit.offloaded_phases(state, copy, kv, rollout_mesh,
-                                          kv_through_update=config.rollout.resume != "recompute")
-              if learner.offload_optimizer
+                                          kv_through_update=kv_through_update)
+              if settings.learner.offload_optimizer
               else (memory_fit.resident(state, copy, kv, rollout_mesh),))
     for parts in phases:
-        memory_fit.check(parts, memory_fit.device_memory(), shared=config.mesh.rollout.devices == 0)
+        memory_fit.check(parts, memory_fit.device_memory(),
+                         shared=settings.run.rollout_devices == 0)
 
 
 def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
@@ -235,16 +231,22 @@ def _restore_queues(meta: dict, arrays: dict, decode: Callable[[list[int]], str]
 def train(config: ConfigDict, workdir: str, *, allow_config_change: Sequence[str] = ()
           ) -> dict[str, float]:
     """Trains for `config.total_steps` steps (resuming if `workdir` has checkpoints); returns the
-    last step's metrics. A resume whose config changes fields of `config_diff.RESUME_FIELDS`
-    not in `allow_config_change` raises `config_diff.ConfigChanged`.
+    last step's metrics. The typed settings are built from `config` here, once
+    (`rl_config.train_settings`); the config itself reaches only the builders of the meshes,
+    model, tokenizer, problems, engine and optimizer, and the config record. A resume whose
+    config changes fields of `config_diff.RESUME_FIELDS` not in `allow_config_change` raises
+    `config_diff.ConfigChanged`.
 
     Raises `Preempted` after SIGTERM (final checkpoint saved), `NonFiniteUpdates` after
     `config.max_nonfinite_updates` steps in a row with a non-finite update (each such update
     is skipped; no checkpoint of the streak is saved, so the newest one is the last good state)
     and `CheckpointSaveError` when a save fails.
     """
-    with preemption.catch_sigterm(config.preemption_grace_s) as notice:
-        return _train(config, storage.path(workdir), notice, tuple(allow_config_change))
+    settings = rl_config.train_settings(config)
+    with preemption.catch_sigterm(settings.run.preemption_grace_s) as notice:
+        run, start = _start(config, settings, storage.path(workdir), notice,
+                            tuple(allow_config_change))
+        return run.train(start)  # nothing of the set-up kept alive but what the run holds
 
 
 def _recorded_config(workdir_path: epath.Path) -> dict | None:
@@ -293,58 +295,44 @@ def _restore(config: ConfigDict, workdir_path: epath.Path, checkpointer: Checkpo
     return _Resumed(start, state, saved_stream, nonfinite_streak, version, restored is not None)
 
 
-def _held_out_probe(config: ConfigDict, mesh: jax.sharding.Mesh, graphdef, tokenizer
-                    ) -> Callable[[nnx.State], dict[str, float]]:
-    """params -> each role's decisions on the held-out problems (`sft.probe`), timed."""
-    probe_problems = (builders.load_eval_records(config, config.eval.probe_problems)
-                      if config.eval.probe_every else [])
-    probe_settings = eval_probe_settings(config, config.eval.engine_slots)
+def _held_out_probe(problems: list[dict], settings: ProbeSettings, mesh: jax.sharding.Mesh,
+                    graphdef, tokenizer) -> Callable[[nnx.State], dict[str, float]]:
+    """params -> each role's decisions on the held-out `problems` (`sft.probe`), timed."""
 
     def held_out_probe(params) -> dict[str, float]:
         t = time.perf_counter()
         with sharding.use_mesh(mesh):
-            decisions = probe_model(nnx.merge(graphdef, params), tokenizer, probe_problems,
-                                    probe_settings)
+            decisions = probe_model(nnx.merge(graphdef, params), tokenizer, problems, settings)
         return {**decisions, "time/probe": time.perf_counter() - t}
 
     return held_out_probe
 
 
-def _train(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Notice,
-           allow_config_change: tuple[str, ...] = ()) -> dict[str, float]:
-    run, start = _start(config, workdir_path, notice, allow_config_change)
-    return run.train(start)  # nothing of the set-up kept alive but what the run holds
-
-
-def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Notice,
-           allow_config_change: tuple[str, ...]) -> tuple[_Run, int]:
+def _start(config: ConfigDict, settings: rl_config.TrainSettings, workdir_path: epath.Path,
+           notice: preemption.Notice, allow_config_change: tuple[str, ...]) -> tuple[_Run, int]:
     """The run, resumed where `workdir_path` has a checkpoint, and the steps it has done."""
-    if problem := micro_batch_problem(config.learner.micro_batch_size, jax.process_count()):
+    run_settings, learner, update_config = settings.run, settings.learner, settings.update
+    if problem := micro_batch_problem(learner.micro_batch_size, jax.process_count()):
         raise ConfigError([problem])
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh, rollout_mesh = builders.build_meshes(config)
-    overlap = config.mesh.rollout.devices > 0 and config.rollout.mode == "pipeline"
     with sharding.use_mesh(mesh):  # the rules the update's batches are placed with
-        if problem := rl_config.micro_batch_split_problem(config.learner.micro_batch_size, mesh,
+        if problem := rl_config.micro_batch_split_problem(learner.micro_batch_size, mesh,
                                                           jax.process_count()):
             raise ConfigError([problem])
         model = builders.build_model(config, mesh)
     tokenizer = builders.build_tokenizer(config)
     problems = builders.build_problem_iterator(config)
-    decay = config.optimizer.decay_steps or (  # 0: over the run's optimizer updates
-        config.total_steps * config.learner.ppo_epochs * config.learner.mini_batches)
-    optimizer = make_optimizer(**{**dict(config.optimizer), "decay_steps": decay})
+    optimizer = rl_config.build_optimizer(config)
     graphdef, _ = nnx.split(model, nnx.Param)
     state = distributed.replicate_scalars(init_train_state(model, optimizer), mesh)
-    update_config = rl_config.update_program_config(config)
     ref_params = (jax.tree.map(lambda x: x.copy(), state.params)
                   if update_config.loss.needs_ref_logprobs else None)
-    rollouts = AgenticRollouts(tokenizer, rl_config.rollout_config(config), seed=config.seed,
+    rollouts = AgenticRollouts(tokenizer, settings.rollout, seed=run_settings.seed,
                                encode=encode_chat)
-    checkpointer = Checkpointer(workdir_path / "checkpoints", keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save,
+    checkpointer = Checkpointer(workdir_path / "checkpoints", keep=run_settings.checkpoint_keep,
+                                async_save=run_settings.async_save,
                                 config=config_diff.record(config))
-    learner = rl_config.learner_config(config)
     resumed = _restore(config, workdir_path, checkpointer, state, problems, tokenizer,
                        allow_config_change)
     model_config = model.config
@@ -354,21 +342,27 @@ def _start(config: ConfigDict, workdir_path: epath.Path, notice: preemption.Noti
     host = jax.process_index()
     host_dir = workdir_path / f"host{host}" if host else workdir_path
     writer = MetricsWriter(host_dir, resume_step=resumed.start if resumed.restored else -1)
-    profiler = StepProfiler(config.profile_steps, host_dir / "tensorboard")
+    profiler = StepProfiler(run_settings.profile_steps, host_dir / "tensorboard")
     eos = eos_token_ids(tokenizer)
     engine = engine_settings(config, rollout_mesh)
-    _check_resident_memory(config, engine, learner, resumed.state, model_config, mesh, rollout_mesh)
+    _check_resident_memory(settings, engine, resumed.state, model_config, mesh, rollout_mesh)
     publisher = WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
     policy = publisher.first_model(resumed.state.params)
-    stream = _build_stream(config, engine, rollouts, policy, eos, problems, rollout_mesh, notice)
+    stream = _build_stream(settings.stream, engine, rollouts, policy, eos, problems,
+                           rollout_mesh, notice)
     if resumed.stream is not None:
         stream.load_state_dict(*resumed.stream)
-    held_out_probe = _held_out_probe(config, mesh, graphdef, tokenizer)
-    if config.eval.probe_every and resumed.start == 0:
+    probe_problems = (builders.load_eval_records(config, run_settings.probe_problems)
+                      if run_settings.probe_every else [])
+    held_out_probe = _held_out_probe(probe_problems, settings.probe, mesh, graphdef, tokenizer)
+    if run_settings.probe_every and resumed.start == 0:
         writer.write(0, held_out_probe(resumed.state.params))
-    run = _Run(config=config, notice=notice, mesh=mesh, overlap=overlap, graphdef=graphdef,
-               optimizer=optimizer, update_config=update_config, learner=learner,
-               model_config=model_config, problems=problems, stream=stream,
+    experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
+               if update_config.routing_replay and model_config.num_experts else None)
+    run = _Run(settings=run_settings, notice=notice, mesh=mesh,
+               overlap=run_settings.rollout_devices > 0 and settings.stream.mode == "pipeline",
+               graphdef=graphdef, optimizer=optimizer, update_config=update_config,
+               learner=learner, experts=experts, problems=problems, stream=stream,
                publisher=publisher, checkpointer=checkpointer, writer=writer, profiler=profiler,
                held_out_probe=held_out_probe, update_stop=_agreed_stop(notice),
                state=resumed.state, ref_params=ref_params, version=resumed.version,
@@ -381,7 +375,7 @@ class _Run:
     """A run's steps, each in phases: collect (`_collect`), update (`_update`), publish the
     weights (`_publish`), checkpoint (`_checkpoint`); and what those phases share."""
 
-    config: ConfigDict
+    settings: rl_config.RunSettings
     notice: preemption.Notice
     mesh: jax.sharding.Mesh
     overlap: bool            # the update in a thread while the rollout devices decode
@@ -389,7 +383,7 @@ class _Run:
     optimizer: optax.GradientTransformation
     update_config: UpdateConfig
     learner: LearnerConfig
-    model_config: Qwen3Config
+    experts: tuple[int, int] | None  # (MoE layers, experts per token) of replayed routing
     problems: ProblemIterator
     stream: StreamingRollouts
     publisher: WeightPublisher
@@ -404,17 +398,18 @@ class _Run:
     nonfinite_streak: int
 
     def train(self, start: int) -> dict[str, float]:
-        """Steps `start + 1` to `config.total_steps`; returns the last step's metrics."""
-        config, metrics = self.config, {}
-        bar = tqdm.tqdm(range(start + 1, config.total_steps + 1), initial=start,
-                        total=config.total_steps, desc="marsrl", disable=jax.process_index() != 0)
+        """Steps `start + 1` to `settings.total_steps`; returns the last step's metrics."""
+        settings, metrics = self.settings, {}
+        bar = tqdm.tqdm(range(start + 1, settings.total_steps + 1), initial=start,
+                        total=settings.total_steps, desc="marsrl",
+                        disable=jax.process_index() != 0)
         try:
             for step in bar:
                 self.profiler.before(step)
                 metrics = self._step(step)
                 self.profiler.after(step)
                 bar.set_postfix(console.postfix(metrics))
-                if self.nonfinite_streak >= config.max_nonfinite_updates:
+                if self.nonfinite_streak >= settings.max_nonfinite_updates:
                     raise NonFiniteUpdates(f"{self.nonfinite_streak} steps with non-finite "
                                            f"updates in a row at step {step}; the last good "
                                            "checkpoint is kept")
@@ -428,7 +423,6 @@ class _Run:
 
     def _step(self, step: int) -> dict[str, float]:
         """Collect, update, publish; writes and returns the step's metrics."""
-        config = self.config
         try:
             groups, metrics = self._collect()
             t1 = time.perf_counter()
@@ -443,14 +437,14 @@ class _Run:
         metrics["update/nonfinite_streak"] = self.nonfinite_streak
         metrics["time/update"] = time.perf_counter() - t1
         metrics["policy_version"] = self.version
-        if config.eval.probe_every and step % config.eval.probe_every == 0:
+        probe_every = self.settings.probe_every
+        if probe_every and step % probe_every == 0:
             metrics.update(self.held_out_probe(self.state.params))
         self.writer.write(step, metrics)
         return metrics
 
     def _collect(self) -> tuple[list[list[Rollout]], dict[str, float]]:
         """Decodes until an update is due: (the groups to train, the rollout metrics)."""
-        config = self.config
         if self.learner.offload_optimizer:  # on the host while the engine decodes
             self.state, self.ref_params = offload.move_update_state(
                 self.state, self.ref_params, "host")
@@ -463,13 +457,13 @@ class _Run:
                 ) -> list[dict] | None:
         """Trains on `groups` (in a thread named `UPDATE_THREAD` while the rollout
         devices decode, with `overlap`); the update's history, None when no host had samples."""
-        config, mesh = self.config, self.mesh
+        mesh = self.mesh
         if self.learner.offload_optimizer:  # back for the update (and the checkpoint)
             self.stream.free_kv()  # into the KV cache's room where nothing is lost
             self.state, self.ref_params = offload.move_update_state(
                 self.state, self.ref_params, "device")
         samples = training_samples(groups, rules=self.stream.rules,
-                                   normalize_std=config.rollout.normalize_std)
+                                   normalize_std=self.settings.normalize_std)
         metrics["samples/trained"] = len(samples)
         history, micro_seconds = None, []
 
@@ -482,8 +476,8 @@ class _Run:
             # programs on every device, the rollout ones included (launch/README.md).
             with sharding.use_mesh(mesh):
                 batches = split_mini_batches(
-                    samples, self.learner, np.random.default_rng([config.seed, step]),
-                    lambda part: _global_batch(part, config, self.model_config, mesh))
+                    samples, self.learner, np.random.default_rng([self.settings.seed, step]),
+                    lambda part: _global_batch(part, self.learner, self.experts, mesh))
 
             def update(state=self.state, ref_params=self.ref_params):
                 with sharding.use_mesh(mesh):
@@ -526,17 +520,17 @@ class _Run:
     def _checkpoint(self, step: int) -> None:
         """Saves checkpoint `step` when due (or when any host was asked to stop); after an
         agreed stop before the last step raises `Preempted`."""
-        config = self.config
         preempted = distributed.any_process(self.notice())
         if preempted:
             self.notice.stop_agreed()
         saved = False
-        if self.nonfinite_streak == 0 and (step % config.checkpoint.every_steps == 0
-                                           or step == config.total_steps or preempted):
+        last = self.settings.total_steps
+        if self.nonfinite_streak == 0 and (step % self.settings.checkpoint_every == 0
+                                           or step == last or preempted):
             saved = self._save(step, self.state, self.problems.get_state(),
                                self.stream.state_dict(), self.stream.routing(),
-                               must=step == config.total_steps)
-        if preempted and step < config.total_steps:
+                               must=step == last)
+        if preempted and step < last:
             self.checkpointer.wait()
             raise Preempted(f"SIGTERM at step {step}; " + (
                 "checkpoint saved" if saved else
@@ -564,7 +558,6 @@ class _Run:
     def _stopped(self, step: int, stopped: preemption.Stopped) -> str:
         """After an agreed stop in `step`: saves a checkpoint to redo the step from (module
         docstring); returns what happened, for `Preempted`."""
-        config = self.config
         self.notice.stop_agreed()
         put_back = isinstance(stopped, UpdateStopped)
         if put_back:

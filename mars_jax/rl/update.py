@@ -42,7 +42,8 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """Static settings of the update program."""
+    """Static settings of the update program; the defaults are config.loss's and
+    config.learner's (experiments/configs/common.py)."""
 
     loss: LossConfig = LossConfig()
     temperature: float = 1.0

@@ -23,6 +23,7 @@ from mars_jax import distributed, sharding
 from mars_jax.checkpoint import Checkpointer
 from mars_jax.models import create_model, get_preset
 from mars_jax.optimizer import make_optimizer
+from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.types import TrainBatch
 
@@ -66,7 +67,8 @@ def main() -> None:
     batch = global_batch(config.vocab_size)
     rows = ROWS // procs
     local = jax.tree.map(lambda x: x[:, pid * rows:(pid + 1) * rows], batch)
-    update = UpdateConfig(temperature=0.85, logits_chunk=16)
+    update = UpdateConfig(loss=LossConfig(aggregation="token-mean", behaviour_weight_cap=None),
+                          temperature=0.85, logits_chunk=16)
     initial = multihost_utils.process_allgather(state.params, tiled=True)
     losses = []
     with sharding.use_mesh(mesh):

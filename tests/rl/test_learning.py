@@ -7,6 +7,7 @@ from mars_jax.models import create_model, get_preset
 from mars_jax.rl.advantages import group_advantages_np
 from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update
+from mars_jax.rl.losses import LossConfig
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import UpdateConfig, init_train_state
 from mars_jax.sampling import generate
@@ -39,7 +40,8 @@ def test_solver_reward_rises_from_chance_to_08(epochs, mini_batches):
                    zip(batch_prompts, result.tokens, result.logprobs, advantages)]
         state, updates = ppo_update(
             state, samples, build_batch=lambda ss: make_batch(ss, micro_batch_size=32),
-            ref_params=None, graphdef=graphdef, optimizer=optimizer, update_config=UpdateConfig(),
+            ref_params=None, graphdef=graphdef, optimizer=optimizer,
+            update_config=UpdateConfig(loss=LossConfig(aggregation="token-mean")),
             learner=LearnerConfig(ppo_epochs=epochs, mini_batches=mini_batches),
             rng=np.random.default_rng(step))
         # The sampler and the trainer agree on the log-probabilities of the sampled tokens.

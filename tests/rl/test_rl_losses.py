@@ -322,14 +322,18 @@ def _full_inputs(seed=13):
 
 @pytest.mark.parametrize("cfg", [
     L.LossConfig(),
-    L.LossConfig(clip_c=3.0, kl_coef=0.05, kl_estimator="k1", aggregation="seq-mean-token-mean"),
+    L.LossConfig(aggregation="token-mean", behaviour_weight_cap=None),
+    L.LossConfig(clip_c=3.0, kl_coef=0.05, kl_estimator="k1", aggregation="seq-mean-token-mean",
+                 behaviour_weight_cap=None),
     L.LossConfig(kl_coef=0.1, kl_estimator="k2", aggregation="seq-mean-token-sum-norm",
                  max_response_len=16, behaviour_weight_cap=2.0),
-    L.LossConfig(kl_coef=0.1, kl_estimator="k3+", behaviour_weight_cap=1.2,
-                 mastered_mask_prob=0.99, target_entropy=5.0,
+    L.LossConfig(kl_coef=0.1, kl_estimator="k3+", aggregation="token-mean",
+                 behaviour_weight_cap=1.2, mastered_mask_prob=0.99, target_entropy=5.0,
                  entropy_coef=0.01),
-    L.LossConfig(mastered_mask_prob=0.99, target_entropy=0.01),  # entropy above target: off
-], ids=["default", "dual-k1-seqmean", "k2-sumnorm-decoupled", "all-on", "mask-gated-off"])
+    L.LossConfig(aggregation="token-mean", behaviour_weight_cap=None, mastered_mask_prob=0.99,
+                 target_entropy=0.01),  # entropy above target: off
+], ids=["default", "token-mean", "dual-k1-seqmean", "k2-sumnorm-decoupled", "all-on",
+        "mask-gated-off"])
 def test_policy_loss_matches_numpy(x64, cfg):
     new, old, adv, mask, ref, sampler, entropy = _full_inputs()
     fn = jax.jit(L.policy_loss, static_argnames="config")
@@ -360,7 +364,7 @@ def test_policy_loss_matches_numpy(x64, cfg):
 
 def test_policy_loss_gradient_respects_masks(x64):
     new, old, adv, mask, *_ = _full_inputs()
-    cfg = L.LossConfig(mastered_mask_prob=0.99)
+    cfg = L.LossConfig(aggregation="token-mean", mastered_mask_prob=0.99)
     grad = jax.grad(lambda lp: L.policy_loss(lp, jnp.array(old), jnp.array(adv),
                                              jnp.array(mask), cfg)[0])(jnp.array(new))
     grad = np.asarray(grad)

@@ -191,7 +191,8 @@ def test_ratio_is_one_on_the_first_update_and_the_clip_acts_after(pi_old):
     state, history = ppo_update(
         state, samples, build_batch=lambda ss: make_batch(ss, micro_batch_size=8),
         ref_params=None, graphdef=graphdef, optimizer=optimizer,
-        update_config=UpdateConfig(loss=LossConfig(behaviour_weight_cap=2.0)), learner=learner,
+        update_config=UpdateConfig(loss=LossConfig(aggregation="token-mean",
+                                                   behaviour_weight_cap=2.0)), learner=learner,
         rng=np.random.default_rng(0))
     assert len(history) == 4 and int(state.step) == 4
     first = history[0]

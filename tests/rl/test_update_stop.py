@@ -41,7 +41,8 @@ def test_a_stopped_update_returns_its_starting_state_and_redoing_it_ends_the_sam
         return ppo_update(
             state, samples, build_batch=lambda ss: make_batch(ss, micro_batch_size=8),
             ref_params=None, graphdef=graphdef, optimizer=OPTIMIZER,
-            update_config=UpdateConfig(loss=LossConfig(behaviour_weight_cap=2.0)),
+            update_config=UpdateConfig(loss=LossConfig(aggregation="token-mean",
+                                                       behaviour_weight_cap=2.0)),
             learner=LearnerConfig(ppo_epochs=2, mini_batches=2, pi_old=pi_old),
             rng=np.random.default_rng(0), should_stop=should_stop)
 
@@ -72,7 +73,7 @@ def test_the_update_by_micro_batch_programs_is_train_step():
     batch = jax.tree.map(jax.numpy.asarray,
                          make_batch(_on_policy_samples(model)[:16], micro_batch_size=8))
     assert batch.tokens.shape[0] == 2
-    config = UpdateConfig(loss=LossConfig(behaviour_weight_cap=2.0))
+    config = UpdateConfig(loss=LossConfig(aggregation="token-mean", behaviour_weight_cap=2.0))
     template = init_train_state(model, OPTIMIZER)
     start = _leaves(template)
     whole, expected = train_step(_fresh_state(start, template), batch, None, graphdef=graphdef,
