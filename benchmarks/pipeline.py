@@ -50,7 +50,7 @@ from mars_jax.rl.batching import TrainSample, make_batch
 from mars_jax.rl.learner import LearnerConfig, ppo_update
 from mars_jax.rl.rollout import RolloutConfig
 from mars_jax.rl.samples import training_samples
-from mars_jax.rl.streaming import StreamingRollouts, StreamSettings
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings, auto_problems_per_update
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.update import UpdateConfig, init_train_state, train_step
 from mars_jax.sampling import Engine
@@ -112,6 +112,7 @@ def run(mode: str, args, samples_per_update: int) -> dict:
         rollouts, ForcedLengths(engine, LengthModel(args.median, args.sigma, args.cap)),
         ProblemIterator(datasets.load("arith", "train"), seed=0), StreamSettings(
             mode=mode, prompts_per_step=args.problems, samples_per_update=samples_per_update,
+            max_problems_per_update=auto_problems_per_update(args.problems),
             max_inflight_rows=2 * args.slots, staleness_bound=4, resume="recompute",
             roles_trained="all", drop_zero_variance=False,
             mask_truncated=False,

@@ -92,7 +92,8 @@ from benchmarks.sim.sync import SyncRollouts  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
 from mars_jax.buckets import pow2_at_least  # noqa: E402
 from mars_jax.rl.rollout import RolloutConfig  # noqa: E402
-from mars_jax.rl.streaming import StreamingRollouts, StreamSettings  # noqa: E402
+from mars_jax.rl.streaming import (  # noqa: E402
+    StreamingRollouts, StreamSettings, auto_problems_per_update)
 from mars_jax.rl.update import UpdateConfig, cut_lengths  # noqa: E402
 
 GiB = 1 << 30
@@ -335,6 +336,7 @@ def simulate(costs: Costs, mode: str, *, workload: Workload, lengths: LengthMode
         rollouts, engine, problems(workload.problem_words, seed), StreamSettings(
             mode="sequential" if mode == "sync" else mode,
             prompts_per_step=workload.prompts_per_step, samples_per_update=samples_per_update,
+            max_problems_per_update=auto_problems_per_update(workload.prompts_per_step),
             max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume=resume,
             roles_trained="all", drop_zero_variance=workload.drop_zero_variance,
             mask_truncated=False,

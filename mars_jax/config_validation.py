@@ -138,6 +138,7 @@ RANGES: dict[str, Range] = {
     "rollout.engine_admit_batch": Range(1), "rollout.engine_prefill_ahead": Range(0),
     "rollout.engine_kv_pages": Range(0), "rollout.engine_page_size": Range(1),
     "rollout.max_prompt_tokens": Range(1), "rollout.max_inflight_rows": Range(0),
+    "rollout.max_problems_per_update": Range(0),
     "rollout.samples_per_update": Range(0), "rollout.truncated_reward": Range(-1, 1),
     "rollout.temperature": Range(0, low_open=True, why="log-probabilities are computed at "
                                                        "logits / T"),

@@ -43,7 +43,7 @@ from benchmarks.sim.cost import CHIPS, MeshCost, ModelCost  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.lengths import LengthModel  # noqa: E402
 from mars_jax.models import get_preset  # noqa: E402
-from mars_jax.rl.streaming import StreamSettings  # noqa: E402
+from mars_jax.rl.streaming import StreamSettings, auto_problems_per_update  # noqa: E402
 
 CHIPS_PER_HOST = {"v5p": 4, "h200": 8}
 
@@ -168,6 +168,7 @@ def simulate(setting: Setting, args) -> dict:
             StreamSettings(
                 mode="pipeline", prompts_per_step=workload.prompts_per_step,
                 samples_per_update=args.samples_per_host * setting.hosts,
+                max_problems_per_update=auto_problems_per_update(workload.prompts_per_step),
                 max_inflight_rows=2 * slots,
                 staleness_bound=args.staleness_bound, resume="keep", roles_trained="all",
                 drop_zero_variance=workload.drop_zero_variance,

@@ -84,6 +84,10 @@ def base_config() -> ConfigDict:
         # Pipeline mode admits new problems only while fewer rollouts than this are in flight;
         # 0 = mars_jax.rl.streaming.auto_inflight_rows (prompts_per_step problems' trees).
         max_inflight_rows=0,
+        # Pipeline mode admits at most this many problems per update (over all hosts); an update
+        # then takes what it has, so it comes even when every group's rewards are equal (such
+        # groups train nothing). 0 = mars_jax.rl.streaming.auto_problems_per_update.
+        max_problems_per_update=0,
         # An output ended by length: Solver / Corrector reward (its text is not graded), and
         # whether it may be a Verifier's parent (a truncated Verifier output earns 0, no verdict).
         truncated_reward=0.0, verify_truncated=False,

@@ -18,7 +18,8 @@ from mars_jax.optimizer import make_optimizer
 from mars_jax.rl.learner import LearnerConfig
 from mars_jax.rl.losses import LossConfig
 from mars_jax.rl.rollout import RolloutConfig
-from mars_jax.rl.streaming import StreamSettings, auto_inflight_rows
+from mars_jax.rl.streaming import (StreamSettings, auto_inflight_rows,
+                                   auto_problems_per_update)
 from mars_jax.rl.update import UpdateConfig
 from mars_jax.sft.config import probe_settings
 from mars_jax.sft.probe import ProbeSettings
@@ -134,13 +135,16 @@ def learner_config(config: ConfigDict) -> LearnerConfig:
 
 def stream_settings(config: ConfigDict) -> StreamSettings:
     """The rollout scheduler's settings for this process: `samples_per_update` is
-    `rollout.samples_per_update` (0: `prompts_per_step * group_size`), `max_inflight_rows` this
+    `rollout.samples_per_update` (0: `prompts_per_step * group_size`),
+    `max_problems_per_update` (0: `streaming.auto_problems_per_update`), `max_inflight_rows` this
     host's share of `rollout.max_inflight_rows` (0: `streaming.auto_inflight_rows`)."""
     r = config.rollout
     cap = r.max_inflight_rows or auto_inflight_rows(rollout_config(config), r.prompts_per_step)
     return StreamSettings(
         mode=r.mode, prompts_per_step=r.prompts_per_step,
         samples_per_update=r.samples_per_update or r.prompts_per_step * r.group_size,
+        max_problems_per_update=(r.max_problems_per_update
+                                 or auto_problems_per_update(r.prompts_per_step)),
         max_inflight_rows=-(-cap // jax.process_count()),
         staleness_bound=r.staleness_bound, resume=r.resume,
         roles_trained=r.roles_trained, drop_zero_variance=r.drop_zero_variance,

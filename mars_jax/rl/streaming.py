@@ -10,7 +10,10 @@ pipeline    New problems are admitted while fewer than `max_inflight_rows` rollo
             (submitted, or spawned and about to be). `collect` returns as soon as the complete
             groups hold `samples_per_update` trained samples and hands out groups in completion
             order up to that many (the rest wait for the next update); everything else keeps
-            decoding, on the new weights after the update.
+            decoding, on the new weights after the update. Every host admits at most its share
+            of `max_problems_per_update` problems per update: when all have and the groups
+            still hold too few trained samples (groups with equal rewards train nothing), the
+            update takes what there is, so a policy whose groups never vary still steps.
 sequential  Synchronous training's barriers on the same engine: `prompts_per_step` problems at a
             time, a stage's requests entering only when every request of the stage before (of
             every problem of the batch) has finished; `collect` returns when every trajectory of
@@ -65,6 +68,11 @@ ROLES_TRAINED = {"all": ROLES, "solver": ("solver",),
                  "vc": ("verifier", "corrector")}
 
 
+def auto_problems_per_update(prompts_per_step: int) -> int:
+    """The default cap on problems admitted per update (`rollout.max_problems_per_update` 0)."""
+    return 4 * prompts_per_step
+
+
 def auto_inflight_rows(config: RolloutConfig, prompts_per_step: int) -> int:
     """The default cap on rollouts in flight (`rollout.max_inflight_rows` 0): the rows of
     `prompts_per_step` problems' trees (per problem a Solver group plus `fan_out` groups per
@@ -95,12 +103,14 @@ class _Agreed:
     """What every host knows after a round: each host's complete groups as (trained samples,
     lags beyond the bound at the next update) in completion order, the oldest untrained
     rollout's first version over all hosts, whether any host has work (or, in pipeline
-    mode, may admit a problem) and whether any host was asked to stop."""
+    mode, may admit a problem), whether any host was asked to stop and whether every host has
+    admitted its share of `max_problems_per_update` since the last update."""
 
     ready: list[list[tuple[int, bool]]]
     oldest: int | None
     busy: bool
     stop: bool
+    capped: bool = False
 
     @property
     def samples(self) -> int:
@@ -110,13 +120,15 @@ class _Agreed:
 @dataclasses.dataclass(frozen=True)
 class StreamSettings:
     """`StreamingRollouts`' settings (config.rollout): `samples_per_update` trained samples per
-    update, `max_inflight_rows` this host's cap on rollouts in flight, `sampling` the engine's
+    update, `max_problems_per_update` the cap on problems admitted per update over all hosts
+    (pipeline mode), `max_inflight_rows` this host's cap on rollouts in flight, `sampling` the engine's
     per-request sampling keywords (temperature, top_p, top_k), `chunks_per_round` engine chunks
     between two exchanges of the hosts (pipeline mode)."""
 
     mode: str
     prompts_per_step: int
     samples_per_update: int
+    max_problems_per_update: int
     max_inflight_rows: int
     staleness_bound: int
     resume: str
@@ -136,10 +148,12 @@ class StreamSettings:
                              f"{sorted(ROLES_TRAINED)}")
         if self.chunks_per_round < 1:
             raise ValueError(f"chunks_per_round: must be >= 1, got {self.chunks_per_round}")
-        if self.samples_per_update < 1 or self.prompts_per_step < 1 or self.max_inflight_rows < 1:
-            raise ValueError("samples_per_update, prompts_per_step and max_inflight_rows must be "
-                             f">= 1; got {self.samples_per_update}, {self.prompts_per_step}, "
-                             f"{self.max_inflight_rows}")
+        if min(self.samples_per_update, self.prompts_per_step, self.max_inflight_rows,
+               self.max_problems_per_update) < 1:
+            raise ValueError("samples_per_update, prompts_per_step, max_inflight_rows and "
+                             "max_problems_per_update must be >= 1; got "
+                             f"{self.samples_per_update}, {self.prompts_per_step}, "
+                             f"{self.max_inflight_rows}, {self.max_problems_per_update}")
 
 
 class StreamingRollouts:
@@ -161,7 +175,10 @@ class StreamingRollouts:
         self.hosts = hosts or HostGroup("stream")
         self.should_stop = should_stop
         self.chunks_per_round = settings.chunks_per_round
+        # this host's share of the problems admitted per update
+        self.problem_share = -(-settings.max_problems_per_update // self.hosts.count)
         self.problems_admitted = 0                   # problems this host took so far
+        self._admitted_before = 0                    # ... at the last collect's start or end
         self.batches = 0                             # sequential batches started (all hosts)
         self._inflight: dict[int, Rollout] = {}      # engine request id -> rollout
         self._ready: list[list[Rollout]] = []        # complete groups not yet handed out
@@ -179,13 +196,15 @@ class StreamingRollouts:
         start, tokens = self.clock(), self.engine.stats["tokens"]
         slot_steps, synced = self.engine.stats["slot_steps"], self.hosts.seconds
         admitted, deferred_since, deferred = self.problems_admitted, None, 0.0
+        self._admitted_before = admitted
         self._before_hand_out = None
         while True:
             agreed = self._agree(version)
             if agreed.stop:
                 raise Stopped("stream: stopped between two decode rounds")
             batch_open = self.mode == "sequential" and agreed.busy  # one restored mid-way
-            if agreed.samples >= self.samples_per_update and not batch_open:
+            capped = self.mode == "pipeline" and agreed.capped
+            if (agreed.samples >= self.samples_per_update or capped) and not batch_open:
                 if self._fresh_enough(agreed, version):
                     break
                 deferred_since = self.clock() if deferred_since is None else deferred_since
@@ -200,6 +219,7 @@ class StreamingRollouts:
             deferred = self.clock() - deferred_since
         self._before_hand_out = self._ready
         groups, self._ready = self._hand_out(agreed, version)
+        self._admitted_before = self.problems_admitted  # a share for `decode_while` too
         self._kept = len(self._ready)
         trained = [g for g in groups if g[0].role in self.rules.roles]
         generated = self.engine.stats["tokens"] - tokens
@@ -325,7 +345,12 @@ class StreamingRollouts:
         """Pipeline: a new problem may start (rows in flight below this host's cap, and no
         update due by the samples ready on every host as last agreed)."""
         return (len(self._inflight) + len(self.rollouts.pending) < self.max_inflight_rows
-                and self._ready_samples() + self._others_ready < self.samples_per_update)
+                and self._ready_samples() + self._others_ready < self.samples_per_update
+                and not self._share_admitted())
+
+    def _share_admitted(self) -> bool:
+        """This host has admitted its share of `max_problems_per_update` in this collect."""
+        return self.problems_admitted - self._admitted_before >= self.problem_share
 
     def _admit(self) -> None:
         """Pipeline: new problems while `_can_admit` (then only the work in flight continues)."""
@@ -384,7 +409,8 @@ class StreamingRollouts:
         first = min((r.first_version for r in self._untrained()), default=None)
         busy = bool(self._inflight or self.rollouts.pending) or (
             self.mode == "pipeline" and self._can_admit())
-        everyone = self.hosts.gather([mine, first, busy, self.should_stop()])
+        everyone = self.hosts.gather([mine, first, busy, self.should_stop(),
+                                      self._share_admitted()])
         ready = [[tuple(group) for group in host[0]] for host in everyone]
         self._others_ready = sum(size for h, host in enumerate(ready) if h != self.hosts.index
                                  for size, _ in host)
@@ -392,7 +418,8 @@ class StreamingRollouts:
                   if h != self.hosts.index and host[1] is not None]
         self._others_oldest = min(others, default=None)
         return _Agreed(ready, min(others + ([] if first is None else [first]), default=None),
-                       any(host[2] for host in everyone), any(host[3] for host in everyone))
+                       any(host[2] for host in everyone), any(host[3] for host in everyone),
+                       all(host[4] for host in everyone))
 
     def _hand_out(self, agreed: _Agreed, version: int
                   ) -> tuple[list[list[Rollout]], list[list[Rollout]]]:

@@ -238,7 +238,8 @@ def _schedule(mode):
     engine.submit = logged
     scheduler = StreamingRollouts(
         rollouts, engine, problems(5), StreamSettings(
-            mode=mode, prompts_per_step=3, samples_per_update=60, max_inflight_rows=16,
+            mode=mode, prompts_per_step=3, samples_per_update=60, max_problems_per_update=12,
+            max_inflight_rows=16,
             staleness_bound=4, resume="keep", roles_trained="all", drop_zero_variance=False,
             mask_truncated=False,
             sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
@@ -406,7 +407,8 @@ def _barrier_log(schedule, mode):
                        answer_tokens={"solver": 2, "verifier": 2, "corrector": 2})
     scheduler = schedule(
         rollouts, engine, problems(5), StreamSettings(
-            mode=mode, prompts_per_step=2, samples_per_update=1, max_inflight_rows=16,
+            mode=mode, prompts_per_step=2, samples_per_update=1, max_problems_per_update=8,
+            max_inflight_rows=16,
             staleness_bound=1, resume="keep", roles_trained="all", drop_zero_variance=False,
             mask_truncated=False,
             sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
@@ -452,7 +454,7 @@ def test_sync_refuses_pipeline_mode():
         SyncRollouts(_rollouts({"solver": 0.5, "verifier": 0.5, "corrector": 0.5}), None,
                      problems(5), StreamSettings(
                          mode="pipeline", prompts_per_step=1, samples_per_update=1,
-                         max_inflight_rows=1, staleness_bound=1, resume="keep",
+                         max_problems_per_update=4, max_inflight_rows=1, staleness_bound=1, resume="keep",
                          roles_trained="all", drop_zero_variance=False,
                          mask_truncated=False, sampling={},
                          chunks_per_round=1),

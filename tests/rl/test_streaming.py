@@ -138,7 +138,8 @@ def _stream(mode, engine, rollouts=None, problems=None, **overrides):
     """A scheduler; `overrides` set `StreamSettings` fields or `StreamingRollouts` keywords."""
     fields = {f.name for f in dataclasses.fields(StreamSettings)}
     settings = StreamSettings(**{
-        **dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_inflight_rows=48,
+        **dict(mode=mode, prompts_per_step=2, samples_per_update=8, max_problems_per_update=8,
+               max_inflight_rows=48,
                staleness_bound=2, resume="recompute", roles_trained="all",
                drop_zero_variance=False, mask_truncated=False,
                sampling=dict(temperature=1.0, top_p=1.0, top_k=0),
@@ -398,3 +399,20 @@ def test_an_update_is_due_by_the_samples_the_batch_builder_trains(mode):
     assert rows == len(samples) == 7
     assert [sorted(r.reward for r in g) for g in batch.groups] == [[1.0] * 4, [0, 0, 1, 1],
                                                                    [0, 0, 1, 1]]
+
+
+def test_pipeline_updates_after_its_share_of_problems_though_no_group_trains():
+    """Every answer right: each group's rewards are equal, so with `drop_zero_variance` no group
+    trains anything and the samples due never come. The update comes after
+    `max_problems_per_update` (3) problems all the same, empty, and the next 3 follow: without
+    the cap the scheduler admitted problems forever (here: past the engine's 9 groups)."""
+    engine = _GroupsEngine([[(2, False)] * 4] * 9)
+    stream = _stream("pipeline", engine, _rollouts(max_stages=1), prompts_per_step=1,
+                     samples_per_update=4, max_problems_per_update=3, max_inflight_rows=4,
+                     roles_trained="solver", drop_zero_variance=True)
+    for version in range(3):
+        batch = stream.collect(version)
+        assert (batch.problems_admitted, stream.problems_admitted) == (3, 3 * (version + 1))
+        assert batch.staleness == []  # no trained sample
+        assert not training_samples(batch.groups, rules=stream.rules, normalize_std=True)
+        stream.weights_updated(None, version + 1)
