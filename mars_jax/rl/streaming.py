@@ -1,50 +1,42 @@
 """The rollout scheduler: agent-granularity streaming on one decode engine for the whole job.
 
-The engine (any `sampling.DecodeEngine`: continuous batching, or static batches on `generate`)
-never drains between updates. Each output is graded as soon as it finishes
-(`AgenticRollouts.absorb`); when its group's stage completes, the next stage's requests (chosen by
-the selection policy) go to the running engine at once. Trained samples are counted by
-`samples.SampleRules`, the rule the update's batch follows too.
+The engine (any `sampling.DecodeEngine`) never drains between updates. Each output is graded as
+it finishes (`AgenticRollouts.absorb`); trained samples are counted by `samples.SampleRules`, as
+the update's batch counts them.
 
-pipeline    New problems are admitted while fewer than `max_inflight_rows` rollouts are in flight
-            (submitted, or spawned and about to be). `collect` returns as soon as the complete
-            groups hold `samples_per_update` trained samples and hands out groups in completion
-            order up to that many (the rest wait for the next update); everything else keeps
-            decoding, on the new weights after the update. Every host admits at most its share
-            of `max_problems_per_update` problems per update: when all have and the groups
-            still hold too few trained samples (groups with equal rewards train nothing), the
-            update takes what there is, so a policy whose groups never vary still steps.
-sequential  Synchronous training's barriers on the same engine: `prompts_per_step` problems at a
-            time, a stage's requests entering only when every request of the stage before (of
-            every problem of the batch) has finished; `collect` returns when every trajectory of
-            its batches is complete (more batches while the trained samples are too few). A batch
-            stopped mid-way is finished before the next starts.
+pipeline    Problems are admitted while fewer than `max_inflight_rows` rollouts are in flight
+            (submitted or pending) and this host has admitted less than its share of
+            `max_problems_per_update` since the last update; a completed stage's requests go to
+            the running engine at once. `collect` returns once the complete groups hold
+            `samples_per_update` trained samples, or every host has admitted its share (so a
+            policy whose groups never vary still steps), and hands out groups in completion
+            order up to that many (`_hand_out`); the rest keep decoding under the new weights.
+sequential  Synchronous barriers on the same engine: `prompts_per_step` problems at a time, a
+            stage's requests entering once every request of the stage before has finished;
+            `collect` returns when its batches are complete (more batches while the trained
+            samples are too few). A batch stopped mid-way is finished before the next starts.
 
-Staleness: a rollout's `first_version` is the policy version when it was submitted. An update to
-version v + 1 waits (decoding, admitting nothing new) while a rollout still to be trained started
-before v + 1 - `staleness_bound`.
+Staleness: a rollout's `first_version` is the policy version it was submitted under. An update to
+v + 1 waits (decoding, admitting nothing) while a rollout still to be trained has
+`first_version` < v + 1 - `staleness_bound`.
 
-After an update (`weights_updated`) requests in slots continue per `resume`: 'recompute'
-re-prefills prompt + tokens so far under the new weights (on-policy KV: a restored run decodes the
-same tokens as the uninterrupted one), 'keep' goes on from the KV the old weights wrote.
+Resume (`weights_updated`): with 'recompute' requests in slots are re-prefilled under the new
+weights (so a restored run decodes the same tokens as an uninterrupted one); with 'keep' they go
+on from the KV the old weights wrote.
 
 Order: every choice (admission, spawn order, sequence seeds, selection) follows the order of the
-outputs, which the engine streams in submission order per chunk, so a run is reproducible whatever
-slots its requests landed in.
+outputs, which the engine streams in submission order per chunk, whatever slots they used.
 
-Several hosts (`hosts`: a `distributed.HostGroup`): each runs its own engine on its own problems
-(host h of P takes problems h, h + P, h + 2P, ...) and grades, selects and admits on its own.
-Pipeline mode decodes in rounds of `chunks_per_round` chunks; after each the hosts exchange their
-complete groups' trained-sample counts and oldest untrained version, from which every host takes
-the same decision (the update due; the groups handed out host by host in turn). Sequential
-batches and barriers span all hosts. Nothing a host decides alone steers another, so hosts never
-disagree.
+Several hosts (`hosts`): host h of P takes problems h, h + P, h + 2P, ... and grades, selects and
+admits on its own. Pipeline mode decodes in rounds of `chunks_per_round` chunks, after which the
+hosts exchange their ready groups' trained-sample counts and oldest untrained version and all take
+the same decision (the update due; groups handed out host by host in turn). Sequential batches and
+barriers span all hosts. Nothing a host decides alone steers another, so hosts never disagree.
 
-Preemption (`should_stop`): each round's exchange carries every host's `should_stop()`; when any
-says so, every host raises `Stopped` there, between two engine chunks. `state_dict` then holds the
-requests in flight as partial outputs; after `collect` and before the update,
-`state_dict(put_back=True)` has the handed-out groups ready again, so a step whose update was
-stopped is redone from its start.
+Preemption (`should_stop`): every round's exchange carries each host's `should_stop()`; when any
+says so, every host raises `Stopped` there, between two engine chunks. `state_dict` holds the
+requests in flight as partial outputs; between `collect` and the update,
+`state_dict(put_back=True)` puts the handed-out groups back, so a stopped step is redone.
 """
 from __future__ import annotations
 
@@ -75,8 +67,7 @@ def auto_problems_per_update(prompts_per_step: int) -> int:
 
 def auto_inflight_rows(config: RolloutConfig, prompts_per_step: int) -> int:
     """The default cap on rollouts in flight (`rollout.max_inflight_rows` 0): the rows of
-    `prompts_per_step` problems' trees (per problem a Solver group plus `fan_out` groups per
-    later stage)."""
+    `prompts_per_step` problems' full trees."""
     stages = min(config.max_stages, len(STAGE_ROLES))
     return prompts_per_step * config.group_size * (1 + config.fan_out * (stages - 1))
 
@@ -100,11 +91,9 @@ class StreamBatch:
 
 @dataclasses.dataclass(frozen=True)
 class _Agreed:
-    """What every host knows after a round: each host's complete groups as (trained samples,
-    lags beyond the bound at the next update) in completion order, the oldest untrained
-    rollout's first version over all hosts, whether any host has work (or, in pipeline
-    mode, may admit a problem), whether any host was asked to stop and whether every host has
-    admitted its share of `max_problems_per_update` since the last update."""
+    """What every host knows after a round: per host, its ready groups' (trained samples, lags
+    beyond the bound at the next update) in completion order; the oldest untrained first version;
+    whether any host has work or is asked to stop; whether every host has admitted its share."""
 
     ready: list[list[tuple[int, bool]]]
     oldest: int | None
@@ -119,11 +108,8 @@ class _Agreed:
 
 @dataclasses.dataclass(frozen=True)
 class StreamSettings:
-    """`StreamingRollouts`' settings (config.rollout): `samples_per_update` trained samples per
-    update, `max_problems_per_update` the cap on problems admitted per update over all hosts
-    (pipeline mode), `max_inflight_rows` this host's cap on rollouts in flight, `sampling` the engine's
-    per-request sampling keywords (temperature, top_p, top_k), `chunks_per_round` engine chunks
-    between two exchanges of the hosts (pipeline mode)."""
+    """`StreamingRollouts`' settings (config.rollout): `max_problems_per_update` counts over all
+    hosts, `max_inflight_rows` per host; `sampling` holds the engine's per-request keywords."""
 
     mode: str
     prompts_per_step: int
@@ -235,13 +221,10 @@ class StreamingRollouts:
             sync_seconds=self.hosts.seconds - synced)
 
     def decode_while(self, busy: Callable[[], bool], version: int) -> None:
-        """Pipeline mode: keeps decoding and admitting while `busy()` (the update to
-        `version + 1` running on other devices; checked after every decode chunk); what completes
-        meanwhile is handed out by the next `collect`. Work started now is trained one version
-        later at the earliest, so with `staleness_bound=0` nothing starts (and by the staleness
-        gate nothing is in flight): the run then trains exactly what one shared mesh trains.
-        Hosts do not wait for each other here (each host's update ends when it ends); a host
-        asked to stop stops decoding (the update decides for all hosts)."""
+        """Pipeline mode: decodes and admits while `busy()` (the update to `version + 1` on other
+        devices); the next `collect` hands out what completes. Work started here trains one
+        version later at the earliest, so with `staleness_bound=0` nothing runs (a run then trains
+        what one shared mesh trains). Hosts do not wait for each other here."""
         if self.mode != "pipeline":
             raise ValueError("decode_while: only pipeline mode overlaps rollout with an update")
         if self.staleness_bound < 1:
@@ -251,9 +234,8 @@ class StreamingRollouts:
                 return
 
     def free_kv(self) -> None:
-        """The engine's KV cache off its devices for an update on them (the optimizer state
-        offloaded, `learner.offload_optimizer`), where that loses nothing: no request holds a
-        slot, or `resume='recompute'` re-prefills them after the update anyway."""
+        """The engine's KV cache off its devices for an update on them, where that loses nothing:
+        no request holds a slot, or `resume='recompute'` re-prefills them after the update."""
         if self.resume == "recompute" or not self.engine.in_slots():
             self.engine.free_kv()
 
@@ -273,9 +255,8 @@ class StreamingRollouts:
     # --- decoding --------------------------------------------------------------------------
 
     def _round(self, version: int, until: Callable[[], bool]) -> bool:
-        """Admits, submits and decodes one engine chunk, absorbing what finished and, until
-        `until()`, admitting and submitting again after each output; False when there was
-        nothing to decode."""
+        """Admits, submits and decodes `chunks_per_round` engine chunks, admitting and submitting
+        again after each output until `until()`; False when there was nothing to decode."""
         self._admit()
         self._submit(version)
         if not self._inflight:
@@ -294,19 +275,16 @@ class StreamingRollouts:
 
     def _chunk(self, version: int, after_output: Callable[[], None] = lambda: None,
                chunks: int = 1) -> None:
-        """Decodes `chunks` engine chunks, absorbing each output (then calling
-        `after_output`)."""
+        """Decodes `chunks` engine chunks, absorbing each output, then `after_output()`."""
         asks = iter((False,) * chunks)  # `stream` asks before each chunk: `chunks`, then stop
         for request_id, output in self.engine.stream(stop=lambda: next(asks, True)):
             self._absorb(request_id, output, version)
             after_output()
 
     def _decode_sequential_batch(self, version: int) -> None:
-        """One synchronous batch: `prompts_per_step` problems (over all hosts) decoded stage
-        level by stage level (every host's engine drains between levels) until every
-        trajectory is complete, in rounds of one engine chunk whose barrier also carries the
-        hosts' `should_stop`. A batch restored mid-way is finished instead of starting one: its
-        restored requests first (on every host), then the next levels."""
+        """One synchronous batch of `prompts_per_step` problems (over all hosts), stage by stage
+        with every host's engine drained between stages, in rounds of one chunk. A batch restored
+        mid-way is finished instead: its restored requests first (on every host), then the rest."""
         started = False
         while True:
             restored = any(r.first_version is not None for r in self.rollouts.pending)
@@ -342,26 +320,25 @@ class StreamingRollouts:
         self.rollouts.add_problems([next(self.problems)], [uid])
 
     def _can_admit(self) -> bool:
-        """Pipeline: a new problem may start (rows in flight below this host's cap, and no
-        update due by the samples ready on every host as last agreed)."""
+        """Pipeline: a new problem may start (rows in flight below this host's cap, no update due
+        by the samples ready on every host as last agreed, this host's share not yet admitted)."""
         return (len(self._inflight) + len(self.rollouts.pending) < self.max_inflight_rows
                 and self._ready_samples() + self._others_ready < self.samples_per_update
                 and not self._share_admitted())
 
     def _share_admitted(self) -> bool:
-        """This host has admitted its share of `max_problems_per_update` in this collect."""
+        """This host has admitted its share of `max_problems_per_update` since the last
+        `collect`'s start or end."""
         return self.problems_admitted - self._admitted_before >= self.problem_share
 
     def _admit(self) -> None:
-        """Pipeline: new problems while `_can_admit` (then only the work in flight continues)."""
+        """Pipeline: new problems while `_can_admit`."""
         while self._can_admit():
             self._take_problem()
 
     def _submit(self, version: int, restored_only: bool = False) -> None:
-        """Submits every pending rollout (with `restored_only`, only the restored ones: those
-        submitted before the checkpoint, ahead of the others): members of a group spawned
-        together as one request group (prompt prefilled once), a restored partial output as a
-        continuation."""
+        """Submits the pending rollouts (with `restored_only`, only the leading restored ones):
+        consecutive members of a group as one request group, a partial output as a continuation."""
         pending, self.rollouts.pending = self.rollouts.pending, []
         if restored_only:
             cut = next((i for i, r in enumerate(pending) if r.first_version is None),
@@ -423,11 +400,10 @@ class StreamingRollouts:
 
     def _hand_out(self, agreed: _Agreed, version: int
                   ) -> tuple[list[list[Rollout]], list[list[Rollout]]]:
-        """(groups for this update, groups kept for the next). Sequential: all. Pipeline: the
-        hosts' groups taken in turn (host 0's first, host 1's first, ..., host 0's second, ...),
-        each host's in completion order, until `samples_per_update` trained samples, plus every
-        group that would lag beyond the bound at the next update and every group with nothing to
-        train."""
+        """(groups for this update, groups kept). Sequential: all. Pipeline: the hosts' groups in
+        turn (host 0's first, host 1's first, ..., host 0's second, ...) until `samples_per_update`
+        trained samples, plus every group that would lag beyond the bound at the next update and
+        every group with nothing to train."""
         if self.mode == "sequential":
             self._others_ready = 0
             return self._ready, []
@@ -459,8 +435,7 @@ class StreamingRollouts:
                 and all(r.first_version >= oldest for r in self._untrained()))
 
     def _fresh_enough(self, agreed: _Agreed, version: int) -> bool:
-        """An update to `version + 1` keeps every rollout of every host still to be trained
-        within the bound."""
+        """An update to `version + 1` keeps every untrained rollout of every host within bound."""
         return agreed.oldest is None or agreed.oldest >= version + 1 - self.staleness_bound
 
     def _untrained(self) -> Iterator[Rollout]:
@@ -486,9 +461,9 @@ class StreamingRollouts:
         return self._before_hand_out + self._ready[self._kept:]
 
     def state_dict(self, put_back: bool = False) -> dict:
-        """JSON-serialisable state: the rollouts (in-flight ones as pending partial outputs, in
-        submission order, ahead of those not yet submitted), complete groups not yet handed out
-        (`put_back`: `_ready_groups`) and counters (recorded routing apart: `routing`)."""
+        """JSON-serialisable state: the rollouts (in-flight ones as partial outputs, in submission
+        order, ahead of the pending ones), `_ready_groups(put_back)` and counters (routing apart:
+        `routing`)."""
         inflight = []
         for request_id in sorted(self._inflight):
             rollout = dataclasses.replace(self._inflight[request_id])
@@ -509,8 +484,9 @@ class StreamingRollouts:
         return {**self.rollouts.routing(), **ready}
 
     def load_state_dict(self, state: dict, routing=None) -> None:
-        """Restores `state_dict()` output into a fresh engine's scheduler: the partial outputs
-        are resubmitted (prefilled as prompt + tokens so far) at the next `collect`."""
+        """Restores `state_dict()` output into a fresh engine's scheduler; partial outputs are
+        resubmitted as continuations at the next `collect`."""
+
         if self._inflight:
             raise ValueError("load_state_dict: the engine already has requests in flight")
         routing = routing or {}
