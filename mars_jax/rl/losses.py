@@ -1,28 +1,20 @@
 """Pure, jittable policy-loss functions for the MarsRL GRPO update (the paper's Eq. 2).
 
-All per-token arrays are ``[B, T]`` (batch, response position) and ``mask`` is a
-0/1 array of the same shape marking response tokens. ``policy_loss`` is the
-entry point; pass ``config`` as a static argument, e.g.
-``jax.jit(policy_loss, static_argnames="config")`` (``LossConfig`` is frozen,
-hence hashable).
+Per-token arrays are ``[B, T]`` (batch, response position); ``mask`` is 0/1 of the same shape.
+``policy_loss`` takes ``config`` as a static argument (``LossConfig`` is frozen, so hashable).
 
-Normalisation: the loss is ``sum(token_weights * per_token_loss)``. ``token_weights``
-builds the weights of one aggregation over a whole mini-batch; an update that splits
-the mini-batch into micro-batches passes each micro-batch its slice of those weights,
-so the summed gradient is that of the whole mini-batch's loss, whatever the
-micro-batch size or padding (one exception: the mastered-token mask's entropy gate,
-``target_entropy``, reads the entropy of the batch ``policy_loss`` is given, i.e. of
-each micro-batch).
+Normalisation: the loss is ``sum(token_weights * per_token_loss)`` with the weights of one
+aggregation over the whole mini-batch; each micro-batch gets its slice of them, so the summed
+gradient is the mini-batch's whatever the micro-batch size or padding (except the mastered-token
+mask's entropy gate, which reads the entropy of the micro-batch it is given).
 
-Policies: ``old_logprobs`` is pi_old, fixed for the whole RL step (the ratio's
-denominator, the centre of the clip). With the decoupled objective (AReaL) pi_old
-is the proximal policy recomputed at the start of the step and
-``behaviour_logprobs`` those of the sampler that decoded the tokens; each token is
-then weighted by ``min(pi_prox / pi_behav, behaviour_weight_cap)``.
+Policies: ``old_logprobs`` is pi_old, fixed for the RL step (the ratio's denominator, the clip's
+centre). In the decoupled objective (AReaL) pi_old is the proximal policy recomputed at the
+step's start, ``behaviour_logprobs`` the sampler's, and each token is weighted by
+``min(pi_prox / pi_behav, behaviour_weight_cap)``.
 
-Reference model: when ``LossConfig.kl_coef == 0`` the KL term is not built and
-``ref_logprobs`` may be ``None``, so the caller should skip the reference-model
-forward pass entirely (see ``LossConfig.needs_ref_logprobs``).
+With ``kl_coef == 0`` no KL term is built and ``ref_logprobs`` may be ``None``
+(``LossConfig.needs_ref_logprobs``: skip the reference forward).
 """
 
 from __future__ import annotations
@@ -42,22 +34,16 @@ _MAX_LOG_RATIO = 20.0
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Static configuration of ``policy_loss``; the defaults are config.loss's
-    (experiments/configs/common.py: the paper's Eq. 2 aggregation).
+    """Static configuration of ``policy_loss``; the defaults are config.loss's.
 
     clip_low / clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
     clip_c: dual-clip constant (> 1) bounding the loss of negative advantages.
-    kl_coef / kl_estimator: beta and estimator of the KL to the reference model
-        (see ``kl_penalty`` for the gradient each one gives).
-    aggregation: one of ``AGGREGATIONS`` (see ``token_weights``).
-    max_response_len: the constant divisor of ``seq-mean-token-sum-norm`` (required there).
-    behaviour_weight_cap: cap of the decoupled objective's behaviour weight
-        ``min(pi_old / pi_behav, cap)``; applies when ``behaviour_logprobs`` are given
-        (``loss.pi_old = 'recompute'``); ``None`` disables the weight.
-    mastered_mask_prob: probability threshold tau of the mastered-token mask;
-        ``None`` disables it.
-    target_entropy: the mastered-token mask is active only while the batch
-        entropy is below this; ``None`` keeps it always active.
+    kl_coef / kl_estimator: beta and estimator (``kl_penalty``) of the KL to the reference.
+    aggregation: one of ``AGGREGATIONS`` (``token_weights``); max_response_len: the constant
+        divisor of ``seq-mean-token-sum-norm`` (required there).
+    behaviour_weight_cap: cap of the decoupled objective's weight; ``None``: no weight.
+    mastered_mask_prob: probability threshold tau of the mastered-token mask (``None``: off);
+        target_entropy: the mask acts only while the batch entropy is below it (``None``: always).
     entropy_coef: weight of the entropy bonus (subtracted from the loss).
     """
 
@@ -135,11 +121,9 @@ def clipped_surrogate(
 ) -> Surrogate:
     """PPO/GRPO clipped surrogate with asymmetric ("clip-higher") and dual clip.
 
-    ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` with
-    ``r = exp(logprobs - old_logprobs)``; with ``clip_c`` the loss of tokens with
-    ``A < 0`` is further capped at ``-A clip_c``. Where a clip is active the loss
-    is a constant, so its gradient w.r.t. ``logprobs`` is exactly zero.
-    ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``.
+    ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``, ``r = exp(logprobs -
+    old_logprobs)``; with ``clip_c`` the loss of ``A < 0`` tokens is capped at ``-A clip_c``.
+    Where a clip acts the loss is constant (zero gradient). ``advantages``: ``[B]`` or ``[B, T]``.
     """
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
     adv = jnp.broadcast_to(adv, logprobs.shape)
@@ -162,14 +146,12 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
 
     With ``log_r = ref_logprobs - logprobs``: ``k1 = -log_r``, ``k2 = log_r**2 / 2``,
     ``k3 = exp(log_r) - 1 - log_r`` (Schulman's unbiased, low-variance, non-negative
-    estimator of the value). As a loss term differentiated through ``logprobs``, on
-    tokens sampled from pi, their expected gradients differ:
+    estimator). Their expected gradients through ``logprobs`` differ:
 
-    * k1: zero (``E_pi[grad log pi] = 0``); it penalises nothing on-policy.
+    * k1: zero (``E_pi[grad log pi] = 0``): it penalises nothing on-policy.
     * k2: the gradient of the reverse KL(pi || pi_ref).
     * k3: the gradient of the forward KL(pi_ref || pi).
-    * k3+: the value of k3 with the gradient of k2 (straight-through; verl's
-      ``low_var_kl+``): a low-variance value and the reverse KL's gradient.
+    * k3+: k3's value with k2's gradient (straight-through; verl's ``low_var_kl+``).
     """
     log_r = _log_ratio(ref_logprobs, logprobs)
     if estimator == "k1":
@@ -186,18 +168,14 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k
 
 def token_weights(mask: jax.Array, mode: str, max_response_len: int | None = None, *,
                   segments: jax.Array | None = None) -> jax.Array:
-    """Per-token weights (same shape as ``mask``, ``[..., T]``, leading axes = rows) of one
-    aggregation over every sequence of ``mask``; the loss is ``sum(weights * per_token)``.
-
-    A sequence is a row, or with ``segments`` (packed rows, same shape, ids >= 1 per row) a
-    run of one segment id within a row.
+    """Per-token weights (shaped like ``mask``, ``[..., T]``) of one aggregation over every
+    sequence of ``mask``: a row, or with ``segments`` (packed rows, ids >= 1) a segment of a row.
 
     token-mean: ``1 / (response tokens of all sequences)``.
     seq-mean-token-mean (the paper's Eq. 2): ``1 / (|o_i| * non-empty sequences)``: each
         sequence's token mean, averaged over sequences.
     seq-mean-token-sum-norm (Dr.GRPO): ``1 / (max_response_len * non-empty sequences)``.
-    Sequences whose mask is all zero (padding, filtered samples) get weight 0 and are not
-    counted in any denominator.
+    All-zero sequences (padding, filtered samples) weigh 0 and count in no denominator.
     """
     mask = mask.astype(jnp.promote_types(mask.dtype, jnp.float32))
     if mode == "token-mean":
@@ -238,14 +216,10 @@ def mastered_token_mask(
     batch_entropy: jax.Array | None = None,
     target_entropy: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """UloRL/MarsRL dynamic masking of well-mastered positive tokens.
-
-    Tokens of positive samples (``positive``, ``[B]`` or ``[B, T]`` bool) whose
-    probability ``exp(logprobs)`` exceeds ``prob_threshold`` are removed from the
-    mask while ``batch_entropy < target_entropy`` (always, if ``target_entropy``
-    is ``None``). Returns ``(new_mask, fraction of response tokens masked)``;
-    both are gradient-free.
-    """
+    """UloRL/MarsRL dynamic masking of well-mastered positive tokens: tokens of ``positive``
+    samples (``[B]`` or ``[B, T]``) with ``exp(logprobs) > prob_threshold`` leave the mask while
+    ``batch_entropy < target_entropy`` (always if it is ``None``). Returns ``(new_mask, fraction of
+    response tokens masked)``, both gradient-free."""
     pos = positive[:, None] if positive.ndim == 1 else positive
     probs = jnp.exp(jax.lax.stop_gradient(logprobs))
     mastered = pos & (probs > prob_threshold) & (mask > 0)
@@ -271,25 +245,19 @@ def policy_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss ``sum(weights * (bw * pg + kl_coef * kl - entropy_coef * entropy))`` and metrics.
 
-    logprobs: current policy logprobs of the response tokens (differentiated).
-    old_logprobs: pi_old, fixed for the RL step (the sampler's, or recomputed).
-    advantages: ``[B]`` or ``[B, T]``; positive-advantage samples (reward 1 under
-        0/1 rewards) are the "positive" samples of the mastered-token mask.
-    weights: per-token weights of ``config.aggregation`` over the whole mini-batch
-        (``token_weights``); default: those of this batch alone.
-    ref_logprobs: reference-model logprobs, required iff ``config.kl_coef > 0``.
-    behaviour_logprobs: the sampler's logprobs when they are not pi_old (decoupled
-        objective); with ``config.behaviour_weight_cap`` they give ``bw``, else ``bw = 1``.
-    entropy: per-token entropy, required iff ``config.needs_entropy``; otherwise
-        optional and only reported.
+    weights: ``token_weights`` of ``config.aggregation`` over the whole mini-batch (default: of
+        this batch alone); the mastered-token mask zeroes its tokens' weights in every term.
+    advantages: ``[B]`` or ``[B, T]``; ``A > 0`` marks the mastered-token mask's positives.
+    ref_logprobs: required iff ``config.kl_coef > 0``. entropy: required iff
+        ``config.needs_entropy``, else only reported.
+    behaviour_logprobs: the sampler's, when they are not pi_old; with
+        ``config.behaviour_weight_cap`` they give ``bw``, else ``bw = 1``.
 
-    The mastered-token mask (if enabled) zeroes the weight of its tokens in every loss
-    term; metrics are means over ``mask``. Metric keys: ``loss``, ``pg_loss``,
-    ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``,
-    ``approx_kl`` (k3 estimate of KL(old || new)) and ``masked_frac``, plus ``kl`` when
-    ``kl_coef > 0``, ``behaviour_weight_mean`` with behaviour weights, and ``entropy``
-    when ``entropy`` is given.
+    Metrics (fractions and means over ``mask``): ``loss``, ``pg_loss``, the clip fractions,
+    ``ratio_mean``, ``approx_kl`` (k3 estimate of KL(old || new)), ``masked_frac``, and ``kl``,
+    ``behaviour_weight_mean``, ``entropy`` when those inputs are used.
     """
+
     if config.needs_ref_logprobs and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_coef > 0")
     if config.needs_entropy and entropy is None:
