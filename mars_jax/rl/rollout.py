@@ -1,39 +1,28 @@
 """Grouped agentic rollouts: the per-problem tree Solver -> Verifier1 -> Corrector1 -> Verifier2 ->
 Corrector2, graded with agent-specific rewards.
 
-A problem's stage s spawns its rollouts only once every rollout of stage s-1 has finished: the
-Solver samples a group of G; each later stage picks `fan_out` outputs of the stage before
-(`mars_jax.rl.selection`: random | balanced | adaptive, `verifier_selection` overriding it for
-the Verifier stage; the Corrector only takes Verifier outputs that report an error) and samples a
-group of G for each. A trajectory stops early when no eligible parent remains (e.g. every
-Verifier output passed the solution).
+A problem's stage s spawns once every rollout of stage s-1 has finished: the Solver samples a
+group of G; each later stage picks `fan_out` parents among the outputs of the stage before
+(`mars_jax.rl.selection`; the Corrector only takes Verifier outputs that report an error) and
+samples a group of G for each. A tree ends early when no eligible parent remains.
 
-Grading: a finished output is judged by `mars_jax.agents.stages`, as the V-C loop judges it
-(`parse_solution` / `parse_verification`, `usable`, `correct`), parsed once for its grade and its
-children. A Solver or Corrector output earns 1 when usable (ended by itself, with visible text)
-and its boxed answer is right, else 0; one that ended by length (no stop token) is never graded
-from its text: it earns `truncated_reward` (default 0) and is not handed to a Verifier unless
-`verify_truncated` (an RL option; the loop retries such an output instead). A Verifier output earns 1 when its verdict
-(`VerificationOutput.verdict`: ended by itself, Correctness readable) equals the judged
-solution's correctness, else 0; without a verdict it never reaches the Corrector. What the next
-agent sees is the stage's parse: the visible solution (thinking stripped) and the bug report.
-Text inside an unclosed thought is never read as an answer or a verdict: when the chat
-template's generation prompt opens `<think>` (Qwen3-Thinking-2507; read once from the encoded
-generation prompt, `thinking_open`), a response without `</think>` is all thought. An output
-with no visible text (all thought) is never handed to a Verifier.
+Grading, as the V-C loop judges (`mars_jax.agents.stages`; each output parsed once, for its grade
+and its children): a Solver or Corrector output earns 1 when usable (ended by itself, with
+visible text) and its boxed answer is right, else 0; one ended by length is never graded from its
+text: it earns `truncated_reward` and reaches a Verifier only with `verify_truncated`. A Verifier
+output earns 1 when its verdict (ended by itself, Correctness readable) equals the judged
+solution's correctness, else 0; without a verdict it never reaches a Corrector. The next agent
+sees the parse (the visible solution, the bug report). Text inside an unclosed thought
+(`thinking_open`: the generation prompt opens `<think>`) is never read as an answer or verdict,
+and an output with no visible text never reaches a Verifier.
 
-Decoding (`rl.streaming`): the scheduler submits `pending` rollouts to its engine and hands each
-finished output to `absorb`; a rollout restored from a checkpoint mid-output is resubmitted as a
-continuation of the tokens it has. Each token keeps the log-probability, and with routing replay
-the expert ids of its position, recorded by the decode that produced it.
+Each token keeps the log-probability, and with routing replay the expert ids, recorded by the
+decode that produced it; a rollout restored mid-output is resubmitted as a continuation.
 
-Context overflow rule: when a Verifier or Corrector prompt would exceed `max_prompt_tokens`, the
-embedded solution (then the report) keeps only its tail (where the final answer is), after a
-'[... earlier text cut ...]' marker, halving until the prompt fits; each halving is counted in
-`context_cuts`. A prompt that cannot fit even so (the problem statement alone nearly fills the
-context) is not decoded: a new problem whose Solver prompt is too long is skipped, and a Verifier
-or Corrector child that still overflows is not spawned (its branch of the tree ends); each is
-counted in `context_drops`, with a warning. Overflow never stops training.
+Context overflow: a Verifier or Corrector prompt over `max_prompt_tokens` keeps only the tail of
+its embedded solution (then report), after `CUT_MARKER`, halving until it fits (`context_cuts`).
+A prompt that cannot fit is not decoded: a too-long Solver prompt skips its problem, a child that
+still overflows is not spawned (`context_drops`, with a warning). Overflow never stops training.
 """
 from __future__ import annotations
 
@@ -61,23 +50,20 @@ class ContextOverflow(ValueError):
 
 
 def selection_rng(seed: int, problem_uid: str, stage: int) -> np.random.Generator:
-    """The generator that picks a stage's parents in one problem's tree: a function of the run's
-    seed, the problem and the stage only, so the choice does not depend on the order in which
-    trees advance (pipeline vs sequential, streaming) and needs no checkpointed state."""
+    """The generator of a stage's parent choice in one problem's tree: a function of (seed,
+    problem, stage) only, so the choice ignores the order trees advance in (nothing to save)."""
     return np.random.default_rng([seed, zlib.crc32(problem_uid.encode()), stage])
 
 
 def sequence_seed(seed: int, group_uid: str) -> int:
-    """A group's first sequence seed (members take the next ones): a function of the run's seed
-    and the group's uid only. The streaming scheduler decodes with it, so there a rollout draws
-    the same tokens whatever the order of spawning."""
+    """A group's first sequence seed (members take the next ones): a function of (seed, group uid)
+    only, so a rollout draws the same tokens whatever the order of spawning."""
     return zlib.crc32(f"{seed}:{group_uid}".encode()) >> 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """How rollouts are grown and cut; the budgets have no default here (a run's come from
-    config.rollout, `rl.config.rollout_config`), the other defaults are config.rollout's."""
+    """How rollouts are grown and cut; the defaults are config.rollout's (the budgets have none)."""
 
     group_size: int = 8
     fan_out: int = 2
@@ -217,9 +203,8 @@ class AgenticRollouts:
 
     def absorb(self, batch: Sequence[Rollout], outputs: Sequence[EngineOutput], version: int
                ) -> list[list[Rollout]]:
-        """Appends each rollout's new tokens (`outputs[i]`: `tokens`, `logprobs`, `finish_reason`
-        'stop' | 'length', `expert_ids` of prompt + response), grades them, spawns next stages.
-        Returns the groups that became complete (every member finished), ready for training."""
+        """Appends each rollout's new tokens (`outputs[i]`), grades them, spawns next stages;
+        returns the groups that became complete (every member finished)."""
         if len(batch) != len(outputs):
             raise ValueError(f"{len(outputs)} outputs for {len(batch)} rollouts")
         for r, out in zip(batch, outputs):
@@ -247,8 +232,7 @@ class AgenticRollouts:
                           thinking_open=self.thinking_open)
 
     def _parse(self, rollout: Rollout) -> stages.SolutionOutput | stages.VerificationOutput:
-        """A finished rollout's output as its stage parses it: parsed once, then kept on the
-        rollout for its grade and its children."""
+        """A finished rollout's output as its stage parses it (parsed once, kept on the rollout)."""
         if rollout.parsed is None:
             completion = self._completion(rollout)
             rollout.parsed = (stages.parse_verification(completion) if rollout.role == "verifier"
@@ -351,8 +335,8 @@ class AgenticRollouts:
 
     def load_state_dict(self, state: dict, routing: Mapping[str, np.ndarray] | None = None
                         ) -> None:
-        """Restores `state_dict()` output, and `routing()` output into the rollouts' expert ids.
-        Reads older checkpoints too (a `restarts` counter, no `verdict`s)."""
+        """Restores `state_dict()` output, and `routing()` output into the expert ids; reads older
+        checkpoints too (a `restarts` counter, no `verdict`s or `context_drops`)."""
         routing = routing or {}
 
         def rollout(data: dict) -> Rollout:
@@ -375,8 +359,8 @@ class AgenticRollouts:
 
 def _carry_routing(rollout: Rollout, recorded: np.ndarray | None) -> np.ndarray | None:
     """`rollout`'s expert ids after a decode that recorded `recorded` ([L_moe, prompt + response
-    so far, k]): positions routed before a checkpoint's continuation keep that routing, new ones
-    take the decode's. None when the decode recorded none."""
+    so far, k]): positions routed before a continuation keep their routing; None without one."""
+
     if recorded is None:
         return None
     positions = len(rollout.prompt_ids) + len(rollout.response_ids)
