@@ -1,31 +1,25 @@
 """The PPO structure of one RL step: pi_old fixed for the step, `ppo_epochs` passes over
 `mini_batches` optimizer updates each.
 
-The step's samples are shuffled once, by a generator seeded with (seed, step) so that a resumed
-step draws the same mini-batches, and split into `mini_batches` near-equal mini-batches; every
-epoch visits them in that order (verl's split-once structure). pi_old:
+The step's samples are shuffled once (the trainer seeds the generator with (seed, step), so a
+resumed step draws the same mini-batches) and split into `mini_batches` near-equal mini-batches,
+visited in that order every epoch (verl's split-once structure). pi_old:
 
-sampler    the sampler's log-probabilities (equal to the trainer's by construction; their
-           parity is tested to 1e-5). For samples decoded under earlier versions (pipeline
+sampler    the sampler's log-probabilities; for samples decoded under earlier versions (pipeline
            mode) this is vanilla off-policy PPO around the behaviour policy.
-recompute  one forward under the parameters at the start of the step, before its first update
-           (verl's `old_log_prob`); the sampler's log-probabilities stay the behaviour policy
-           of the decoupled objective (AReaL): clipping around the recomputed (proximal)
-           policy, each token weighted by `min(pi_prox / pi_behav, loss.behaviour_weight_cap)`.
+recompute  one forward under the parameters at the start of the step (verl's `old_log_prob`);
+           the sampler's stay the behaviour policy of the decoupled objective (AReaL): clipping
+           around the recomputed (proximal) policy, each token weighted by
+           `min(pi_prox / pi_behav, loss.behaviour_weight_cap)`.
 
-On the first update of a step the parameters are those at its start: with 'recompute' the
-ratio is 1 up to the rounding of the two forwards; with 'sampler' it is 1 up to the
-sampler/trainer difference for samples decoded under these parameters (stale samples start off
-it). From the second update on the ratio departs from 1 and the clip acts.
+The first update of a step runs under the parameters pi_old is taken at, so its ratio is 1 up to
+rounding (under 'sampler': the sampler/trainer difference; stale samples start off 1).
 
-Stopping (a preemption notice, `mars_jax.preemption`): `should_stop` is asked before every
-forward of pi_old and every micro-batch of an optimizer update (each micro-batch's gradient is a
-program of its own, `update.micro_batch_gradients`, waited for before the next check, so that a
-stop waits for one micro-batch, not a whole mini-batch); when it says so the update raises
-`UpdateStopped` carrying the state it started from, so that the step can be redone from its
-start. Updates donate the state they read, so with more than one update per step a copy of the
-starting state (parameters and optimizer state) waits in host memory (pinned_host) while the
-update runs.
+Stopping (`mars_jax.preemption`): `should_stop` is asked before every pi_old forward and every
+micro-batch (each micro-batch a program of its own, waited for, so a stop waits for one
+micro-batch); when it says so the update raises `UpdateStopped` with the state it started from,
+so the step can be redone. Updates donate their state, so with more than one update a copy of
+the starting state waits in host memory (pinned_host).
 """
 from __future__ import annotations
 
@@ -59,7 +53,7 @@ class LearnerConfig:
     mini_batches: int = 1
     pi_old: str = "sampler"
     # On one shared mesh: the optimizer state (and KL reference) in host memory while the engine
-    # decodes, back for the update (`mars_jax.offload`; the trainer acts on it).
+    # decodes (`mars_jax.offload`).
     offload_optimizer: bool = False
     # The mini-batches' shape (`batching.make_batch`, built by the trainer): micro-batches of
     # `micro_batch_size` rows over the whole training mesh (each host an equal share), at least
@@ -78,8 +72,7 @@ class LearnerConfig:
 
 
 class UpdateStopped(Stopped):
-    """`train_mini_batches` stopped before its end; `state` is the state it started from (on
-    device)."""
+    """`train_mini_batches` stopped before its end; `state` is the one it started from."""
 
     def __init__(self, state: Any, updates_done: int) -> None:
         super().__init__(f"update stopped after {updates_done} optimizer updates; the state "
@@ -113,8 +106,7 @@ def split_mini_batches(samples: Sequence[TrainSample], learner: LearnerConfig,
                        build_batch: Callable[[Sequence[TrainSample]], TrainBatch]
                        ) -> list[TrainBatch]:
     """The step's `learner.mini_batches` mini-batches of `samples` (`mini_batch_indices`), each
-    made a `TrainBatch` by `build_batch` from a possibly empty list of samples (in a multi-host
-    run: the global batch, so every host makes the same number of updates)."""
+    built by `build_batch`, even when empty (so every host makes the same number of updates)."""
     parts = mini_batch_indices(len(samples), learner.mini_batches, rng)
     return [build_batch([samples[i] for i in part]) for part in parts]
 
@@ -126,8 +118,7 @@ def ppo_update(state: TrainState, samples: Sequence[TrainSample], *,
                should_stop: Callable[[], bool] | None = None,
                micro_batch_seconds: Callable[[float], None] | None = None
                ) -> tuple[TrainState, list[dict[str, float]]]:
-    """`train_mini_batches` on `split_mini_batches(samples, learner, rng, build_batch)`, on this
-    thread."""
+    """`train_mini_batches` on `split_mini_batches(samples, learner, rng, build_batch)`."""
     return train_mini_batches(state, split_mini_batches(samples, learner, rng, build_batch),
                               ref_params=ref_params, graphdef=graphdef, optimizer=optimizer,
                               update_config=update_config, learner=learner,
@@ -140,13 +131,11 @@ def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_
                        should_stop: Callable[[], bool] | None = None,
                        micro_batch_seconds: Callable[[float], None] | None = None
                        ) -> tuple[TrainState, list[dict[str, float]]]:
-    """`learner.ppo_epochs` passes of one optimizer update per mini-batch of `batches`
-    (`split_mini_batches`); returns the new state and each update's metrics, in order. Runs
-    programs only on the devices of `state`, `ref_params` and `batches`, so a worker thread can
-    run it beside a decode on other devices. `should_stop` (module docstring) is called equally
-    often on every host, before each micro-batch, and must answer alike on all; when it says so,
-    raises `UpdateStopped`. `micro_batch_seconds` is told each micro-batch's run time (from the
-    return of its asynchronous dispatch, which compiles it the first time, to its result)."""
+    """`learner.ppo_epochs` passes of one optimizer update per mini-batch of `batches`; returns
+    the new state and each update's metrics, in order. Runs only on the devices of its inputs, so
+    a worker thread can run it beside a decode on other devices. `should_stop` (module docstring)
+    is asked equally often on every host and must answer alike on all. `micro_batch_seconds`
+    gets each micro-batch's run time, from its dispatch's return (after any compile) to its result."""
     start = state
     if should_stop is not None and learner.ppo_epochs * len(batches) > 1:
         start = _to_memory(state, "pinned_host")  # the updates donate `state`
@@ -185,9 +174,10 @@ def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_
 
 
 def summarize_updates(history: Sequence[dict[str, float]]) -> dict[str, float]:
-    """A step's update metrics: each metric's mean over the updates that saw tokens, the first
-    and last update's ratio and clip fractions, `optimizer_steps` (applied updates) and
-    `updates` (attempted), `finite` = 1 only if every update was finite."""
+    """A step's update metrics: means over the updates that saw tokens (`tokens`: the sum), the
+    first and last one's ratio and clip fractions, `optimizer_steps` (applied) and `updates`
+    (attempted), `finite` = 1 only if every update was finite."""
+
     seen = [m for m in history if m["tokens"] > 0] or list(history)
     summary = {k: float(np.mean([m[k] for m in seen])) for k in seen[0]}
     summary["tokens"] = float(sum(m["tokens"] for m in history))
