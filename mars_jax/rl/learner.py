@@ -135,7 +135,7 @@ def train_mini_batches(state: TrainState, batches: Sequence[TrainBatch], *, ref_
     the new state and each update's metrics, in order. Runs only on the devices of its inputs, so
     a worker thread can run it beside a decode on other devices. `should_stop` (module docstring)
     is asked equally often on every host and must answer alike on all. `micro_batch_seconds`
-    gets each micro-batch's run time, from its dispatch's return (after any compile) to its result."""
+    gets each micro-batch's run time, from its dispatch's return (past any compile) to its end."""
     start = state
     if should_stop is not None and learner.ppo_epochs * len(batches) > 1:
         start = _to_memory(state, "pinned_host")  # the updates donate `state`
