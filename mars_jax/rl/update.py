@@ -1,17 +1,13 @@
 """The policy update: one jitted, sharded optimizer step over a mini-batch, with gradient
 accumulation over its micro-batches, and the forward-only log-probabilities of pi_old.
 
-Log-probabilities are computed at the sampling temperature (`log_softmax(logits / T)`, the
-sampler's convention). The ratio's denominator is `TrainBatch.old_logprobs` (pi_old, fixed for
-the RL step: the sampler's, or `policy_logprobs` under the parameters at the start of the step);
-when it is absent the sampler's log-probabilities are pi_old. The loss of a mini-batch is one
-aggregation over all its rows and tokens (`losses.token_weights` over the whole `[M, b, L]`
-batch): the gradient does not depend on the micro-batch size nor on padding micro-batches
-(except through the mastered-token mask's entropy gate, which reads each micro-batch's entropy).
-
-Logits are formed chunk by chunk along the sequence under `jax.checkpoint`, so no
-`[batch, length, vocab]` array is ever materialised, forward or backward.
-A non-finite loss, gradient or update leaves parameters and optimizer state unchanged (`finite` = 0).
+Log-probabilities are taken at the sampling temperature (`log_softmax(logits / T)`, the sampler's
+convention). pi_old is `TrainBatch.old_logprobs` (`policy_logprobs` at the step's start) when
+present, else the sampler's log-probabilities. A mini-batch's loss is one aggregation over all
+its rows (`losses.token_weights` over the whole `[M, b, L]` batch: `losses`, "Normalisation").
+Logits are formed chunk by chunk under `jax.checkpoint`, so no `[batch, length, vocab]` array is
+materialised, forward or backward. A non-finite loss, gradient or update leaves parameters and
+optimizer state unchanged (`finite` = 0).
 """
 from __future__ import annotations
 
@@ -49,10 +45,9 @@ class UpdateConfig:
     temperature: float = 1.0
     logits_chunk: int = 256
     routing_replay: bool = False
-    # A micro-batch is cut to the shortest of its row length L, L/2, .., L/2**length_halvings
-    # (not below 16 tokens) that holds its longest row: one branch of a conditional per length.
-    # fine_cuts adds 3L/4, 3L/8, ..: above the shortest cut a micro-batch then runs at most 1.5x
-    # its longest row instead of under 2x, for twice the branches.
+    # A micro-batch runs at the shortest of L, L/2, .., L/2**length_halvings (`cut_lengths`) that
+    # holds its longest row, one branch per length; fine_cuts adds 3L/4, 3L/8, ..: above the
+    # shortest cut at most 1.5x the longest row instead of under 2x, for twice the branches.
     length_halvings: int = 2
     fine_cuts: bool = False
 
@@ -91,9 +86,8 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, attention_mask: jax.Array, *
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) -> Any:
-    """The shardings of `optimizer.init(params)` for sharded (or abstract, sharded) `params`:
-    per-parameter moments shard like their parameter, counters and the like are replicated.
-    (A jitted `optimizer.init` without them is free to replicate the moments.)"""
+    """The shardings of `optimizer.init(params)` for (abstract) sharded `params`: moments shard
+    like their parameter, the rest is replicated (a jitted init without them may replicate all)."""
     replicated = jax.sharding.NamedSharding(jax.tree.leaves(params)[0].sharding.mesh,
                                             jax.sharding.PartitionSpec())
     return optax.tree_map_params(
@@ -208,10 +202,9 @@ def _batch_weights(batch: TrainBatch, config: UpdateConfig) -> jax.Array:
 
 def batch_gradients(params: Any, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
                     config: UpdateConfig) -> tuple[Any, dict[str, jax.Array]]:
-    """Gradient of the whole mini-batch's loss (one aggregation over every row and token of
-    `batch`), accumulated micro-batch by micro-batch; metrics are token-weighted means except
-    `loss` (the mini-batch's loss), `tokens` (its response tokens) and `fill` (the fraction of
-    its positions that hold tokens)."""
+    """Gradient of the whole mini-batch's loss, accumulated micro-batch by micro-batch; metrics
+    are token-weighted means except `loss`, `tokens` (response tokens) and `fill` (the fraction of
+    positions that hold tokens)."""
     cuts = cut_lengths(batch.tokens.shape[-1], config.length_halvings, config.fine_cuts)
 
     def accumulate(grads, inputs):
@@ -245,12 +238,10 @@ def _apply(state: TrainState, grads: Any, summary: dict[str, jax.Array],
 def train_step(state: TrainState, batch: TrainBatch, ref_params: Any, *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, config: UpdateConfig
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update on the mini-batch `batch` (see `batch_gradients`), applied whenever
-    it is finite: a mini-batch without loss tokens (every group's rewards equal, kept with
-    `drop_zero_variance=False`) has a zero gradient, on which AdamW's momentum still moves the
-    weights, as `optimizer.step()` does in verl and TRL. `ref_params` is only read when the loss
-    has a KL term (pass None otherwise). `micro_batch_gradients` then `apply_gradients` make
-    the same update one program per micro-batch."""
+    """One optimizer update on the mini-batch `batch` (`batch_gradients`), applied whenever it is
+    finite: one without loss tokens has a zero gradient, on which AdamW's momentum still moves the
+    weights, as in verl and TRL. `ref_params` is read only for a KL term (else pass None).
+    `micro_batch_gradients` then `apply_gradients` make this update one program per micro-batch."""
     grads, summary = batch_gradients(state.params, batch, ref_params, graphdef=graphdef,
                                      config=config)
     return _apply(state, grads, summary, optimizer)
@@ -282,8 +273,9 @@ def apply_gradients(state: TrainState, grads: Any, metrics: Sequence[dict[str, j
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))
 def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
                     config: UpdateConfig) -> jax.Array:
-    """Forward-only `[M, b, L]` log-probabilities of `batch`'s tokens under `params` (pi_old
-    recomputed at the start of a step; verl's `old_log_prob`)."""
+    """Forward-only `[M, b, L]` log-probabilities of `batch`'s tokens under `params`, 0 outside
+    `loss_mask` (pi_old recomputed at the start of a step; verl's `old_log_prob`)."""
+
     model = nnx.merge(graphdef, params)
 
     length = batch.tokens.shape[-1]
