@@ -4,25 +4,18 @@
 schema (`experiments/configs/common.py`) and raises one `ConfigError` listing every problem as
 `field: problem; fix: ...`:
 
-  schema       unknown fields (with the closest valid name), missing fields, wrong types
-               (an int field takes int, a float field int or float, a placeholder also None);
-  choices      enumerated strings (job, rollout.mode, rollout.selection, model.preset, ...);
-  ranges       every numeric field but the mesh's has a `Range` in `RANGES` (finite, within
-               its bounds; a tuple's every element; a placeholder left None is not checked);
-  consistency  fan_out <= group_size, seq-mean-token-sum-norm has its
-               constant divisor, the mesh (or its rollout / training split) fits the devices,
-               the job's dataset can be found (manual dir or a prepared TFDS dir;
-               `data` for train and sft, `eval.dataset` for eval_system), an HTTP evaluation
-               has a server URL and model name, a warm start (`warm_start.sft`) has a cache
-               directory and no `model.checkpoint`, the optimizer state is offloaded only on
-               one shared mesh, `learner.micro_batch_size` (rows per micro-batch over the
-               whole training mesh) splits evenly over the processes
-               (`rl.config.micro_batch_problem`), `profile_steps` is () or (first, last)
-               within the run.
+  schema       unknown fields (with the closest valid name), missing fields, wrong types (an
+               int field takes int, a float field int or float, a placeholder also None);
+  choices      enumerated strings (`CHOICES`);
+  ranges       every numeric field but the mesh's has a `Range` in `RANGES` (a placeholder left
+               None is not checked);
+  rules        cross-field rules (`_rule`): fan_out <= group_size, the mesh fits the devices, the
+               job's dataset can be found, an HTTP evaluation has a server, a warm start has a
+               cache directory, the optimizer state is offloaded only on one shared mesh, ...
 
-Rules that read a field with a schema or range problem are skipped, so one wrong value yields
-one message. `field_problem` and `field_type` check a `--config.<field>` override's name and
-give its type (experiments/run.py).
+A rule that reads a field with a schema or range problem is skipped, so one wrong value yields
+one message. `field_problem` and `field_type` check a `--config.<field>` override
+(experiments/run.py).
 """
 from __future__ import annotations
 
@@ -231,8 +224,8 @@ def _range_problems(config: ConfigDict, bad: set[str]) -> Iterator[Problem]:
 
 
 def field_problem(field: str, schema: ConfigDict) -> Problem | None:
-    """A `Problem` when the dotted `field` names no field of `schema` (with the closest name),
-    else None."""
+    """A `Problem` when the dotted `field` names no field of `schema`, else None."""
+
     node, prefix = schema, ""
     for part in field.split("."):
         if not isinstance(node, ConfigDict) or part not in node:
