@@ -6,11 +6,11 @@ the update's batch counts them.
 
 pipeline    Problems are admitted while fewer than `max_inflight_rows` rollouts are in flight
             (submitted or pending) and this host has admitted less than its share of
-            `max_problems_per_update` since the last update; a completed stage's requests go to
-            the running engine at once. `collect` returns once the complete groups hold
+            `max_problems_per_update` since the last update; a completed stage's children go
+            to the running engine at once. `collect` returns once the complete groups hold
             `samples_per_update` trained samples, or every host has admitted its share (so a
             policy whose groups never vary still steps), and hands out groups in completion
-            order up to that many (`_hand_out`); the rest keep decoding under the new weights.
+            order up to that many (`_hand_out`); the rest wait, and decoding goes on.
 sequential  Synchronous barriers on the same engine: `prompts_per_step` problems at a time, a
             stage's requests entering once every request of the stage before has finished;
             `collect` returns when its batches are complete (more batches while the trained
