@@ -225,7 +225,6 @@ def _range_problems(config: ConfigDict, bad: set[str]) -> Iterator[Problem]:
 
 def field_problem(field: str, schema: ConfigDict) -> Problem | None:
     """A `Problem` when the dotted `field` names no field of `schema`, else None."""
-
     node, prefix = schema, ""
     for part in field.split("."):
         if not isinstance(node, ConfigDict) or part not in node:

@@ -177,7 +177,6 @@ def summarize_updates(history: Sequence[dict[str, float]]) -> dict[str, float]:
     """A step's update metrics: means over the updates that saw tokens (`tokens`: the sum), the
     first and last one's ratio and clip fractions, `optimizer_steps` (applied) and `updates`
     (attempted), `finite` = 1 only if every update was finite."""
-
     seen = [m for m in history if m["tokens"] > 0] or list(history)
     summary = {k: float(np.mean([m[k] for m in seen])) for k in seen[0]}
     summary["tokens"] = float(sum(m["tokens"] for m in history))

@@ -257,7 +257,6 @@ def policy_loss(
     ``ratio_mean``, ``approx_kl`` (k3 estimate of KL(old || new)), ``masked_frac``, and ``kl``,
     ``behaviour_weight_mean``, ``entropy`` when those inputs are used.
     """
-
     if config.needs_ref_logprobs and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_coef > 0")
     if config.needs_entropy and entropy is None:

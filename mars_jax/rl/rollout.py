@@ -360,7 +360,6 @@ class AgenticRollouts:
 def _carry_routing(rollout: Rollout, recorded: np.ndarray | None) -> np.ndarray | None:
     """`rollout`'s expert ids after a decode that recorded `recorded` ([L_moe, prompt + response
     so far, k]): positions routed before a continuation keep their routing; None without one."""
-
     if recorded is None:
         return None
     positions = len(rollout.prompt_ids) + len(rollout.response_ids)

@@ -486,7 +486,6 @@ class StreamingRollouts:
     def load_state_dict(self, state: dict, routing=None) -> None:
         """Restores `state_dict()` output into a fresh engine's scheduler; partial outputs are
         resubmitted as continuations at the next `collect`."""
-
         if self._inflight:
             raise ValueError("load_state_dict: the engine already has requests in flight")
         routing = routing or {}

@@ -275,7 +275,6 @@ def policy_logprobs(params: Any, batch: TrainBatch, *, graphdef: nnx.GraphDef,
                     config: UpdateConfig) -> jax.Array:
     """Forward-only `[M, b, L]` log-probabilities of `batch`'s tokens under `params`, 0 outside
     `loss_mask` (pi_old recomputed at the start of a step; verl's `old_log_prob`)."""
-
     model = nnx.merge(graphdef, params)
 
     length = batch.tokens.shape[-1]
