@@ -12,8 +12,8 @@ recompute  one forward under the parameters at the start of the step (verl's `ol
            around the recomputed (proximal) policy, each token weighted by
            `min(pi_prox / pi_behav, loss.behaviour_weight_cap)`.
 
-The first update of a step runs under the parameters pi_old is taken at, so its ratio is 1 up to
-rounding (under 'sampler': the sampler/trainer difference; stale samples start off 1).
+The first update of a step runs under the step's starting parameters, so its ratio is 1 up to
+rounding ('recompute') or the sampler/trainer difference ('sampler'; stale samples start off 1).
 
 Stopping (`mars_jax.preemption`): `should_stop` is asked before every pi_old forward and every
 micro-batch (each micro-batch a program of its own, waited for, so a stop waits for one
