@@ -63,7 +63,6 @@ for _key, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"),
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -91,9 +90,8 @@ from mars_jax.rl.update import (TrainState, apply_gradients,  # noqa: E402
                                 micro_batch_gradients, opt_state_shardings, token_logprobs)
 from mars_jax.types import TrainBatch  # noqa: E402
 from mars_jax.rl.config import micro_batch_problem, update_program_config  # noqa: E402
-from mars_jax.rl.update_fit import (UpdateShape, abstract_batch, update_shape,  # noqa: E402
-                                    abstract as _abstract, scalar as _scalar,
-                                    sharded as _sharded)
+from mars_jax.rl.update_fit import (OOM, UpdateShape, abstract_batch, update_shape,  # noqa: E402
+                                    abstract as _abstract, scalar as _scalar, sharded as _sharded)
 from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
 from mars_jax.sampling import program_plan as plan  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
@@ -588,9 +586,6 @@ class StepPrograms:
         return colocated_slots.bytes_per_device(beside)
 
 
-_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
-
-
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int,
                     mesh: str = "shared", resident_bytes: int = 0) -> Result:
     """Compiles one program; it fits when its bytes and `resident_bytes` (held beside it) fit
@@ -602,7 +597,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         summary = " ".join(line.strip() for line in str(e).splitlines()[:3])
-        if not _OOM.search(summary):
+        if not OOM.search(summary):
             summary = f"compile error: {summary}"
         return Result(name, fits=False, mesh=mesh, resident_bytes=resident_bytes,
                       compile_s=time.perf_counter() - start, error=summary[:400])

@@ -1,6 +1,7 @@
 """Whether a training run's resident buffers fit its chips, checked before the engine is built.
 
-Counted: the train state shard, the engine's weight copy and KV cache; not programs' temporaries.
+Counted: the train state shard, the engine's weight copy and KV cache; not programs' temporaries
+(the update's: `rl.update_fit`).
 """
 from __future__ import annotations
 

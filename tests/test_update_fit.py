@@ -1,6 +1,7 @@
 """The start-up check that one micro-batch's update program fits a chip: compiled on the tiny
 model over a 2-device mesh, accepted under a limit above what it counts, refused (naming
-learner.micro_batch_size) under one below, and counting more for more rows."""
+learner.micro_batch_size) under one below, and counting more for more rows; the trainer runs
+it at start-up off CPU, before anything is collected."""
 import jax
 import pytest
 from flax import nnx
@@ -10,7 +11,7 @@ from mars_jax import memory_fit, sharding
 from mars_jax.errors import ConfigError
 from mars_jax.models import create_model, get_preset
 from mars_jax.optimizer import make_optimizer
-from mars_jax.rl import update_fit
+from mars_jax.rl import trainer, update_fit
 from mars_jax.rl.config import update_program_config
 from mars_jax.rl.update import init_train_state
 
@@ -75,3 +76,16 @@ def test_more_rows_need_more_temporaries(run):
 
 def test_no_known_limit_compiles_nothing(run):
     assert _check(run, 8, limit=None) is None
+
+
+def test_the_trainer_refuses_an_update_that_does_not_fit_before_collecting(tmp_path, monkeypatch):
+    """On an accelerator of 8 MiB: the tiny model's train state and KV cache fit (the resident
+    check passes), one micro-batch's update (tens of MiB of logits and activations) does not."""
+    config = _config(8)
+    config.rollout.group_size, config.rollout.prompts_per_step = 2, 1
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(memory_fit, "device_memory", lambda: 8 << 20)
+    monkeypatch.setattr(trainer._Run, "train", lambda self, start: pytest.fail("collected"))
+    with pytest.raises(ConfigError, match=r"learner.micro_batch_size: one micro-batch's update "
+                       r"\(8 rows x 128 tokens"):
+        trainer.train(config, str(tmp_path))

@@ -26,7 +26,8 @@ from mars_jax.rl.update import UpdateConfig, micro_batch_gradients
 from mars_jax.types import TrainBatch
 
 GiB = memory_fit.GiB
-_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
+# A compiler error saying the program does not fit the chip (TPU: RESOURCE_EXHAUSTED).
+OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,7 @@ def check(config: ConfigDict, state: Any, ref_params: Any, mesh: jax.sharding.Me
         used = update_bytes(state, ref_params, batch, mesh, graphdef=graphdef,
                             config=update_config, held=held)
     except jax.errors.JaxRuntimeError as e:
-        if not _OOM.search(str(e)):
+        if not OOM.search(str(e)):
             raise
         raise _refusal(shape, limit, None, str(e)) from e
     if used.total > limit:
