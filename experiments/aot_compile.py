@@ -63,7 +63,6 @@ for _key, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"),
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -85,13 +84,14 @@ from mars_jax.errors import ConfigError  # noqa: E402
 from mars_jax.layers.attention import KVCache, cache_layout, stacked_cache_layout  # noqa: E402
 from mars_jax.layers.paged_kv import POOL_AXES, default_kernel  # noqa: E402
 from mars_jax.models import Qwen3, Qwen3Config, get_preset  # noqa: E402
-from mars_jax.buckets import pow2_at_least  # noqa: E402
 from mars_jax.optimizer import make_optimizer  # noqa: E402
 from mars_jax.rl.learner import UPDATE_PROGRAMS  # noqa: E402
 from mars_jax.rl.update import (TrainState, apply_gradients,  # noqa: E402
                                 micro_batch_gradients, opt_state_shardings, token_logprobs)
 from mars_jax.types import TrainBatch  # noqa: E402
 from mars_jax.rl.config import micro_batch_problem, update_program_config  # noqa: E402
+from mars_jax.rl.update_fit import (OOM, UpdateShape, abstract_batch, update_shape,  # noqa: E402
+                                    abstract as _abstract, scalar as _scalar, sharded as _sharded)
 from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
 from mars_jax.sampling import program_plan as plan  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
@@ -254,23 +254,20 @@ def mesh_hosts(mesh: Mesh | None) -> int:
 def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
     """Shapes of one step: a decode batch of `prompts_per_step x group_size` rows (at most
     `max_decode_rows`) in the sampler's batch bucket on `mesh`, the longest prompt and output
-    budget, and one mini-batch (`learner.mini_batches` per step) of training rows of prompt +
-    output, at least `learner.min_length` long and `learner.min_micro_batches` micro-batches
-    of `learner.micro_batch_size` rows, each of `mesh`'s hosts building an equal share."""
-    r, learner = config.rollout, config.learner
+    budget, and one mini-batch of training rows (`rl.update_fit.update_shape`: the trained
+    roles' longest prompt + output), each of `mesh`'s hosts building an equal share."""
+    r = config.rollout
     rows = r.prompts_per_step * r.group_size
     decode_batch = sampler.batch_bucket(
         min(rows, r.max_decode_rows) if r.get("max_decode_rows") else rows,
         sharding_multiple(mesh))
     prompt_len = sampler.prompt_bucket(r.max_prompt_tokens)
     new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
-    micro = learner.micro_batch_size
+    update = update_shape(config)
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                  micro_batch=micro, host_micro_batch=micro // mesh_hosts(mesh),
-                  num_micro=pow2_at_least(-(-rows // (micro * learner.mini_batches)),
-                                          learner.min_micro_batches),
-                  train_len=pow2_at_least(r.max_prompt_tokens + max(r.max_new_tokens.values()),
-                                          learner.min_length))
+                  micro_batch=update.micro_batch,
+                  host_micro_batch=update.micro_batch // mesh_hosts(mesh),
+                  num_micro=update.num_micro, train_len=update.length)
 
 
 def expand_programs(programs: Sequence[str]) -> tuple[str, ...]:
@@ -282,20 +279,6 @@ def expand_programs(programs: Sequence[str]) -> tuple[str, ...]:
 def step_programs(config: ConfigDict) -> tuple[str, ...]:
     """The programs a training step of `config` runs (its decode path's, then the update's)."""
     return ENGINE_PROGRAMS if config.rollout.get("decode_engine") == "engine" else PROGRAMS
-
-
-def _abstract(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tree, shardings)
-
-
-def _sharded(mesh: Mesh, shape: Sequence[int], dtype, names: Sequence[str | None]):
-    return jax.ShapeDtypeStruct(tuple(shape), dtype,
-                                sharding=sharding.named_sharding(mesh, names, shape))
-
-
-def _scalar(mesh: Mesh, dtype):
-    return jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
 class StepPrograms:
@@ -564,22 +547,12 @@ class StepPrograms:
         state = TrainState(params=self.weights,
                            opt_state=_abstract(opt_shapes, self.opt_shardings),
                            step=_scalar(mesh, jnp.int32))
-        m = s.num_micro
-        experts = None
-        if self.update_config.routing_replay:
-            experts = _sharded(mesh, (m, self.num_moe, s.micro_batch, s.train_len,
-                                      self.cfg.num_experts_per_tok), jnp.int32,
-                               (None, None, "batch", None, None))
-        pack = self.config.learner.pack
-        batch = TrainBatch(
-            tokens=self._train_rows(m), attention_mask=self._train_rows(m),
-            loss_mask=self._train_rows(m, dtype=jnp.float32),
-            advantages=(self._train_rows(m, dtype=jnp.float32) if pack else
-                        _sharded(mesh, (m, s.micro_batch), jnp.float32, (None, "batch"))),
-            sampler_logprobs=self._train_rows(m, dtype=jnp.float32), expert_ids=experts,
-            segments=self._train_rows(m) if pack else None,
-            old_logprobs=(self._train_rows(m, dtype=jnp.float32)
-                          if self.config.loss.pi_old == "recompute" else None))
+        experts = ((self.num_moe, self.cfg.num_experts_per_tok)
+                   if self.update_config.routing_replay else None)
+        batch = abstract_batch(mesh, UpdateShape(s.micro_batch, s.num_micro, s.train_len),
+                               pack=self.config.learner.pack,
+                               recompute=self.config.loss.pi_old == "recompute",
+                               experts=experts, spread=True)
         ref = self.weights if self.update_config.loss.needs_ref_logprobs else None
         return state, batch, ref
 
@@ -613,9 +586,6 @@ class StepPrograms:
         return colocated_slots.bytes_per_device(beside)
 
 
-_OOM = re.compile(r"RESOURCE_EXHAUSTED|[Rr]an out of memory")
-
-
 def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_bytes: int,
                     mesh: str = "shared", resident_bytes: int = 0) -> Result:
     """Compiles one program; it fits when its bytes and `resident_bytes` (held beside it) fit
@@ -627,7 +597,7 @@ def compile_program(name: str, lower: Callable[[], jax.stages.Lowered], hbm_byte
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         summary = " ".join(line.strip() for line in str(e).splitlines()[:3])
-        if not _OOM.search(summary):
+        if not OOM.search(summary):
             summary = f"compile error: {summary}"
         return Result(name, fits=False, mesh=mesh, resident_bytes=resident_bytes,
                       compile_s=time.perf_counter() - start, error=summary[:400])

@@ -1,6 +1,7 @@
 """Whether a training run's resident buffers fit its chips, checked before the engine is built.
 
-Counted: the train state shard, the engine's weight copy and KV cache; not programs' temporaries.
+Counted: the train state shard, the engine's weight copy and KV cache; not programs' temporaries
+(the update's: `rl.update_fit`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Resident:
         return self.train_state + self.engine_weights + self.kv_cache
 
 
-def _largest_shard(tree, shardings=None) -> int:
+def largest_shard(tree, shardings=None) -> int:
     """Bytes of `tree`'s arrays on its fullest device (in `shardings` when given)."""
     per_device: dict = {}
     leaves = jax.tree.leaves(tree)
@@ -53,8 +54,8 @@ def engine_kv_bytes(engine: EngineSettings, model_config, shards: int) -> int:
 def resident(state, engine_weights: tuple | None, kv_bytes: int, rollout_mesh: Mesh) -> Resident:
     """The resident parts: `state`'s arrays, `engine_weights` = (params, rollout shardings) of
     a copy or None, the KV cache spread evenly over the rollout mesh's devices."""
-    copy = _largest_shard(*engine_weights) if engine_weights is not None else 0
-    return Resident(train_state=_largest_shard(state), engine_weights=copy,
+    copy = largest_shard(*engine_weights) if engine_weights is not None else 0
+    return Resident(train_state=largest_shard(state), engine_weights=copy,
                     kv_cache=-(-kv_bytes // rollout_mesh.devices.size))
 
 

@@ -61,7 +61,7 @@ from mars_jax.metrics import MetricsWriter
 from mars_jax.profiling import StepProfiler
 from mars_jax.rl.batching import TrainSample, empty_batch, make_batch
 from mars_jax.rl import config as rl_config
-from mars_jax.rl import queue_arrays
+from mars_jax.rl import queue_arrays, update_fit
 from mars_jax.rl.config import micro_batch_problem
 from mars_jax.rl.learner import (LearnerConfig, UpdateStopped, split_mini_batches,
                                  summarize_updates, train_mini_batches)
@@ -162,11 +162,12 @@ def _stream_metrics(batch: StreamBatch, stream: StreamingRollouts) -> dict[str, 
 
 def _check_resident_memory(settings: rl_config.TrainSettings, engine: EngineSettings, state,
                            model_config, mesh: jax.sharding.Mesh,
-                           rollout_mesh: jax.sharding.Mesh) -> None:
+                           rollout_mesh: jax.sharding.Mesh) -> int:
     """Refuses (ConfigError, exit 2) a run whose train state, engine weights and KV cache cannot
     all stay on a chip (`memory_fit`; where the backend reports its memory). Static batches
     (`engine.kind='generate'`) keep no KV cache between rounds; with the optimizer offloaded,
-    decoding and the update are checked apart (`memory_fit.offloaded_phases`)."""
+    decoding and the update are checked apart (`memory_fit.offloaded_phases`). Returns the
+    bytes of KV cache a training chip keeps through the update (0 on a split mesh)."""
     kv = 0 if engine.kind == "generate" else memory_fit.engine_kv_bytes(
         engine, model_config, batch_shards(rollout_mesh))
     copy = ((state.params, weight_sync.rollout_shardings(state.params, rollout_mesh))
@@ -176,9 +177,10 @@ def _check_resident_memory(settings: rl_config.TrainSettings, engine: EngineSett
                                           kv_through_update=kv_through_update)
               if settings.learner.offload_optimizer
               else (memory_fit.resident(state, copy, kv, rollout_mesh),))
+    shared = settings.run.rollout_devices == 0
     for parts in phases:
-        memory_fit.check(parts, memory_fit.device_memory(),
-                         shared=settings.run.rollout_devices == 0)
+        memory_fit.check(parts, memory_fit.device_memory(), shared=shared)
+    return phases[-1].kv_cache if shared else 0
 
 
 def _agreed_stop(notice: preemption.Notice) -> Callable[[], bool]:
@@ -345,7 +347,14 @@ def _start(config: ConfigDict, settings: rl_config.TrainSettings, workdir_path: 
     profiler = StepProfiler(run_settings.profile_steps, host_dir / "tensorboard")
     eos = eos_token_ids(tokenizer)
     engine = engine_settings(config, rollout_mesh)
-    _check_resident_memory(settings, engine, resumed.state, model_config, mesh, rollout_mesh)
+    held = _check_resident_memory(settings, engine, resumed.state, model_config, mesh,
+                                  rollout_mesh)
+    experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
+               if update_config.routing_replay and model_config.num_experts else None)
+    if jax.default_backend() != "cpu":  # on CPU the memory is the host's: nothing to learn
+        update_fit.check(config, resumed.state, ref_params, mesh, graphdef=graphdef,
+                         update_config=update_config, experts=experts,
+                         limit=memory_fit.device_memory(), held=held)
     publisher = WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
     policy = publisher.first_model(resumed.state.params)
     stream = _build_stream(settings.stream, engine, rollouts, policy, eos, problems,
@@ -357,8 +366,6 @@ def _start(config: ConfigDict, settings: rl_config.TrainSettings, workdir_path: 
     held_out_probe = _held_out_probe(probe_problems, settings.probe, mesh, graphdef, tokenizer)
     if run_settings.probe_every and resumed.start == 0:
         writer.write(0, held_out_probe(resumed.state.params))
-    experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
-               if update_config.routing_replay and model_config.num_experts else None)
     run = _Run(settings=run_settings, notice=notice, mesh=mesh,
                overlap=run_settings.rollout_devices > 0 and settings.stream.mode == "pipeline",
                graphdef=graphdef, optimizer=optimizer, update_config=update_config,
