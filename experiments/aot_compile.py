@@ -89,7 +89,8 @@ from mars_jax.rl.learner import UPDATE_PROGRAMS  # noqa: E402
 from mars_jax.rl.update import (TrainState, apply_gradients,  # noqa: E402
                                 micro_batch_gradients, opt_state_shardings, token_logprobs)
 from mars_jax.types import TrainBatch  # noqa: E402
-from mars_jax.rl.config import micro_batch_problem, update_program_config  # noqa: E402
+from mars_jax.rl.config import (  # noqa: E402
+    learner_config, micro_batch_problem, rollout_config, stream_settings, update_program_config)
 from mars_jax.rl.update_fit import (OOM, UpdateShape, abstract_batch, update_shape,  # noqa: E402
                                     abstract as _abstract, scalar as _scalar, sharded as _sharded)
 from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
@@ -263,7 +264,7 @@ def step_shapes(config: ConfigDict, mesh: Mesh | None = None) -> Shapes:
         sharding_multiple(mesh))
     prompt_len = sampler.prompt_bucket(r.max_prompt_tokens)
     new_tokens = sampler.new_tokens_bucket(max(r.max_new_tokens.values()))
-    update = update_shape(config)
+    update = update_shape(learner_config(config), rollout_config(config), stream_settings(config))
     return Shapes(decode_batch=decode_batch, prompt_len=prompt_len, new_tokens=new_tokens,
                   micro_batch=update.micro_batch,
                   host_micro_batch=update.micro_batch // mesh_hosts(mesh),

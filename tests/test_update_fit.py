@@ -12,7 +12,7 @@ from mars_jax.errors import ConfigError
 from mars_jax.models import create_model, get_preset
 from mars_jax.optimizer import make_optimizer
 from mars_jax.rl import trainer, update_fit
-from mars_jax.rl.config import update_program_config
+from mars_jax.rl.config import train_settings
 from mars_jax.rl.update import init_train_state
 
 
@@ -36,19 +36,24 @@ def _config(micro_batch_size: int):
     return config
 
 
+def _shape(micro_batch_size: int) -> update_fit.UpdateShape:
+    settings = train_settings(_config(micro_batch_size))
+    return update_fit.update_shape(settings.learner, settings.rollout, settings.stream)
+
+
 def _check(run, micro_batch_size: int, limit: int) -> update_fit.UpdateBytes:
     mesh, state, graphdef = run
-    config = _config(micro_batch_size)
-    return update_fit.check(config, state, None, mesh, graphdef=graphdef,
-                            update_config=update_program_config(config), experts=None,
+    settings = train_settings(_config(micro_batch_size))
+    return update_fit.check(_shape(micro_batch_size), settings.learner, state, None, mesh,
+                            graphdef=graphdef, update_config=settings.update, experts=None,
                             limit=limit)
 
 
 def test_the_shape_is_the_trained_roles_longest_row_bucketed():
-    shape = update_fit.update_shape(_config(8))
+    shape = _shape(8)
     # 64 + 32 tokens -> 128 columns; 2 x 4 rows of one mini-batch in micro-batches of 8: one.
     assert (shape.micro_batch, shape.num_micro, shape.length) == (8, 1, 128)
-    assert update_fit.update_shape(_config(2)).num_micro == 4
+    assert _shape(2).num_micro == 4
 
 
 def test_the_update_fits_a_large_chip_and_is_refused_on_a_smaller_one(run):

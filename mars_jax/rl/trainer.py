@@ -352,8 +352,9 @@ def _start(config: ConfigDict, settings: rl_config.TrainSettings, workdir_path: 
     experts = ((model_config.num_hidden_layers, model_config.num_experts_per_tok)
                if update_config.routing_replay and model_config.num_experts else None)
     if jax.default_backend() != "cpu":  # on CPU the memory is the host's: nothing to learn
-        update_fit.check(config, resumed.state, ref_params, mesh, graphdef=graphdef,
-                         update_config=update_config, experts=experts,
+        shape = update_fit.update_shape(settings.learner, settings.rollout, settings.stream)
+        update_fit.check(shape, settings.learner, resumed.state, ref_params, mesh,
+                         graphdef=graphdef, update_config=update_config, experts=experts,
                          limit=memory_fit.device_memory(), held=held)
     publisher = WeightPublisher(graphdef, resumed.state.params, mesh, rollout_mesh)
     policy = publisher.first_model(resumed.state.params)

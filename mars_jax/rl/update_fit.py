@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from ml_collections import ConfigDict
 
 from mars_jax import memory_fit, sharding
 from mars_jax.buckets import pow2_at_least
 from mars_jax.errors import ConfigError, Problem
-from mars_jax.rl.streaming import ROLES_TRAINED
+from mars_jax.rl.learner import LearnerConfig
+from mars_jax.rl.rollout import RolloutConfig
+from mars_jax.rl.streaming import ROLES_TRAINED, StreamSettings
 from mars_jax.rl.update import UpdateConfig, micro_batch_gradients
 from mars_jax.types import TrainBatch
 
@@ -40,20 +41,20 @@ class UpdateShape:
     length: int
 
 
-def update_shape(config: ConfigDict) -> UpdateShape:
+def update_shape(learner: LearnerConfig, rollout: RolloutConfig, stream: StreamSettings
+                 ) -> UpdateShape:
     """One of `learner.mini_batches` mini-batches of the step's `prompts_per_step x group_size`
     rows, in micro-batches of `learner.micro_batch_size` rows of the longest prompt + output of
     the trained roles, bucketed as `batching.make_batch` buckets them (powers of two, at least
     `learner.min_length` columns and `learner.min_micro_batches` micro-batches)."""
-    r, learner = config.rollout, config.learner
-    rows = r.prompts_per_step * r.group_size
+    rows = stream.prompts_per_step * rollout.group_size
     micro = learner.micro_batch_size
-    longest = max(r.max_new_tokens[role] for role in ROLES_TRAINED[r.roles_trained])
+    longest = max(rollout.max_new_tokens[role] for role in ROLES_TRAINED[stream.roles_trained])
     return UpdateShape(
         micro_batch=micro,
         num_micro=pow2_at_least(-(-rows // (micro * learner.mini_batches)),
                                 learner.min_micro_batches),
-        length=pow2_at_least(r.max_prompt_tokens + longest, learner.min_length))
+        length=pow2_at_least(rollout.max_prompt_tokens + longest, learner.min_length))
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:
@@ -152,20 +153,19 @@ def _refusal(shape: UpdateShape, limit: int, used: UpdateBytes | None, error: st
         "(mesh.*); experiments/aot_compile.py reports the update's programs per topology")])
 
 
-def check(config: ConfigDict, state: Any, ref_params: Any, mesh: jax.sharding.Mesh, *,
-          graphdef: nnx.GraphDef, update_config: UpdateConfig,
+def check(shape: UpdateShape, learner: LearnerConfig, state: Any, ref_params: Any,
+          mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, update_config: UpdateConfig,
           experts: tuple[int, int] | None, limit: int | None, held: int = 0
           ) -> UpdateBytes | None:
-    """Raises ConfigError naming `learner.micro_batch_size` where one micro-batch of the largest
-    mini-batch of `config` (`update_shape`; placed as this run's processes place it), its
+    """Raises ConfigError naming `learner.micro_batch_size` where one micro-batch of `shape`
+    (`update_shape`; placed as this run's processes place it), its
     optimizer state and `held` bytes exceed `limit` bytes a chip, or the compiler refuses the
     program for lack of memory; returns the bytes counted (None: no `limit`, nothing checked)."""
     if limit is None:
         return None
-    shape = update_shape(config)
     with sharding.use_mesh(mesh):
-        batch = abstract_batch(mesh, shape, pack=config.learner.pack,
-                               recompute=config.loss.pi_old == "recompute", experts=experts,
+        batch = abstract_batch(mesh, shape, pack=learner.pack,
+                               recompute=learner.pi_old == "recompute", experts=experts,
                                spread=jax.process_count() > 1)
     try:
         used = update_bytes(state, ref_params, batch, mesh, graphdef=graphdef,
