@@ -17,7 +17,7 @@ from benchmarks.sim.sync import SyncRollouts
 from mars_jax.models import get_preset
 from mars_jax.rewards.text import strip_thinking
 from mars_jax.rl.rollout import RolloutConfig, sequence_seed
-from mars_jax.rl.streaming import StreamingRollouts, StreamSettings
+from mars_jax.rl.streaming import StreamingRollouts, StreamSettings, auto_problems_per_update
 
 
 @dataclasses.dataclass
@@ -28,6 +28,17 @@ class FixedLengths:
 
     def draw(self, role, sequence_seed):
         return self.table[sequence_seed]
+
+
+def _settings(mode: str, *, prompts_per_step: int, samples_per_update: int,
+              staleness_bound: int, max_inflight_rows: int = 16) -> StreamSettings:
+    """The scheduler's settings of these tests: every group trained, the rest as named."""
+    return StreamSettings(
+        mode=mode, prompts_per_step=prompts_per_step, samples_per_update=samples_per_update,
+        max_problems_per_update=auto_problems_per_update(prompts_per_step),
+        max_inflight_rows=max_inflight_rows, staleness_bound=staleness_bound, resume="keep",
+        roles_trained="all", drop_zero_variance=False, mask_truncated=False, sampling={},
+        chunks_per_round=1)
 
 
 def test_qwen3_30b_parameter_counts_match_the_model_card():
@@ -237,12 +248,8 @@ def _schedule(mode):
 
     engine.submit = logged
     scheduler = StreamingRollouts(
-        rollouts, engine, problems(5), StreamSettings(
-            mode=mode, prompts_per_step=3, samples_per_update=60, max_problems_per_update=12,
-            max_inflight_rows=16,
-            staleness_bound=4, resume="keep", roles_trained="all", drop_zero_variance=False,
-            mask_truncated=False,
-            sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
+        rollouts, engine, problems(5), _settings(
+            mode, prompts_per_step=3, samples_per_update=60, staleness_bound=4), stop_ids=(1,), clock=engine.clock)
     keys = []
     for version in range(4):
         batch = scheduler.collect(version)
@@ -406,12 +413,8 @@ def _barrier_log(schedule, mode):
     engine = SimEngine(cost, lengths, num_slots=8, max_length=4096, role_of=role_of_prompt,
                        answer_tokens={"solver": 2, "verifier": 2, "corrector": 2})
     scheduler = schedule(
-        rollouts, engine, problems(5), StreamSettings(
-            mode=mode, prompts_per_step=2, samples_per_update=1, max_problems_per_update=8,
-            max_inflight_rows=16,
-            staleness_bound=1, resume="keep", roles_trained="all", drop_zero_variance=False,
-            mask_truncated=False,
-            sampling={}, chunks_per_round=1), stop_ids=(1,), clock=engine.clock)
+        rollouts, engine, problems(5), _settings(
+            mode, prompts_per_step=2, samples_per_update=1, staleness_bound=1), stop_ids=(1,), clock=engine.clock)
     log, returned = [], []
     submit = scheduler._submit
 
@@ -452,12 +455,8 @@ def test_sync_has_one_barrier_per_step_and_none_between_stages():
 def test_sync_refuses_pipeline_mode():
     with pytest.raises(ValueError, match="sequential"):
         SyncRollouts(_rollouts({"solver": 0.5, "verifier": 0.5, "corrector": 0.5}), None,
-                     problems(5), StreamSettings(
-                         mode="pipeline", prompts_per_step=1, samples_per_update=1,
-                         max_problems_per_update=4, max_inflight_rows=1, staleness_bound=1, resume="keep",
-                         roles_trained="all", drop_zero_variance=False,
-                         mask_truncated=False, sampling={},
-                         chunks_per_round=1),
+                     problems(5), _settings("pipeline", prompts_per_step=1, samples_per_update=1,
+                                            max_inflight_rows=1, staleness_bound=1),
                      stop_ids=(1,))
 
 
