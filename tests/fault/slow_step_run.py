@@ -12,10 +12,10 @@ so that a test can send SIGTERM in the middle of the slow part.
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 
+from mars_jax import storage
 from mars_jax.rl import learner, trainer
 from mars_jax.rl.streaming import StreamingRollouts
 from tests.fault import parity_reward_run
@@ -25,7 +25,7 @@ STEP_SECONDS = 60  # what a slow collect lasts at least
 
 def _marker(name: str) -> None:
     workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
-    (Path(workdir) / name).touch()
+    (storage.path(workdir) / name).write_text("")  # a local or gs:// workdir
 
 
 def install() -> None:

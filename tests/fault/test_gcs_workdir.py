@@ -21,6 +21,7 @@ from tests.distributed.processes import finish, free_port
 from tests.fault import harness
 
 STEPS = 2
+SLOW = harness.REPO / "tests/fault/slow_step_run.py"  # parity rewards; SLOW_COLLECT: a slow step
 
 
 @pytest.fixture
@@ -32,8 +33,9 @@ def gcs(monkeypatch):
 def test_a_run_killed_and_resumed_on_gcs_ends_as_the_uninterrupted_run(gcs):
     straight, killed = f"{gcs}/straight", f"{gcs}/killed"
     total = f"--config.total_steps={STEPS}"
-    subprocess.run(harness.command(straight, total, "--config.profile_steps=1,2"),
-                   env=harness.env(), check=True, capture_output=True, timeout=900)
+    subprocess.run(harness.command(straight, total, "--config.profile_steps=1,2", script=SLOW),
+                   env=harness.env(PYTHONPATH=str(harness.REPO)), check=True,
+                   capture_output=True, timeout=900)
     written = storage.files(straight)
     assert "metrics.jsonl" in written and "config.json" in written
     assert any(name.startswith("tensorboard/events.out.tfevents") for name in written)
@@ -43,7 +45,9 @@ def test_a_run_killed_and_resumed_on_gcs_ends_as_the_uninterrupted_run(gcs):
     recorded = json.loads(storage.path(f"{straight}/config.json").read_text())
     assert recorded["total_steps"] == STEPS and recorded["profile_steps"] == [1, 2]
 
-    process = subprocess.Popen(harness.command(killed, total), env=harness.env(),
+    # Step 2's collect (policy version 1) lasts >= 60 s: the kill lands in it, not after it.
+    process = subprocess.Popen(harness.command(killed, total, script=SLOW),
+                               env=harness.env(PYTHONPATH=str(harness.REPO), SLOW_COLLECT="1"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     harness.wait_for_step(process, killed, 1)
     committed = storage.path(killed) / "checkpoints" / "1" / "commit_success.txt"
@@ -53,7 +57,8 @@ def test_a_run_killed_and_resumed_on_gcs_ends_as_the_uninterrupted_run(gcs):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert len(harness.metrics(killed)) < STEPS
-    resumed = subprocess.run(harness.command(killed, total), env=harness.env(),
+    resumed = subprocess.run(harness.command(killed, total, script=SLOW),
+                             env=harness.env(PYTHONPATH=str(harness.REPO)),
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step" in resumed.stdout
