@@ -91,8 +91,8 @@ from mars_jax.rl.update import (TrainState, apply_gradients,  # noqa: E402
 from mars_jax.types import TrainBatch  # noqa: E402
 from mars_jax.rl.config import (  # noqa: E402
     learner_config, micro_batch_problem, rollout_config, stream_settings, update_program_config)
-from mars_jax.rl.update_fit import (OOM, UpdateShape, abstract_batch, update_shape,  # noqa: E402
-                                    abstract as _abstract, scalar as _scalar, sharded as _sharded)
+from mars_jax.rl.update_fit import (  # noqa: E402
+    OOM, UpdateShape, abstract, abstract_batch, scalar, sharded, update_shape)
 from mars_jax.sampling import engine, engine_programs, sampler  # noqa: E402
 from mars_jax.sampling import program_plan as plan  # noqa: E402
 from mars_jax.sampling import batch_shards as sharding_multiple  # noqa: E402
@@ -292,7 +292,7 @@ class StepPrograms:
         self.abstract_model = abstract_model
         self.graphdef, state = nnx.split(abstract_model)
         self.train_graphdef, _ = nnx.split(abstract_model, nnx.Param)
-        self.weights = _abstract(state, sharding.state_shardings(state, mesh))
+        self.weights = abstract(state, sharding.state_shardings(state, mesh))
         self.num_moe = len(abstract_model.moe_layers)
         self.sampling = sampler.SamplingParams(
             greedy=False, top_k=config.rollout.top_k, top_p=config.rollout.top_p,
@@ -310,12 +310,12 @@ class StepPrograms:
         s, mesh = self.shapes, self.mesh
         b = s.decode_batch
         keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
-        args = (_sharded(mesh, (b, s.prompt_len), jnp.int32, ("batch", None)),
-                _sharded(mesh, (b, s.prompt_len), jnp.int32, ("batch", None)),
-                _sharded(mesh, (b,), jnp.int32, ("batch",)),
-                _sharded(mesh, (b, STOP_IDS), jnp.int32, ("batch", None)),
-                _sharded(mesh, (b,), keys.dtype, ("batch",)),
-                _scalar(mesh, jnp.float32), _scalar(mesh, jnp.int32))
+        args = (sharded(mesh, (b, s.prompt_len), jnp.int32, ("batch", None)),
+                sharded(mesh, (b, s.prompt_len), jnp.int32, ("batch", None)),
+                sharded(mesh, (b,), jnp.int32, ("batch",)),
+                sharded(mesh, (b, STOP_IDS), jnp.int32, ("batch", None)),
+                sharded(mesh, (b,), keys.dtype, ("batch",)),
+                scalar(mesh, jnp.float32), scalar(mesh, jnp.int32))
         return sampler.prefill_and_decode.lower(self.graphdef, self.weights, *args,
                                                 num_new=s.new_tokens, params=self.sampling)
 
@@ -324,28 +324,28 @@ class StepPrograms:
         s, mesh, cfg = self.shapes, self.mesh, self.cfg
         b, p, n = s.decode_batch, s.prompt_len, s.new_tokens
         layout = cache_layout(b, p + n, cfg.num_key_value_heads, cfg.head_dim)
-        layer_cache = lambda: KVCache(*(_sharded(mesh, shape, cfg.compute_dtype, names)
+        layer_cache = lambda: KVCache(*(sharded(mesh, shape, cfg.compute_dtype, names)
                                         for shape, names in layout))
         keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
         experts = None
         if self.sampling.record_routing:
-            experts = _sharded(mesh, (self.num_moe, b, p + n, cfg.num_experts_per_tok),
+            experts = sharded(mesh, (self.num_moe, b, p + n, cfg.num_experts_per_tok),
                                jnp.int32, (None, "batch", None, None))
-        rows = lambda *tail, dtype=jnp.int32: _sharded(mesh, (b, *tail), dtype,
+        rows = lambda *tail, dtype=jnp.int32: sharded(mesh, (b, *tail), dtype,
                                                        ("batch",) + (None,) * len(tail))
         return sampler.DecodeState(
             cache=tuple(layer_cache() for _ in range(cfg.num_hidden_layers)),
-            next_logits=_sharded(mesh, (b, cfg.vocab_size), jnp.float32, ("batch", "act_vocab")),
+            next_logits=sharded(mesh, (b, cfg.vocab_size), jnp.float32, ("batch", "act_vocab")),
             tokens=rows(n), logprobs=rows(n, dtype=jnp.float32), experts=experts,
-            step=_scalar(mesh, jnp.int32), lengths=rows(), done=rows(dtype=jnp.bool_),
+            step=scalar(mesh, jnp.int32), lengths=rows(), done=rows(dtype=jnp.bool_),
             hit_stop=rows(dtype=jnp.bool_), keys=rows(dtype=keys.dtype),
             prompt_mask=rows(p, dtype=jnp.bool_), prompt_lengths=rows(), max_new=rows(),
             stop_ids=rows(STOP_IDS))
 
     def _decode(self) -> jax.stages.Lowered:
         return sampler.continue_decode.lower(
-            self.graphdef, self.weights, self.decode_state(), _scalar(self.mesh, jnp.float32),
-            _scalar(self.mesh, jnp.int32), params=self.sampling)
+            self.graphdef, self.weights, self.decode_state(), scalar(self.mesh, jnp.float32),
+            scalar(self.mesh, jnp.int32), params=self.sampling)
 
     @functools.cached_property
     def engine_weights(self) -> tuple[nnx.GraphDef, tuple]:
@@ -356,8 +356,8 @@ class StepPrograms:
             return self.graphdef, (self.weights, None)
         model, mesh = self.abstract_model, self.mesh
         graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
-        rest = _abstract(rest, sharding.state_shardings(rest, mesh))
-        layers = _abstract(layers, sharding.state_shardings(layers, mesh))["layers"]
+        rest = abstract(rest, sharding.state_shardings(rest, mesh))
+        layers = abstract(layers, sharding.state_shardings(layers, mesh))["layers"]
 
         def stacked(start, stop):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -380,7 +380,7 @@ class StepPrograms:
         cache = ()
         if not self.pages:
             cache = self._stacked_cache(slots, length)
-        like = lambda x, *names: _sharded(mesh, x.shape, x.dtype, names)
+        like = lambda x, *names: sharded(mesh, x.shape, x.dtype, names)
         per_slot = {f.name: like(getattr(state, f.name), "batch")
                     for f in dataclasses.fields(state)
                     if f.name not in ("cache", "next_logits", "stop_ids", "experts")}
@@ -400,7 +400,7 @@ class StepPrograms:
         cfg = self.cfg
         layout = stacked_cache_layout(cfg.num_hidden_layers, rows, length,
                                       cfg.num_key_value_heads, cfg.head_dim)
-        return KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, names)
+        return KVCache(*(sharded(self.mesh, shape, cfg.compute_dtype, names)
                          for shape, names in layout))
 
     def engine_pool(self) -> KVCache | None:
@@ -412,7 +412,7 @@ class StepPrograms:
         shards = sharding_multiple(self.mesh)
         shape = (shards, cfg.num_key_value_heads, cfg.num_hidden_layers * (
             self.pages // shards + 1), page, cfg.head_dim)
-        return KVCache(*(_sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
+        return KVCache(*(sharded(self.mesh, shape, cfg.compute_dtype, POOL_AXES)
                          for _ in range(2)))
 
     def _engine_prompt(self):
@@ -421,10 +421,10 @@ class StepPrograms:
         slots, _ = engine_shape(self.config, mesh)
         bucket = self.shapes.prompt_len
         cache = self._stacked_cache(slots, bucket)
-        logits = _sharded(mesh, (slots, cfg.vocab_size), jnp.float32, ("batch", "act_vocab"))
+        logits = sharded(mesh, (slots, cfg.vocab_size), jnp.float32, ("batch", "act_vocab"))
         experts = None
         if self.num_moe:
-            experts = _sharded(mesh, (self.num_moe, slots, bucket, cfg.num_experts_per_tok),
+            experts = sharded(mesh, (self.num_moe, slots, bucket, cfg.num_experts_per_tok),
                                jnp.int32, (None, "batch", None, None))
         return slots, bucket, cache, logits, experts
 
@@ -525,7 +525,7 @@ class StepPrograms:
     def _train_rows(self, *lead: int, dtype=jnp.int32):
         s = self.shapes
         names = (None,) * len(lead) + ("batch", None)
-        return _sharded(self.mesh, (*lead, s.micro_batch, s.train_len), dtype, names)
+        return sharded(self.mesh, (*lead, s.micro_batch, s.train_len), dtype, names)
 
     def _logprobs(self) -> jax.stages.Lowered:
         graphdef, config = self.train_graphdef, self.update_config
@@ -546,8 +546,8 @@ class StepPrograms:
         s, mesh = self.shapes, self.mesh
         opt_shapes = jax.eval_shape(self.optimizer.init, self.weights)
         state = TrainState(params=self.weights,
-                           opt_state=_abstract(opt_shapes, self.opt_shardings),
-                           step=_scalar(mesh, jnp.int32))
+                           opt_state=abstract(opt_shapes, self.opt_shardings),
+                           step=scalar(mesh, jnp.int32))
         experts = ((self.num_moe, self.cfg.num_experts_per_tok)
                    if self.update_config.routing_replay else None)
         batch = abstract_batch(mesh, UpdateShape(s.micro_batch, s.num_micro, s.train_len),
@@ -562,7 +562,7 @@ class StepPrograms:
         the parameters, as `train_mini_batches` starts it)."""
         state, batch, ref = self.update_inputs
         return micro_batch_gradients.lower(self.weights, state.params, batch,
-                                           _scalar(self.mesh, jnp.int32), ref,
+                                           scalar(self.mesh, jnp.int32), ref,
                                            graphdef=self.train_graphdef, config=self.update_config)
 
     def _apply_gradients(self) -> jax.stages.Lowered:
@@ -571,7 +571,7 @@ class StepPrograms:
         _, metrics = jax.eval_shape(functools.partial(
             micro_batch_gradients, graphdef=self.train_graphdef, config=self.update_config),
             self.weights, state.params, batch, jax.ShapeDtypeStruct((), jnp.int32), ref)
-        metrics = [{k: _scalar(self.mesh, v.dtype) for k, v in metrics.items()}
+        metrics = [{k: scalar(self.mesh, v.dtype) for k, v in metrics.items()}
                    for _ in range(self.shapes.num_micro)]
         return apply_gradients.lower(state, self.weights, metrics, batch,
                                      optimizer=self.optimizer)
@@ -719,7 +719,7 @@ def run(config: ConfigDict, topology: str, *, num_slices: int = 1,
         if not engine_devices <= set(train_mesh.devices.flat):
             raise ValueError("--colocated_slots: the engine's devices must also train "
                              "(mesh.rollout.devices=0)")
-        opt_state = _abstract(jax.eval_shape(train.optimizer.init, train.weights),
+        opt_state = abstract(jax.eval_shape(train.optimizer.init, train.weights),
                               train.opt_shardings)
         budget = colocated_slots.budget(
             opt_state, results, kv_bytes, sharding_multiple(rollout_mesh), target.hbm_bytes,

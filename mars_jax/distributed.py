@@ -100,7 +100,8 @@ def end_run(message: str) -> NoReturn:
 
 def exit_process(code: int, within_s: float | None = None) -> NoReturn:
     """Leaves `jax.distributed` with the other processes, then `os._exit(code)` (at the latest
-    after `within_s`): a normal exit's teardown would make each host wait for the slowest."""
+    after `within_s`): a normal exit's teardown would make each host wait for the slowest. Call
+    once everything is written: atexit handlers and other threads' buffers do not run."""
     _flush()
     if within_s is not None:
         timer = threading.Timer(within_s, _force_exit, [code, within_s])

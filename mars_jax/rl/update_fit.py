@@ -1,6 +1,8 @@
 """Whether one micro-batch's update program fits a chip, checked at start-up before anything is
-collected: `update.micro_batch_gradients` compiled (nothing runs) for the largest mini-batch the
-run builds, its per-chip bytes (`memory_analysis()`) plus what the trainer holds beside it.
+collected: `update.micro_batch_gradients` compiled (nothing runs) for micro-batches of the
+longest rows the run trains (`update_shape`: the mini-batch's micro-batch count is estimated from
+the Solver rows of a step, so a step with more trained rows passes more argument bytes), its
+per-chip bytes (`memory_analysis()`) plus what the trainer holds beside it.
 
 The abstract inputs (`abstract_batch`, `update_shape`) are those experiments/aot_compile.py
 compiles the update with.
